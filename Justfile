@@ -1,0 +1,39 @@
+# mesh-llm tasks. `just` comes from the PyPI package rust-just (installed by `scripts/setup test`).
+set shell := ["bash", "-euo", "pipefail", "-c"]
+
+bin := ".venv/bin"
+
+default:
+    @just --list
+
+# Build (or find in the cache) the patched and the stock llama.cpp binaries.
+build:
+    {{bin}}/mesh-llm build
+    {{bin}}/mesh-llm build --stock
+
+# Serve a model on :9337 (default: the tiny Gemma-3 270M).
+serve model="gemma3-270m" *args="":
+    {{bin}}/mesh-llm --model {{model}} {{args}}
+
+# Everything CI runs: both builds, the tiny model, then the suite. Prints the time of each step.
+test *pytest_args="":
+    {{bin}}/python scripts/timed.py \
+        "build patched=={{bin}}/mesh-llm build" \
+        "build stock=={{bin}}/mesh-llm build --stock" \
+        "tiny model=={{bin}}/python -c 'from meshllm.models.tiny import tiny_model_path as p; print(p())'" \
+        "lint=={{bin}}/ruff check src tests benchmarks scripts" \
+        "mypy=={{bin}}/mypy --strict src" \
+        "unit tests=={{bin}}/pytest -q tests/unit {{pytest_args}}" \
+        "integration tests=={{bin}}/pytest -q tests/integration {{pytest_args}}"
+
+# Unit tests only (no binaries needed).
+unit *args="":
+    {{bin}}/pytest -q tests/unit {{args}}
+
+lint:
+    {{bin}}/ruff check src tests benchmarks scripts
+    {{bin}}/mypy --strict src
+
+# Benchmarks print tables; see benchmarks/README.md.
+bench *args="":
+    @ls benchmarks/*.py >/dev/null 2>&1 && for b in benchmarks/*.py; do {{bin}}/python "$b" {{args}}; done || echo "no benchmarks yet"

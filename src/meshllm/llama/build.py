@@ -1,0 +1,522 @@
+"""Fetch the pinned llama.cpp source, apply our patch series, build the two binaries we run, cache them.
+
+A build lives in ``<cache>/builds/<flavour>-<key>/`` where ``key`` hashes everything that changes the
+binaries: the source tree, the patch series (none for ``--stock``), the backend's cmake flags, and the
+machine. ``manifest.json`` is written last, so a directory without it is an unfinished build and is
+redone. A second ``mesh-llm build`` with the same inputs finds the manifest and does nothing.
+
+Layout of one build directory::
+
+    src/         copy of the pristine tree with the patches applied
+    cmake/       cmake's build tree (kept so an interrupted build resumes)
+    bin/         ggml-rpc-server, llama-server
+    build.log    everything cmake printed
+    manifest.json
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshllm.errors import BuildError
+from meshllm.paths import cache_dir, repo_root
+
+RPC_SERVER = "ggml-rpc-server"
+LLAMA_SERVER = "llama-server"
+TARGETS = (RPC_SERVER, LLAMA_SERVER)
+
+
+@dataclass(frozen=True)
+class SourcePin:
+    """The llama.cpp we build: upstream's tree as vendored in a llama-cpp-python sdist on PyPI."""
+
+    package: str
+    version: str
+    sdist: str
+    sha256: str
+    subdir: str
+    commit: str
+    build: str
+
+
+PINNED = SourcePin(
+    package="llama-cpp-python",
+    version="0.3.36",
+    sdist="llama_cpp_python-0.3.36.tar.gz",
+    sha256="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
+    subdir="llama_cpp_python-0.3.36/vendor/llama.cpp",
+    commit="0c1e57098",
+    build="b11312",
+)
+
+# Top-level parts of the upstream tree the two targets never need; left out of each build's copy.
+_SKIP_TOP = frozenset({"models", "docs", "media", ".git", "build"})
+
+
+def _copy_ignore_for(root: Path) -> Callable[[str, list[str]], set[str]]:
+    def ignore(directory: str, names: list[str]) -> set[str]:
+        return {n for n in names if n in _SKIP_TOP} if Path(directory) == root else set()
+
+    return ignore
+
+
+BASE_CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_RPC=ON",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",  # would fetch the web UI from the network at configure time
+    "-DLLAMA_OPENSSL=OFF",  # llama-server only ever listens on 127.0.0.1 behind mesh-llm
+)
+
+BACKENDS = ("cpu", "cuda", "metal")
+
+
+@dataclass(frozen=True)
+class Binaries:
+    rpc_server: Path
+    llama_server: Path
+    flavour: str  # "patched", "stock" or "user"
+    build_dir: Path | None = None
+
+    def describe(self) -> str:
+        return f"{self.flavour} binaries in {self.rpc_server.parent}"
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    flavour: str
+    source: Path | None  # None: the pinned sdist, fetched on demand
+    source_hash: str
+    patches: tuple[Path, ...]
+    patches_hash: str
+    backend: str
+    cmake_flags: tuple[str, ...]
+    key: str
+    dir: Path
+
+    @property
+    def manifest(self) -> Path:
+        return self.dir / "manifest.json"
+
+    @property
+    def bin_dir(self) -> Path:
+        return self.dir / "bin"
+
+    def binaries(self) -> Binaries:
+        return Binaries(
+            rpc_server=self.bin_dir / RPC_SERVER,
+            llama_server=self.bin_dir / LLAMA_SERVER,
+            flavour=self.flavour,
+            build_dir=self.dir,
+        )
+
+    def is_built(self) -> bool:
+        b = self.binaries()
+        return self.manifest.is_file() and b.rpc_server.is_file() and b.llama_server.is_file()
+
+
+# --------------------------------------------------------------------------------------------- inputs
+
+
+def default_patch_dir() -> Path:
+    env = os.environ.get("MESH_LLM_PATCHES")
+    if env:
+        return Path(env)
+    root = repo_root()
+    if root is None:
+        raise BuildError(
+            "cannot find patches/llama.cpp-rpc-local-gguf: run from a mesh-llm checkout or set MESH_LLM_PATCHES"
+        )
+    return root / "patches" / "llama.cpp-rpc-local-gguf"
+
+
+def read_series(patch_dir: Path) -> tuple[Path, ...]:
+    """The patches listed in ``series``, in order (blank lines and # comments skipped)."""
+    series = patch_dir / "series"
+    if not series.is_file():
+        return ()
+    out: list[Path] = []
+    for raw in series.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        p = patch_dir / line
+        if not p.is_file():
+            raise BuildError(f"patch series lists {line} but {p} does not exist")
+        out.append(p)
+    return tuple(out)
+
+
+def hash_patches(patches: tuple[Path, ...]) -> str:
+    h = hashlib.sha256(b"mesh-llm patch series v1\n")
+    for p in patches:
+        h.update(p.name.encode() + b"\0")
+        h.update(hashlib.sha256(p.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def hash_tree(root: Path) -> str:
+    """Content hash of a user-supplied source tree (paths and bytes; build dirs and .git skipped)."""
+    h = hashlib.sha256(b"mesh-llm tree v1\n")
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in (".git", "build", "models", "docs", "media"))
+        for name in sorted(filenames):
+            p = Path(dirpath) / name
+            if p.is_symlink() or not p.is_file():
+                continue
+            h.update(str(p.relative_to(root)).encode() + b"\0")
+            with p.open("rb") as f:
+                h.update(hashlib.file_digest(f, "sha256").digest())
+    return h.hexdigest()
+
+
+def gpu_visible() -> bool:
+    if Path("/dev/nvidia0").exists() or Path("/dev/nvidiactl").exists():
+        return True
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False
+    try:
+        r = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.returncode == 0 and "GPU" in r.stdout
+
+
+def detect_backend() -> str:
+    """CUDA when nvcc is installed and a GPU is visible, Metal on macOS, else CPU.
+
+    nvcc alone is not enough: a CPU machine with the CUDA toolkit would spend an hour compiling kernels
+    for a GPU it does not have.
+    """
+    if sys.platform == "darwin":
+        return "metal"
+    if shutil.which("nvcc") and gpu_visible():
+        return "cuda"
+    return "cpu"
+
+
+def backend_flags(backend: str) -> tuple[str, ...]:
+    if backend == "cuda":
+        return ("-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=native")
+    if backend == "metal":
+        return ("-DGGML_METAL=ON",)
+    if backend == "cpu":
+        return ("-DGGML_CUDA=OFF", "-DGGML_METAL=OFF")
+    raise BuildError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+
+
+def plan_build(
+    *,
+    stock: bool = False,
+    llama_src: Path | None = None,
+    backend: str | None = None,
+    patch_dir: Path | None = None,
+    cache: Path | None = None,
+) -> BuildPlan:
+    """Work out what a build would be and where it lives, without doing anything."""
+    cache = cache or cache_dir()
+    backend = backend or detect_backend()
+    if llama_src is not None:
+        llama_src = llama_src.expanduser().resolve()
+        if not (llama_src / "CMakeLists.txt").is_file() or not (llama_src / "ggml").is_dir():
+            raise BuildError(f"--llama-src {llama_src} does not look like a llama.cpp tree (no CMakeLists.txt/ggml)")
+        source_hash = "tree:" + hash_tree(llama_src)
+    else:
+        source_hash = "sdist:" + PINNED.sha256
+    if stock:
+        patches: tuple[Path, ...] = ()
+        patches_hash = "none"
+    else:
+        patches = read_series(patch_dir or default_patch_dir())
+        patches_hash = hash_patches(patches)
+    flags = BASE_CMAKE_FLAGS + backend_flags(backend)
+    ident = json.dumps(
+        {
+            "source": source_hash,
+            "patches": patches_hash,
+            "flags": flags,
+            "machine": platform.machine(),
+            "system": platform.system(),
+        },
+        sort_keys=True,
+    )
+    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    flavour = "stock" if stock else "patched"
+    return BuildPlan(
+        flavour=flavour,
+        source=llama_src,
+        source_hash=source_hash,
+        patches=patches,
+        patches_hash=patches_hash,
+        backend=backend,
+        cmake_flags=flags,
+        key=key,
+        dir=cache / "builds" / f"{flavour}-{backend}-{key}",
+    )
+
+
+# --------------------------------------------------------------------------------------------- source
+
+
+def _sha256_file(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def fetch_pinned_source(cache: Path | None = None, say: Callable[[str], None] = print) -> Path:
+    """The pristine upstream tree from the pinned sdist, downloaded and extracted once."""
+    cache = cache or cache_dir()
+    src_root = cache / "src"
+    tree = src_root / f"llama.cpp-{PINNED.build}"
+    if (tree / ".mesh-llm-complete").is_file():
+        return tree
+    src_root.mkdir(parents=True, exist_ok=True)
+    sdist = src_root / PINNED.sdist
+    if sdist.is_file() and _sha256_file(sdist) != PINNED.sha256:
+        say(f"removing {sdist.name}: sha256 mismatch")
+        sdist.unlink()
+    if not sdist.is_file():
+        say(f"downloading {PINNED.package}=={PINNED.version} (llama.cpp {PINNED.build}, ~77 MB) with pip")
+        with tempfile.TemporaryDirectory(dir=src_root) as tmp:
+            cmd = [
+                sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                "--no-build-isolation", "-q", "-d", tmp, f"{PINNED.package}=={PINNED.version}",
+            ]  # fmt: skip
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            got = Path(tmp) / PINNED.sdist
+            if not got.is_file():
+                # pip prepares metadata after downloading; that may fail without the build backend even though the
+                # file is there. Only a missing file is an error.
+                last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+                raise BuildError(f"pip download {PINNED.package}=={PINNED.version} failed: {last}")
+            got.rename(sdist)
+    digest = _sha256_file(sdist)
+    if digest != PINNED.sha256:
+        sdist.unlink()
+        raise BuildError(f"{PINNED.sdist}: sha256 {digest} != pinned {PINNED.sha256}; removed it")
+    say(f"extracting llama.cpp {PINNED.build} from {PINNED.sdist}")
+    tmpdir = Path(tempfile.mkdtemp(dir=src_root, prefix=".extract-"))
+    try:
+        prefix = PINNED.subdir + "/"
+        with tarfile.open(sdist, "r:gz") as tar:
+            members = []
+            for m in tar.getmembers():
+                if m.name.startswith(prefix):
+                    m.name = m.name[len(prefix) :]
+                    members.append(m)
+            tar.extractall(tmpdir, members=members, filter="data")
+        (tmpdir / ".mesh-llm-complete").write_text(json.dumps({"sdist_sha256": PINNED.sha256}))
+        if tree.exists():
+            shutil.rmtree(tree)
+        tmpdir.rename(tree)
+    finally:
+        if tmpdir.exists():
+            shutil.rmtree(tmpdir, ignore_errors=True)
+    return tree
+
+
+# --------------------------------------------------------------------------------------------- build
+
+
+def check_toolchain(backend: str) -> None:
+    if shutil.which("cmake") is None:
+        raise BuildError("cmake not found: install the 'cmake' package (e.g. apt-get install cmake)")
+    if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        raise BuildError("no C++ compiler found: install the 'g++' package (e.g. apt-get install build-essential)")
+    if backend == "cuda" and shutil.which("nvcc") is None:
+        raise BuildError("backend cuda needs nvcc: install the CUDA toolkit or use --backend cpu")
+    if not shutil.which("git"):
+        raise BuildError("git not found (used to apply the patch series): install the 'git' package")
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+_NINJA_PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]")
+_MAKE_PROGRESS = re.compile(r"^\[\s*(\d+)%\]")
+
+
+def parse_progress(line: str) -> tuple[int, int] | None:
+    """(done, total) from a ninja ``[12/345]`` or make ``[ 40%]`` line."""
+    m = _NINJA_PROGRESS.match(line)
+    if m:
+        return int(m.group(1)), int(m.group(2))
+    m = _MAKE_PROGRESS.match(line)
+    if m:
+        return int(m.group(1)), 100
+    return None
+
+
+ProgressFn = Callable[[str, int, int], None]
+
+
+def _run_logged(cmd: list[str], *, cwd: Path, log: Path, env: dict[str, str], step: str, progress: ProgressFn) -> None:
+    with log.open("a") as lf:
+        lf.write(f"\n$ {' '.join(cmd)}\n")
+        lf.flush()
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        )
+        assert proc.stdout is not None
+        tail: deque[str] = deque(maxlen=20)
+        for line in proc.stdout:
+            lf.write(line)
+            tail.append(line.rstrip())
+            p = parse_progress(line)
+            if p is not None:
+                progress(step, p[0], p[1])
+        rc = proc.wait()
+    if rc != 0:
+        errors = [t for t in tail if "error" in t.lower()] or tail[-1:]
+        raise BuildError(f"{step} failed (exit {rc}): {errors[-1] if errors else ''} — full log: {log}")
+
+
+def _build_env(cache: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    # ccache (when installed) shares object files between the stock and patched builds and across keys.
+    env.setdefault("CCACHE_DIR", str(cache / "ccache"))
+    env.setdefault("CCACHE_BASEDIR", str(cache / "builds"))
+    env.setdefault("CCACHE_NOHASHDIR", "true")
+    env.setdefault("CCACHE_MAXSIZE", "5G")
+    return env
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    binaries: Binaries
+    built: bool  # False: it was already in the cache
+    seconds: float
+    plan: BuildPlan
+
+
+def build(
+    plan: BuildPlan,
+    *,
+    jobs: int | None = None,
+    say: Callable[[str], None] = print,
+    progress: ProgressFn = lambda step, done, total: None,
+    cache: Path | None = None,
+) -> BuildResult:
+    """Make sure the binaries for ``plan`` exist; build them if not. Safe to run concurrently."""
+    t0 = time.monotonic()
+    if plan.is_built():
+        return BuildResult(plan.binaries(), False, 0.0, plan)
+    cache = cache or cache_dir()
+    check_toolchain(plan.backend)
+    with _locked(plan.dir.with_suffix(".lock")):
+        if plan.is_built():  # somebody else finished it while we waited
+            return BuildResult(plan.binaries(), False, time.monotonic() - t0, plan)
+        pristine = plan.source or fetch_pinned_source(cache, say)
+        plan.dir.mkdir(parents=True, exist_ok=True)
+        log = plan.dir / "build.log"
+        src = plan.dir / "src"
+        stamp = plan.dir / "src.ready"
+        if not stamp.is_file():
+            say(f"preparing source ({len(plan.patches)} patch(es)) in {src}")
+            if src.exists():
+                shutil.rmtree(src)
+            shutil.copytree(pristine, src, ignore=_copy_ignore_for(pristine), symlinks=True)
+            if plan.patches:
+                subprocess.run(["git", "init", "-q"], cwd=src, check=True)
+                for p in plan.patches:
+                    r = subprocess.run(
+                        ["git", "apply", "--whitespace=nowarn", str(p)], cwd=src, capture_output=True, text=True
+                    )
+                    if r.returncode != 0:
+                        first = (r.stderr.strip().splitlines() or ["?"])[0]
+                        raise BuildError(f"patch {p.name} does not apply to this llama.cpp tree: {first}")
+            stamp.write_text("ok\n")
+        env = _build_env(cache)
+        gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+        cmake_dir = plan.dir / "cmake"
+        jobs = jobs or os.cpu_count() or 2
+        say(f"configuring {plan.flavour} build ({plan.backend}); log: {log}")
+        _run_logged(
+            ["cmake", "-S", str(src), "-B", str(cmake_dir), *gen, *plan.cmake_flags],
+            cwd=plan.dir, log=log, env=env, step="cmake configure", progress=progress,
+        )  # fmt: skip
+        say(f"compiling {', '.join(TARGETS)} with {jobs} job(s)")
+        _run_logged(
+            ["cmake", "--build", str(cmake_dir), "--target", *TARGETS, "-j", str(jobs)],
+            cwd=plan.dir, log=log, env=env, step="compile", progress=progress,
+        )  # fmt: skip
+        plan.bin_dir.mkdir(exist_ok=True)
+        for target in TARGETS:
+            found = list(cmake_dir.glob(f"bin/{target}")) or list(cmake_dir.rglob(target))
+            found = [f for f in found if f.is_file() and os.access(f, os.X_OK)]
+            if not found:
+                raise BuildError(f"build finished but {target} is missing under {cmake_dir}; see {log}")
+            tmp = plan.bin_dir / f".{target}.tmp"
+            shutil.copy2(found[0], tmp)
+            tmp.replace(plan.bin_dir / target)
+        manifest = {
+            "flavour": plan.flavour,
+            "key": plan.key,
+            "source_hash": plan.source_hash,
+            "source": str(plan.source) if plan.source else f"{PINNED.package}=={PINNED.version} {PINNED.commit}",
+            "patches": [p.name for p in plan.patches],
+            "patches_hash": plan.patches_hash,
+            "backend": plan.backend,
+            "cmake_flags": list(plan.cmake_flags),
+            "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "seconds": round(time.monotonic() - t0, 1),
+        }
+        tmpm = plan.manifest.with_suffix(".tmp")
+        tmpm.write_text(json.dumps(manifest, indent=2) + "\n")
+        tmpm.replace(plan.manifest)
+    return BuildResult(plan.binaries(), True, time.monotonic() - t0, plan)
+
+
+# --------------------------------------------------------------------------------------------- lookup
+
+
+def user_binaries(bin_dir: Path) -> Binaries:
+    """Binaries a user built themselves (``--bin-dir``). Older trees name the RPC server ``rpc-server``."""
+    bin_dir = bin_dir.expanduser()
+    rpc = next((bin_dir / n for n in (RPC_SERVER, "rpc-server") if (bin_dir / n).is_file()), None)
+    server = bin_dir / LLAMA_SERVER
+    missing = [n for n, p in ((RPC_SERVER, rpc), (LLAMA_SERVER, server)) if p is None or not p.is_file()]
+    if missing:
+        raise BuildError(f"--bin-dir {bin_dir}: missing {' and '.join(missing)}")
+    assert rpc is not None
+    return Binaries(rpc_server=rpc, llama_server=server, flavour="user")
+
+
+def find_binaries(*, stock: bool = False, bin_dir: Path | None = None, backend: str | None = None) -> Binaries:
+    """Binaries that are already built (or the user's), without building. One clear error otherwise."""
+    if bin_dir is None and os.environ.get("MESH_LLM_BIN_DIR"):
+        bin_dir = Path(os.environ["MESH_LLM_BIN_DIR"])
+    if bin_dir is not None:
+        return user_binaries(bin_dir)
+    plan = plan_build(stock=stock, backend=backend)
+    if not plan.is_built():
+        flag = " --stock" if stock else ""
+        raise BuildError(f"llama.cpp binaries are not built yet: run `mesh-llm build{flag}` (or pass --bin-dir DIR)")
+    return plan.binaries()

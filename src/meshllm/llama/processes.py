@@ -1,0 +1,209 @@
+"""Starting, watching and stopping the llama.cpp processes we own.
+
+Every child runs in its own session (process group) with its output in a log file. We stop children only
+through the process group we created — never by name — so other llama.cpp processes on the machine are
+safe. Both servers bind 127.0.0.1 only: anyone whose bytes reach rpc-server owns the machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from meshllm.errors import MeshError, UserError
+from meshllm.llama.build import Binaries
+
+LOOPBACK = "127.0.0.1"
+
+
+class ChildFailed(MeshError):
+    """A child process exited or did not become ready in time."""
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port that was free a moment ago (the child binds it; a rare race is reported as a start failure)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def port_in_use(port: int, host: str = LOOPBACK) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+        return False
+
+
+# ------------------------------------------------------------------------------------------ command lines
+
+
+def rpc_server_argv(
+    bins: Binaries, port: int, *, threads: int | None = None, gguf: Path | None = None, device: str | None = None
+) -> list[str]:
+    """ggml-rpc-server on loopback. ``gguf`` (patched binaries only) lets it load weights from its own file."""
+    argv = [str(bins.rpc_server), "--host", LOOPBACK, "--port", str(port)]
+    if threads:
+        argv += ["--threads", str(threads)]
+    if device:
+        argv += ["--device", device]
+    if gguf is not None:
+        argv += ["--gguf", str(gguf)]
+    return argv
+
+
+def llama_server_argv(
+    bins: Binaries,
+    model: Path,
+    port: int,
+    *,
+    ctx_size: int = 4096,
+    threads: int | None = None,
+    rpc: Sequence[str] = (),
+    n_gpu_layers: int | None = None,
+    tensor_split: Sequence[float] = (),
+    device: str | None = None,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """The one place that builds llama-server's command line."""
+    argv = [
+        str(bins.llama_server), "--host", LOOPBACK, "--port", str(port), "--model", str(model),
+        "--ctx-size", str(ctx_size), "--no-webui", "--parallel", "1",
+    ]  # fmt: skip
+    if threads:
+        argv += ["--threads", str(threads)]
+    if rpc:
+        argv += ["--rpc", ",".join(rpc)]
+    if n_gpu_layers is not None:
+        argv += ["--n-gpu-layers", str(n_gpu_layers)]
+    if tensor_split:
+        argv += ["--tensor-split", ",".join(f"{x:g}" for x in tensor_split)]
+    if device:
+        argv += ["--device", device]
+    argv += list(extra)
+    return argv
+
+
+# ------------------------------------------------------------------------------------------ children
+
+
+@dataclass
+class Child:
+    """A process we started, in its own process group, logging to ``log_path``."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] = field(repr=False)
+
+    @classmethod
+    def start(cls, name: str, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None) -> Child:
+        exe = Path(argv[0])
+        if not exe.is_file():
+            raise UserError(f"{name}: binary {exe} not found (run `mesh-llm build`)")
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with log_path.open("ab") as log:
+            log.write(f"\n$ {' '.join(argv)}\n".encode())
+            log.flush()
+            proc = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # own process group: stop() signals exactly what we started
+            )
+        return cls(name=name, argv=list(argv), log_path=log_path, proc=proc)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, lines: int = 8) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.strip().splitlines()[-lines:])
+
+    def stop(self, timeout: float = 5.0) -> int | None:
+        """SIGTERM the child's process group, then SIGKILL after ``timeout``. Returns the exit code."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        else:
+            # the leader is gone; make sure nothing it forked survives in its group
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        return self.proc.returncode
+
+    def __enter__(self) -> Child:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def http_get_json(url: str, timeout: float = 2.0) -> tuple[int, object]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        try:
+            body = json.loads(e.read() or b"null")
+        except ValueError:
+            body = None
+        return e.code, body
+
+
+def wait_http_ready(child: Child, url: str, timeout: float = 120.0) -> None:
+    """Poll ``url`` until it answers 200; fail at once if the child exits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if not child.alive():
+            raise ChildFailed(f"{child.name} exited with {child.proc.returncode}: {child.log_tail(3)}")
+        try:
+            status, _ = http_get_json(url, timeout=2.0)
+            if status == 200:
+                return
+        except (OSError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise ChildFailed(f"{child.name} not ready at {url} after {timeout:.0f} s: {child.log_tail(3)}")
+        time.sleep(0.1)
+
+
+def wait_tcp_ready(child: Child, port: int, timeout: float = 30.0, host: str = LOOPBACK) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if not child.alive():
+            raise ChildFailed(f"{child.name} exited with {child.proc.returncode}: {child.log_tail(3)}")
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise ChildFailed(f"{child.name} not listening on {host}:{port} after {timeout:.0f} s")
+        time.sleep(0.05)

@@ -1,0 +1,95 @@
+"""The build cache key and the pieces of `mesh-llm build` that need no compiler."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from meshllm.cli import main
+from meshllm.errors import BuildError
+from meshllm.llama import build as b
+
+
+def _patch_dir(tmp_path: Path, body: bytes = b"diff --git a/x b/x\n") -> Path:
+    d = tmp_path / "patches"
+    d.mkdir(exist_ok=True)
+    (d / "0001-x.patch").write_bytes(body)
+    (d / "series").write_text("# comment\n\n0001-x.patch\n")
+    return d
+
+
+def test_parse_progress() -> None:
+    assert b.parse_progress("[12/345] Building CXX object foo.o") == (12, 345)
+    assert b.parse_progress("[ 40%] Built target ggml") == (40, 100)
+    assert b.parse_progress("-- Configuring done") is None
+
+
+def test_key_depends_on_every_input(tmp_path: Path) -> None:
+    pd = _patch_dir(tmp_path)
+    cache = tmp_path / "cache"
+    patched = b.plan_build(patch_dir=pd, backend="cpu", cache=cache)
+    assert patched.patches == (pd / "0001-x.patch",)
+    # same inputs, same key: this is what makes a second build a no-op
+    assert b.plan_build(patch_dir=pd, backend="cpu", cache=cache).key == patched.key
+    stock = b.plan_build(stock=True, backend="cpu", cache=cache)
+    assert stock.patches == () and stock.key != patched.key and stock.dir != patched.dir
+    assert b.plan_build(patch_dir=pd, backend="cuda", cache=cache).key != patched.key
+    (pd / "0001-x.patch").write_bytes(b"diff --git a/y b/y\n")
+    assert b.plan_build(patch_dir=pd, backend="cpu", cache=cache).key != patched.key
+
+
+def test_empty_series_differs_from_stock(tmp_path: Path) -> None:
+    d = tmp_path / "empty"
+    d.mkdir()
+    (d / "series").write_text("# nothing yet\n")
+    assert b.read_series(d) == ()
+    assert (
+        b.plan_build(patch_dir=d, backend="cpu", cache=tmp_path).key
+        != b.plan_build(stock=True, backend="cpu", cache=tmp_path).key
+    )
+
+
+def test_series_naming_a_missing_patch_is_an_error(tmp_path: Path) -> None:
+    d = tmp_path / "p"
+    d.mkdir()
+    (d / "series").write_text("0001-gone.patch\n")
+    with pytest.raises(BuildError, match=r"0001-gone\.patch"):
+        b.read_series(d)
+
+
+def test_llama_src_tree_hash_follows_content(tmp_path: Path) -> None:
+    src = tmp_path / "llama.cpp"
+    (src / "ggml").mkdir(parents=True)
+    (src / "CMakeLists.txt").write_text("project(x)\n")
+    k1 = b.plan_build(stock=True, llama_src=src, backend="cpu", cache=tmp_path).key
+    (src / "ggml" / "a.c").write_text("int a;\n")
+    assert b.plan_build(stock=True, llama_src=src, backend="cpu", cache=tmp_path).key != k1
+    with pytest.raises(BuildError, match="does not look like a llama\\.cpp tree"):
+        b.plan_build(stock=True, llama_src=tmp_path / "nope", backend="cpu", cache=tmp_path)
+
+
+def test_missing_cmake_names_the_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no cmake, no compiler
+    with pytest.raises(BuildError, match=r"cmake not found: install the 'cmake' package"):
+        b.check_toolchain("cpu")
+
+
+def test_missing_compiler_names_the_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    (tmp_path / "cmake").symlink_to("/bin/true")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(BuildError, match="no C\\+\\+ compiler found"):
+        b.check_toolchain("cpu")
+
+
+def test_cli_bin_dir_without_binaries_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["build", "--bin-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "missing ggml-rpc-server and llama-server" in err and len(err.splitlines()) == 1
+
+
+def test_cli_bin_dir_with_binaries(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for n in ("rpc-server", "llama-server"):
+        (tmp_path / n).write_text("#!/bin/sh\n")
+    assert main(["build", "--bin-dir", str(tmp_path), "--print-dir"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path)
