@@ -79,6 +79,7 @@ def _copy_ignore_for(root: Path) -> Callable[[str, list[str]], set[str]]:
 BASE_CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_RPC=ON",
+    "-DGGML_RPC_RDMA=OFF",  # auto-enabled when libibverbs is installed; we need TCP only (and the HELLO caps)
     "-DBUILD_SHARED_LIBS=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
@@ -394,7 +395,7 @@ def _run_logged(cmd: list[str], *, cwd: Path, log: Path, env: dict[str, str], st
                 progress(step, p[0], p[1])
         rc = proc.wait()
     if rc != 0:
-        errors = [t for t in tail if "error" in t.lower()] or tail[-1:]
+        errors = [t for t in tail if "error" in t.lower()] or list(tail)[-1:]
         raise BuildError(f"{step} failed (exit {rc}): {errors[-1] if errors else ''} — full log: {log}")
 
 

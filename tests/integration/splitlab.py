@@ -1,0 +1,104 @@
+"""Start a real split on loopback: rpc-servers, each behind a counting relay, and a llama-server using them."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshllm.llama.build import Binaries
+from meshllm.llama.processes import (
+    Child,
+    free_port,
+    llama_server_argv,
+    rpc_server_argv,
+    wait_http_ready,
+    wait_tcp_ready,
+)
+from meshllm.llama.rpcwire import CountingRelay, WireStats
+
+PROMPT = "Here is a short story about a lighthouse keeper:"
+
+
+@dataclass
+class Worker:
+    bins: Binaries
+    gguf: Path | None = None  # --gguf (patched rpc-server only)
+
+
+@dataclass
+class Split:
+    llama: Child
+    port: int
+    relays: list[CountingRelay]
+    workers: list[Child]
+    load: list[WireStats]  # what crossed each relay while the model loaded
+
+    def complete(self, prompt: str = PROMPT, n: int = 64) -> str:
+        body = json.dumps(
+            {"prompt": prompt, "n_predict": n, "temperature": 0, "seed": 1, "cache_prompt": False}
+        ).encode()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/completion", data=body, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=300) as r:
+            out = json.loads(r.read())
+        assert out["tokens_predicted"] == n, out
+        text: str = out["content"]
+        return text
+
+    def rchar(self) -> int:
+        """Bytes llama-server has read through read()-like calls (page-cache hits included)."""
+        for line in Path(f"/proc/{self.llama.pid}/io").read_text().splitlines():
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+        raise AssertionError("no rchar in /proc/PID/io")
+
+
+def start_split(
+    tmp: Path,
+    client: Binaries,
+    workers: list[Worker],
+    model: Path,
+    children: list[Child],
+    relays: list[CountingRelay],
+    env: dict[str, str] | None = None,
+) -> Split:
+    procs: list[Child] = []
+    mine: list[CountingRelay] = []
+    for i, w in enumerate(workers):
+        port = free_port()
+        child = Child.start(f"rpc{i}", rpc_server_argv(w.bins, port, threads=1, gguf=w.gguf), tmp / f"rpc{i}.log")
+        children.append(child)
+        wait_tcp_ready(child, port)
+        relay = CountingRelay(port)
+        relays.append(relay)
+        mine.append(relay)
+        procs.append(child)
+    before = [r.snapshot() for r in mine]
+    port = free_port()
+    argv = llama_server_argv(
+        client,
+        model,
+        port,
+        ctx_size=1024,
+        threads=2,
+        rpc=[f"127.0.0.1:{r.port}" for r in mine],
+        n_gpu_layers=99,
+        extra=["--load-mode", "none"],  # read() instead of mmap: what the host reads shows in rchar
+    )
+    llama = Child.start("llama-server", argv, tmp / "llama.log", env={**os.environ, **(env or {})})
+    children.append(llama)
+    wait_http_ready(llama, f"http://127.0.0.1:{port}/health", timeout=180)
+    load = [r.snapshot().minus(b) for r, b in zip(mine, before, strict=True)]
+    return Split(llama=llama, port=port, relays=mine, workers=procs, load=load)
+
+
+def stop_split(s: Split) -> None:
+    s.llama.stop()
+    for w in s.workers:
+        w.stop()
+    for r in s.relays:
+        r.close()
