@@ -23,11 +23,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from meshllm.llama.build import find_binaries  # noqa: E402
-from meshllm.llama.processes import Child  # noqa: E402
-from meshllm.llama.rpcwire import Cmd, CountingRelay, WireStats  # noqa: E402
-from meshllm.models.tiny import tiny_model_path  # noqa: E402
-from tests.integration.splitlab import Worker, start_split, stop_split  # noqa: E402
+from tests.integration.splitlab import Worker, start_split, stop_split
+
+from meshllm.llama.build import find_binaries
+from meshllm.llama.processes import Child
+from meshllm.llama.rpcwire import Cmd, CountingRelay, WireStats
+from meshllm.models.tiny import tiny_model_path
 
 MiB = 1024 * 1024
 
