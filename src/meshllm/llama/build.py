@@ -300,15 +300,16 @@ def fetch_pinned_source(cache: Path | None = None, say: Callable[[str], None] = 
         with tempfile.TemporaryDirectory(dir=src_root) as tmp:
             cmd = [
                 sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                "--no-build-isolation", "-q", "-d", tmp, f"{PINNED.package}=={PINNED.version}",
+                "-q", "-d", tmp, f"{PINNED.package}=={PINNED.version}",
             ]  # fmt: skip
             r = subprocess.run(cmd, capture_output=True, text=True)
             got = Path(tmp) / PINNED.sdist
             if not got.is_file():
                 # pip prepares metadata after downloading; that may fail without the build backend even though the
                 # file is there. Only a missing file is an error.
-                last = (r.stderr.strip().splitlines() or ["no output"])[-1]
-                raise BuildError(f"pip download {PINNED.package}=={PINNED.version} failed: {last}")
+                lines = [ln.strip() for ln in r.stderr.splitlines() if ln.strip() and "WARNING" not in ln]
+                why = next((ln for ln in lines if "error" in ln.lower() or "×" in ln), lines[-1] if lines else "?")
+                raise BuildError(f"pip download {PINNED.package}=={PINNED.version} failed: {why}")
             got.rename(sdist)
     digest = _sha256_file(sdist)
     if digest != PINNED.sha256:

@@ -1,0 +1,158 @@
+"""The first stream of every connection: who the dialler is, and whether it may be here. Pure.
+
+The dialler already knows the listener is who it meant to reach: it pinned the listener's key through the TLS
+certificate. The listener learns the dialler's key here::
+
+    dialler -> AuthHello(dialler, listener, mesh_id)
+    listener -> AuthChallenge(nonce)                       fresh 32 random bytes per connection
+    dialler -> AuthProof(sig, proof, chain | token)
+        sig   = Ed25519(dialler, "auth" || nonce || dialler || listener)
+        proof = HMAC(mesh secret, "secret proof" || nonce || dialler || listener)
+        chain = its admission chain (a member), or token = its invite token, secret blanked (a joiner)
+    listener -> AuthWelcome(chain) | AuthRefuse(reason)
+
+Both the signature and the proof are bound to this connection's nonce and to both keys, so a captured
+AuthProof is worthless on another connection. A joiner is admitted only if the listener itself finds its token
+signed by a member of this mesh, unexpired, and the proof made with the mesh's secret.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from meshllm.proto import crypto
+from meshllm.proto import token as tok
+from meshllm.proto.crypto import NodeId
+from meshllm.proto.wire import Message, message
+
+NONCE_LEN = 32
+AUTH_MAX_FRAME = 64 * 1024
+
+
+@message
+@dataclass(frozen=True)
+class AuthHello(Message):
+    TYPE = "auth.hello"
+    dialler: bytes
+    listener: bytes
+    mesh_id: bytes
+
+
+@message
+@dataclass(frozen=True)
+class AuthChallenge(Message):
+    TYPE = "auth.challenge"
+    nonce: bytes
+
+
+@message
+@dataclass(frozen=True)
+class AuthProof(Message):
+    TYPE = "auth.proof"
+    sig: bytes
+    proof: bytes
+    chain: list[Any] | None = None
+    token: str | None = None
+
+
+@message
+@dataclass(frozen=True)
+class AuthWelcome(Message):
+    TYPE = "auth.welcome"
+    chain: list[Any] = field(default_factory=list)
+
+
+@message
+@dataclass(frozen=True)
+class AuthRefuse(Message):
+    TYPE = "auth.refuse"
+    reason: str
+
+
+def _bound(nonce: bytes, dialler: NodeId, listener: NodeId) -> bytes:
+    return nonce + dialler + listener
+
+
+def make_proof(
+    key: Ed25519PrivateKey,
+    secret: bytes,
+    challenge: AuthChallenge,
+    listener: NodeId,
+    chain: list[tok.Link] | None = None,
+    token: tok.Token | None = None,
+) -> AuthProof:
+    """The dialler's answer to a challenge: as a member (chain) or as a joiner (token, its secret blanked)."""
+    me = crypto.node_id(key)
+    bound = _bound(challenge.nonce, me, listener)
+    return AuthProof(
+        sig=crypto.sign(key, crypto.D_AUTH, bound),
+        proof=crypto.mac(secret, crypto.D_PROOF, bound),
+        chain=tok.chain_to_wire(chain) if chain is not None else None,
+        token=replace(token, secret=bytes(tok.SECRET_LEN)).encode() if token is not None else None,
+    )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    reason: str  # for the listener's log; also sent to the dialler
+    chain: list[tok.Link] | None = None  # the dialler's chain when ok
+    joined: bool = False  # newly admitted with a token
+
+
+def _refuse(reason: str) -> Verdict:
+    return Verdict(False, reason)
+
+
+def check_proof(
+    *,
+    key: Ed25519PrivateKey,
+    my_chain: list[tok.Link],
+    mesh_id: bytes,
+    secret: bytes,
+    hello: AuthHello,
+    nonce: bytes,
+    proof: AuthProof,
+    is_member: Any,  # Callable[[NodeId], bool]: the issuer check, from the listener's verified table
+    now: float,
+) -> Verdict:
+    """The listener's decision. Every check is made here, by the listener, whatever the dialler checked."""
+    me = crypto.node_id(key)
+    if hello.listener != me:
+        return _refuse("dialled another node id")
+    if len(hello.dialler) != crypto.NODE_ID_LEN:
+        return _refuse("malformed node id")
+    if hello.mesh_id != mesh_id:
+        return _refuse(f"wrong mesh: it asked for {hello.mesh_id.hex()[:8]}, this is {mesh_id.hex()[:8]}")
+    bound = _bound(nonce, hello.dialler, me)
+    if not crypto.verify(hello.dialler, crypto.D_AUTH, bound, proof.sig):
+        return _refuse("identity signature not made for this connection (forged or replayed)")
+    if not crypto.mac_ok(secret, crypto.D_PROOF, bound, proof.proof):
+        return _refuse("secret proof invalid: wrong mesh secret, or a proof replayed from another connection")
+    if proof.chain is not None:
+        try:
+            chain = tok.chain_from_wire(proof.chain)
+        except Exception:  # noqa: BLE001 - any shape problem is a refusal
+            return _refuse("malformed admission chain")
+        why = tok.verify_chain(chain, hello.dialler, mesh_id)
+        if why is not None:
+            return _refuse(f"not a member: {why}")
+        return Verdict(True, "member", chain)
+    if proof.token is None:
+        return _refuse("neither a token nor an admission chain")
+    try:
+        t = replace(tok.parse(proof.token), secret=secret)  # signed over the real secret: ours must match
+    except tok.TokenError as e:
+        return _refuse(str(e))
+    if t.mesh_id != mesh_id:
+        return _refuse("token for another mesh")
+    if not t.signature_ok():
+        return _refuse("token signature invalid: altered, or minted with another secret")
+    if now >= t.expires:
+        return _refuse(f"token expired {int(now - t.expires)} s ago")
+    if t.issuer != me and not is_member(t.issuer):
+        return _refuse(f"token issuer {crypto.short(t.issuer)} is not a member of this mesh")
+    return Verdict(True, "joined with a token", tok.admit(key, my_chain, hello.dialler, now), joined=True)

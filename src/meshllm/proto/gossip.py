@@ -1,0 +1,303 @@
+"""Signed peer records, their merge, tombstones and liveness. Pure: every entry takes ``now``.
+
+Each node signs its own record. Records are ordered by (incarnation, seq): the incarnation is persisted and
+bumped at every start, so a restarted node outranks its old records and any tombstone about its old life; seq
+counts changes within one life, and a node re-signs (seq + 1) every HEARTBEAT_S so others can tell it is alive.
+
+A tombstone says "node X, up to incarnation i, is gone" (it left, or a member saw it go silent). It beats every
+record of X with incarnation <= i, so a departed node is never resurrected by an old record still travelling
+through the mesh (the Rust original's ghost peers). A node that finds a tombstone about its current life (a
+false death, a healed partition) refutes it by bumping its incarnation.
+
+Records from keys without a valid admission chain for this mesh are dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from meshllm.errors import RemoteProtocolError
+from meshllm.proto import crypto
+from meshllm.proto import token as tok
+from meshllm.proto.crypto import NodeId
+from meshllm.proto.wire import Message, message, pack, unpack
+
+HEARTBEAT_S = 2.0
+SUSPECT_AFTER_S = 6.0
+DEAD_AFTER_S = 10.0
+TOMBSTONE_TTL_S = 600.0
+MAX_RECORD = 16 * 1024
+MAX_RECORDS = 256
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    fingerprint: str  # hex, see llama/gguf.py
+    size: int  # bytes on disk
+    n_layer: int
+    source: str  # file name, catalog name or hub reference
+
+
+@dataclass(frozen=True)
+class PeerRecord:
+    node: NodeId
+    incarnation: int
+    seq: int
+    role: str = "worker"  # worker | host | client
+    addrs: tuple[str, ...] = ()
+    capacity: int = 0  # bytes usable for the model: VRAM, or RAM on CPU nodes, measured at start
+    device: str = "cpu"
+    model: ModelFacts | None = None
+    state: str = "starting"
+    version: str = ""
+    rtt_ms: dict[str, float] = field(default_factory=dict)  # short node id -> RTT
+    host: NodeId | None = None  # who this node believes hosts its model
+    chain: tuple[tok.Link, ...] = ()
+    left: bool = False  # a clean leave: this record is the node's own tombstone
+
+    def to_wire(self, key: Ed25519PrivateKey) -> bytes:
+        body = pack(
+            {
+                "node": self.node, "inc": self.incarnation, "seq": self.seq, "role": self.role,
+                "addrs": list(self.addrs), "cap": self.capacity, "dev": self.device,
+                "model": dataclasses.asdict(self.model) if self.model else None, "state": self.state,
+                "ver": self.version, "rtt": self.rtt_ms, "host": self.host,
+                "chain": tok.chain_to_wire(list(self.chain)), "left": self.left,
+            }
+        )  # fmt: skip
+        return pack([body, crypto.sign(key, crypto.D_RECORD, body)])
+
+
+def _field(d: dict[str, Any], k: str, tp: type | tuple[type, ...]) -> Any:
+    v = d.get(k)
+    if not isinstance(v, tp) or (isinstance(v, bool) and tp in (int, float)):
+        raise RemoteProtocolError(f"record field {k} has the wrong type")
+    return v
+
+
+def record_from_wire(raw: bytes, mesh_id: bytes) -> PeerRecord:
+    """Decode, verify the signature and the admission chain. RemoteProtocolError otherwise."""
+    if len(raw) > MAX_RECORD:
+        raise RemoteProtocolError("record too large")
+    outer = unpack(raw, MAX_RECORD)
+    if not (isinstance(outer, list) and len(outer) == 2 and isinstance(outer[0], bytes) and isinstance(outer[1], bytes)):
+        raise RemoteProtocolError("record envelope malformed")
+    body, sig = outer
+    d = unpack(body, MAX_RECORD)
+    if not isinstance(d, dict):
+        raise RemoteProtocolError("record body is not a map")
+    node = _field(d, "node", bytes)
+    if not crypto.verify(node, crypto.D_RECORD, body, sig):
+        raise RemoteProtocolError(f"record of {crypto.short(node)} has a bad signature")
+    chain = tok.chain_from_wire(d.get("chain"))
+    why = tok.verify_chain(chain, node, mesh_id)
+    if why is not None:
+        raise RemoteProtocolError(f"record of {crypto.short(node)} from a non-member: {why}")
+    m = d.get("model")
+    model = None
+    if m is not None:
+        if not isinstance(m, dict):
+            raise RemoteProtocolError("record model malformed")
+        model = ModelFacts(
+            _field(m, "fingerprint", str), _field(m, "size", int), _field(m, "n_layer", int), _field(m, "source", str)
+        )
+    rtt = _field(d, "rtt", dict)
+    host = d.get("host")
+    if host is not None and not isinstance(host, bytes):
+        raise RemoteProtocolError("record host malformed")
+    return PeerRecord(
+        node=node, incarnation=_field(d, "inc", int), seq=_field(d, "seq", int), role=_field(d, "role", str),
+        addrs=tuple(str(a) for a in _field(d, "addrs", list)[:16]), capacity=_field(d, "cap", int),
+        device=_field(d, "dev", str), model=model, state=_field(d, "state", str), version=_field(d, "ver", str),
+        rtt_ms={str(k): float(v) for k, v in list(rtt.items())[:64] if isinstance(v, int | float)},
+        host=host, chain=tuple(chain), left=_field(d, "left", bool),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Tombstone:
+    node: NodeId
+    incarnation: int  # every life up to and including this one is over
+    by: NodeId
+    at: float
+    sig: bytes = b""
+
+    def body(self) -> bytes:
+        return pack([self.node, self.incarnation, self.by, int(self.at)])
+
+    def signed(self, key: Ed25519PrivateKey) -> Tombstone:
+        return dataclasses.replace(self, sig=crypto.sign(key, crypto.D_RECORD, b"tomb" + self.body()))
+
+    def to_wire(self) -> list[Any]:
+        return [self.node, self.incarnation, self.by, int(self.at), self.sig]
+
+
+def tombstone_from_wire(obj: Any) -> Tombstone:
+    if not (isinstance(obj, list) and len(obj) == 5):
+        raise RemoteProtocolError("tombstone malformed")
+    node, inc, by, at, sig = obj
+    if not (isinstance(node, bytes) and isinstance(inc, int) and isinstance(by, bytes) and isinstance(at, int)
+            and isinstance(sig, bytes)):  # fmt: skip
+        raise RemoteProtocolError("tombstone malformed")
+    t = Tombstone(node, inc, by, float(at), sig)
+    if not crypto.verify(by, crypto.D_RECORD, b"tomb" + t.body(), sig):
+        raise RemoteProtocolError("tombstone has a bad signature")
+    return t
+
+
+@message
+@dataclass(frozen=True)
+class GossipPush(Message):
+    """Records and tombstones the sender thinks the receiver may lack (everything, on a new connection)."""
+
+    TYPE = "gossip.push"
+    records: list[bytes] = field(default_factory=list)
+    tombstones: list[list[Any]] = field(default_factory=list)
+
+
+@message
+@dataclass(frozen=True)
+class Ping(Message):
+    TYPE = "ping"
+    t: float
+
+
+@message
+@dataclass(frozen=True)
+class Pong(Message):
+    TYPE = "pong"
+    t: float
+
+
+class Liveness(Enum):
+    ALIVE = "alive"
+    SUSPECT = "suspect"
+    DEAD = "dead"
+
+
+@dataclass
+class Entry:
+    record: PeerRecord
+    raw: bytes
+    fresh_at: float  # when we last saw a newer (incarnation, seq) from this node
+
+
+@dataclass
+class MergeResult:
+    changed: list[NodeId] = field(default_factory=list)
+    new_raw: list[bytes] = field(default_factory=list)  # to forward
+    new_tombstones: list[Tombstone] = field(default_factory=list)
+    refuted: bool = False  # a tombstone named our own current life
+    dropped: list[str] = field(default_factory=list)  # why, for logs
+
+
+class Table:
+    """One node's view of the mesh: the latest verified record per node, and tombstones."""
+
+    def __init__(self, me: NodeId, mesh_id: bytes) -> None:
+        self.me = me
+        self.mesh_id = mesh_id
+        self.entries: dict[NodeId, Entry] = {}
+        self.tombstones: dict[NodeId, Tombstone] = {}
+        self.leaves: dict[NodeId, bytes] = {}  # signed leave records (self-issued tombstones)
+
+    # -- merging
+
+    def _buried(self, node: NodeId, incarnation: int) -> bool:
+        t = self.tombstones.get(node)
+        return t is not None and incarnation <= t.incarnation
+
+    def merge_record(self, raw: bytes, now: float, res: MergeResult | None = None) -> MergeResult:
+        res = res or MergeResult()
+        try:
+            rec = record_from_wire(raw, self.mesh_id)
+        except RemoteProtocolError as e:
+            res.dropped.append(str(e))
+            return res
+        if rec.node == self.me:
+            return res  # our own record comes from us
+        if self._buried(rec.node, rec.incarnation):
+            return res
+        old = self.entries.get(rec.node)
+        if old is not None and (rec.incarnation, rec.seq) <= (old.record.incarnation, old.record.seq):
+            return res
+        if rec.left:
+            self.add_tombstone(Tombstone(rec.node, rec.incarnation, rec.node, now), now, res)
+            self.leaves[rec.node] = raw  # the signed leave travels on as the tombstone
+            res.new_raw.append(raw)
+            return res
+        self.entries[rec.node] = Entry(rec, raw, now)
+        res.changed.append(rec.node)
+        res.new_raw.append(raw)
+        return res
+
+    def add_tombstone(self, t: Tombstone, now: float, res: MergeResult | None = None) -> MergeResult:
+        res = res or MergeResult()
+        if t.node == self.me:
+            res.refuted = True  # the caller bumps its incarnation past t.incarnation
+            return res
+        old = self.tombstones.get(t.node)
+        if old is not None and old.incarnation >= t.incarnation:
+            return res
+        self.tombstones[t.node] = dataclasses.replace(t, at=now)
+        e = self.entries.get(t.node)
+        if e is not None and e.record.incarnation <= t.incarnation:
+            del self.entries[t.node]
+            res.changed.append(t.node)
+        res.new_tombstones.append(t)
+        return res
+
+    def merge_push(self, push: GossipPush, now: float) -> MergeResult:
+        res = MergeResult()
+        for obj in push.tombstones[:MAX_RECORDS]:
+            try:
+                self.add_tombstone(tombstone_from_wire(obj), now, res)
+            except RemoteProtocolError as e:
+                res.dropped.append(str(e))
+        for raw in push.records[:MAX_RECORDS]:
+            self.merge_record(raw, now, res)
+        return res
+
+    # -- liveness
+
+    def liveness(self, node: NodeId, now: float) -> Liveness:
+        e = self.entries.get(node)
+        if e is None:
+            return Liveness.DEAD
+        age = now - e.fresh_at
+        if age >= DEAD_AFTER_S:
+            return Liveness.DEAD
+        if age >= SUSPECT_AFTER_S:
+            return Liveness.SUSPECT
+        return Liveness.ALIVE
+
+    def expire(self, key: Ed25519PrivateKey, now: float) -> MergeResult:
+        """Bury nodes silent for DEAD_AFTER_S (signed by us, to be gossiped); forget old tombstones."""
+        res = MergeResult()
+        me = crypto.node_id(key)
+        for node, e in list(self.entries.items()):
+            if now - e.fresh_at >= DEAD_AFTER_S:
+                self.add_tombstone(Tombstone(node, e.record.incarnation, me, now).signed(key), now, res)
+        for node, t in list(self.tombstones.items()):
+            if now - t.at > TOMBSTONE_TTL_S:
+                del self.tombstones[node]
+                self.leaves.pop(node, None)
+        return res
+
+    def alive(self, now: float) -> list[PeerRecord]:
+        """Records of nodes not (yet) dead, suspects included: they keep their role until declared dead."""
+        return [e.record for n, e in self.entries.items() if self.liveness(n, now) is not Liveness.DEAD]
+
+    def is_member(self, node: NodeId) -> bool:
+        return node in self.entries
+
+    def push_all(self) -> GossipPush:
+        return GossipPush(
+            records=[e.raw for e in self.entries.values()] + list(self.leaves.values()),
+            tombstones=[t.to_wire() for t in self.tombstones.values() if t.sig],
+        )

@@ -1,0 +1,161 @@
+"""The split plan: which node runs which layers. A pure function of (model shape x nodes).
+
+llama.cpp gives each device a contiguous range of layers in device order, and the output layer to the last
+device. The host lists the workers first and its own device last, so workers get the first layers and the host
+the last ones plus the output: logits never cross the network. The token embedding stays in the host's RAM.
+
+Use as few nodes as the model needs: the host first (it has the most capacity), then the others by RTT to the
+host (lowest first), skipping nodes beyond MAX_RTT_MS while nearer ones suffice. The rest stand by.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshllm.proto.crypto import NodeId
+
+MAX_RTT_MS = 80.0
+MiB = 1 << 20
+GB = 1_000_000_000
+COMPUTE_BASE = 48 * MiB  # per device: graph and scratch buffers beyond what scales with the model
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    n_layer: int
+    layer_bytes: tuple[int, ...]  # weights of each repeating layer
+    embd_bytes: int  # token embedding: host RAM
+    output_bytes: int  # output matrix (a copy of the embedding when tied): host device
+    other_bytes: int  # norms and the like: host
+    kv_bytes_per_token_layer: int  # K + V cache, one token, one layer (f16)
+    n_embd: int
+    n_vocab: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.layer_bytes) + self.embd_bytes + self.output_bytes + self.other_bytes
+
+    def layer_cost(self, i: int, ctx: int) -> int:
+        return self.layer_bytes[i] + self.kv_bytes_per_token_layer * ctx
+
+    def compute_bytes(self, ctx: int, output: bool, ubatch: int = 512) -> int:
+        act = 4 * ubatch * self.n_embd * 4  # a few live f32 activations of the micro-batch
+        logits = 4 * ubatch * self.n_vocab if output else 0
+        return COMPUTE_BASE + act + logits // 8 + ctx * 256
+
+
+@dataclass(frozen=True)
+class Slot:
+    node: NodeId
+    capacity: int  # bytes
+    rtt_ms: float = 0.0  # to the host
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Assignment:
+    node: NodeId
+    first: int  # first layer
+    count: int  # number of layers
+    bytes: int  # estimated memory on that node
+
+
+@dataclass(frozen=True)
+class Plan:
+    host: NodeId
+    assignments: tuple[Assignment, ...]  # llama.cpp device order: workers, then the host last
+    standby: tuple[NodeId, ...]
+
+    @property
+    def workers(self) -> tuple[Assignment, ...]:
+        return tuple(a for a in self.assignments if a.node != self.host)
+
+    @property
+    def tensor_split(self) -> tuple[int, ...]:
+        return tuple(a.count for a in self.assignments)
+
+
+@dataclass(frozen=True)
+class Waiting:
+    need: int
+    have: int
+
+    def message(self) -> str:
+        return f"waiting for more peers — need {self.need / GB:.1f} GB, have {self.have / GB:.1f} GB"
+
+
+def host_fixed_bytes(shape: ModelShape, ctx: int) -> int:
+    return shape.embd_bytes + shape.output_bytes + shape.other_bytes + shape.compute_bytes(ctx, output=True)
+
+
+def plan(
+    shape: ModelShape,
+    host: Slot,
+    others: list[Slot],
+    ctx: int,
+    max_rtt_ms: float = MAX_RTT_MS,
+    split: list[float] | None = None,
+) -> Plan | Waiting:
+    """Assign every layer, or say how much memory is missing. ``split`` (--tensor-split) overrides the sizes."""
+    n = shape.n_layer
+    near = sorted((s for s in others if s.rtt_ms <= max_rtt_ms), key=lambda s: (s.rtt_ms, -s.capacity, s.node))
+    far = sorted((s for s in others if s.rtt_ms > max_rtt_ms), key=lambda s: (s.rtt_ms, -s.capacity, s.node))
+    if split is not None:
+        return _plan_override(shape, host, near + far, ctx, split)
+    host_budget = host.capacity - host_fixed_bytes(shape, ctx)
+    # the host takes the last layers, as many as fit
+    host_count = 0
+    used = 0
+    while host_count < n and used + shape.layer_cost(n - 1 - host_count, ctx) <= host_budget:
+        used += shape.layer_cost(n - 1 - host_count, ctx)
+        host_count += 1
+    remaining = n - host_count  # layers [0, remaining) go to workers
+    chosen: list[tuple[Slot, int, int]] = []  # slot, count, bytes
+    layer = 0
+    for s in near + far:
+        if layer >= remaining:
+            break
+        budget = s.capacity - shape.compute_bytes(ctx, output=False)
+        count, b = 0, 0
+        while layer + count < remaining and b + shape.layer_cost(layer + count, ctx) <= budget:
+            b += shape.layer_cost(layer + count, ctx)
+            count += 1
+        if count:
+            chosen.append((s, count, b + shape.compute_bytes(ctx, output=False)))
+            layer += count
+    if layer < remaining:
+        need = host_fixed_bytes(shape, ctx) + sum(shape.layer_cost(i, ctx) for i in range(n))
+        need += len(others) * shape.compute_bytes(ctx, output=False)
+        return Waiting(need=need, have=host.capacity + sum(s.capacity for s in others))
+    # workers in layer order, then the host
+    assignments: list[Assignment] = []
+    first = 0
+    for s, count, b in chosen:
+        assignments.append(Assignment(s.node, first, count, b))
+        first += count
+    assignments.append(Assignment(host.node, first, host_count, used + host_fixed_bytes(shape, ctx)))
+    used_nodes = {a.node for a in assignments}
+    standby = tuple(s.node for s in others if s.node not in used_nodes)
+    return Plan(host=host.node, assignments=tuple(assignments), standby=standby)
+
+
+def _plan_override(shape: ModelShape, host: Slot, ordered: list[Slot], ctx: int, split: list[float]) -> Plan:
+    """--tensor-split: proportions for the workers in RTT order, then the host (llama.cpp device order)."""
+    n = shape.n_layer
+    k = len(split)
+    if k < 1 or any(x < 0 for x in split) or sum(split) <= 0:
+        raise ValueError("--tensor-split needs non-negative proportions with a positive sum")
+    nodes = ordered[: k - 1]
+    if len(nodes) < k - 1:
+        raise ValueError(f"--tensor-split names {k} devices but the mesh has {len(ordered) + 1} nodes")
+    counts = [int(n * x / sum(split)) for x in split]
+    counts[-1] += n - sum(counts)
+    assignments: list[Assignment] = []
+    first = 0
+    for s, c in zip([*nodes, host], counts, strict=True):
+        b = sum(shape.layer_cost(i, ctx) for i in range(first, first + c))
+        b += host_fixed_bytes(shape, ctx) if s is host else shape.compute_bytes(ctx, output=False)
+        assignments.append(Assignment(s.node, first, c, b))
+        first += c
+    used = {a.node for a in assignments}
+    return Plan(host.node, tuple(assignments), tuple(s.node for s in ordered if s.node not in used))
