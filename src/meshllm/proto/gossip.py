@@ -80,24 +80,42 @@ def _field(d: dict[str, Any], k: str, tp: type | tuple[type, ...]) -> Any:
     return v
 
 
-def record_from_wire(raw: bytes, mesh_id: bytes) -> PeerRecord:
-    """Decode, verify the signature and the admission chain. RemoteProtocolError otherwise."""
+def _open(raw: bytes) -> tuple[bytes, bytes, dict[str, Any]]:
     if len(raw) > MAX_RECORD:
         raise RemoteProtocolError("record too large")
     outer = unpack(raw, MAX_RECORD)
-    if not (isinstance(outer, list) and len(outer) == 2 and isinstance(outer[0], bytes) and isinstance(outer[1], bytes)):
+    if not (
+        isinstance(outer, list) and len(outer) == 2 and isinstance(outer[0], bytes) and isinstance(outer[1], bytes)
+    ):
         raise RemoteProtocolError("record envelope malformed")
     body, sig = outer
     d = unpack(body, MAX_RECORD)
     if not isinstance(d, dict):
         raise RemoteProtocolError("record body is not a map")
+    return body, sig, d
+
+
+def record_version(raw: bytes) -> tuple[NodeId, int, int]:
+    """(node, incarnation, seq) without checking signatures: to skip records we already have, cheaply."""
+    _, _, d = _open(raw)
+    return _field(d, "node", bytes), _field(d, "inc", int), _field(d, "seq", int)
+
+
+def record_from_wire(raw: bytes, mesh_id: bytes, chains_ok: set[bytes] | None = None) -> PeerRecord:
+    """Decode, verify the signature and the admission chain. RemoteProtocolError otherwise. ``chains_ok``
+    caches chains already verified (by their encoding), since a node's chain never changes."""
+    body, sig, d = _open(raw)
     node = _field(d, "node", bytes)
     if not crypto.verify(node, crypto.D_RECORD, body, sig):
         raise RemoteProtocolError(f"record of {crypto.short(node)} has a bad signature")
     chain = tok.chain_from_wire(d.get("chain"))
-    why = tok.verify_chain(chain, node, mesh_id)
-    if why is not None:
-        raise RemoteProtocolError(f"record of {crypto.short(node)} from a non-member: {why}")
+    chain_key = pack([node, tok.chain_to_wire(chain)])
+    if chains_ok is None or chain_key not in chains_ok:
+        why = tok.verify_chain(chain, node, mesh_id)
+        if why is not None:
+            raise RemoteProtocolError(f"record of {crypto.short(node)} from a non-member: {why}")
+        if chains_ok is not None and len(chains_ok) < 4 * MAX_RECORDS:
+            chains_ok.add(chain_key)
     m = d.get("model")
     model = None
     if m is not None:
@@ -205,6 +223,8 @@ class Table:
         self.entries: dict[NodeId, Entry] = {}
         self.tombstones: dict[NodeId, Tombstone] = {}
         self.leaves: dict[NodeId, bytes] = {}  # signed leave records (self-issued tombstones)
+        self._chains_ok: set[bytes] = set()
+        self.graveyard: dict[NodeId, PeerRecord] = {}  # last record of nodes declared dead, until forgotten
 
     # -- merging
 
@@ -215,7 +235,13 @@ class Table:
     def merge_record(self, raw: bytes, now: float, res: MergeResult | None = None) -> MergeResult:
         res = res or MergeResult()
         try:
-            rec = record_from_wire(raw, self.mesh_id)
+            node, inc, seq = record_version(raw)
+            old = self.entries.get(node)
+            if node == self.me or self._buried(node, inc):
+                return res
+            if old is not None and (inc, seq) <= (old.record.incarnation, old.record.seq):
+                return res  # not newer: skip the signature checks
+            rec = record_from_wire(raw, self.mesh_id, self._chains_ok)
         except RemoteProtocolError as e:
             res.dropped.append(str(e))
             return res
@@ -232,6 +258,7 @@ class Table:
             res.new_raw.append(raw)
             return res
         self.entries[rec.node] = Entry(rec, raw, now)
+        self.graveyard.pop(rec.node, None)
         res.changed.append(rec.node)
         res.new_raw.append(raw)
         return res
@@ -248,6 +275,8 @@ class Table:
         e = self.entries.get(t.node)
         if e is not None and e.record.incarnation <= t.incarnation:
             del self.entries[t.node]
+            if not e.record.left:
+                self.graveyard[t.node] = e.record  # where it was: worth a retry after a partition
             res.changed.append(t.node)
         res.new_tombstones.append(t)
         return res
@@ -287,6 +316,7 @@ class Table:
             if now - t.at > TOMBSTONE_TTL_S:
                 del self.tombstones[node]
                 self.leaves.pop(node, None)
+                self.graveyard.pop(node, None)
         return res
 
     def alive(self, now: float) -> list[PeerRecord]:

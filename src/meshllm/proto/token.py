@@ -71,9 +71,7 @@ class Token:
         return f"token(mesh {self.mesh_id.hex()[:8]}, issuer {crypto.short(self.issuer)}, expires {self.expires})"
 
 
-def mint(
-    key: Ed25519PrivateKey, mesh_id: bytes, secret: bytes, addrs: list[str], now: float, ttl_s: float
-) -> Token:
+def mint(key: Ed25519PrivateKey, mesh_id: bytes, secret: bytes, addrs: list[str], now: float, ttl_s: float) -> Token:
     return Token(mesh_id, secret, crypto.node_id(key), tuple(addrs[:MAX_ADDRS]), int(now + ttl_s)).signed_by(key)
 
 
@@ -95,7 +93,8 @@ def parse(text: str) -> Token:
         isinstance(mesh_id, bytes) and len(mesh_id) == MESH_ID_LEN
         and isinstance(secret, bytes) and len(secret) == SECRET_LEN
         and isinstance(issuer, bytes) and len(issuer) == crypto.NODE_ID_LEN
-        and isinstance(addrs, list) and len(addrs) <= MAX_ADDRS and all(isinstance(a, str) and len(a) < 256 for a in addrs)
+        and isinstance(addrs, list) and len(addrs) <= MAX_ADDRS
+        and all(isinstance(a, str) and len(a) < 256 for a in addrs)
         and isinstance(expires, int) and not isinstance(expires, bool)
         and isinstance(sig, bytes) and len(sig) == crypto.SIG_LEN
     ):  # fmt: skip
@@ -173,7 +172,7 @@ def chain_from_wire(obj: object) -> list[Link]:
     if not isinstance(obj, list):
         raise RemoteProtocolError("admission chain is not a list")
     out: list[Link] = []
-    for link in obj[:MAX_CHAIN + 1]:
+    for link in obj[: MAX_CHAIN + 1]:
         if not (isinstance(link, list) and len(link) == 5):
             raise RemoteProtocolError("admission link malformed")
         mid, node, by, at, sig = link

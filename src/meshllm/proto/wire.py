@@ -1,7 +1,7 @@
 """Frames and typed messages on mesh streams. Pure: bytes in, messages out.
 
-A frame is ``| u32 big-endian length | msgpack map |``. The map carries ``"t"`` (the message type) and the
-message's fields. :class:`FrameDecoder` never buffers past the cap: a length over it is refused as soon as the
+A frame is ``| u32 big-endian length | msgpack map |``. The map carries ``"@"`` (the message type; never a
+field name) and the message's fields. :class:`FrameDecoder` never buffers past the cap: a length over it is refused as soon as the
 4-byte header arrives. Decoding raises only :class:`RemoteProtocolError` (the peer broke the protocol) and
 returns only registered message types with fields of the declared types — h11's invariant.
 """
@@ -89,7 +89,7 @@ def _hints(cls: type[Message]) -> dict[str, Any]:
 def to_obj(msg: Message) -> dict[str, Any]:
     if type(msg).TYPE not in _REGISTRY:
         raise LocalProtocolError(f"{type(msg).__name__} is not a registered message")
-    obj: dict[str, Any] = {"t": msg.TYPE}
+    obj: dict[str, Any] = {"@": msg.TYPE}
     for f in dataclasses.fields(msg):  # type: ignore[arg-type]
         obj[f.name] = getattr(msg, f.name)
     return obj
@@ -98,7 +98,7 @@ def to_obj(msg: Message) -> dict[str, Any]:
 def from_obj(obj: Any) -> Message:
     if not isinstance(obj, dict):
         raise RemoteProtocolError("message is not a map")
-    t = obj.get("t")
+    t = obj.get("@")
     cls = _REGISTRY.get(t) if isinstance(t, str) else None
     if cls is None:
         raise RemoteProtocolError(f"unknown message type {t!r}")
@@ -124,7 +124,6 @@ def unpack(data: bytes, max_len: int = DEFAULT_MAX_FRAME) -> Any:
             data,
             raw=False,
             strict_map_key=True,
-            max_buffer_size=max_len,
             max_str_len=max_len,
             max_bin_len=max_len,
             max_array_len=max(1024, max_len // 8),

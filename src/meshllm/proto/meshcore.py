@@ -1,0 +1,182 @@
+"""One node's mesh logic without I/O: gossip, liveness, heartbeats, RTT, election.
+
+The asyncio shell (and the in-memory simulator in the tests) tells it what happened — a peer connected, a
+message arrived, time passed — and sends what it returns. It never reads a clock or a socket: every entry takes
+``now``. Outgoing messages are ``(peer, message)`` pairs; ``events`` collects what the shell may print.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from meshllm.proto import crypto
+from meshllm.proto import token as tok
+from meshllm.proto.crypto import NodeId
+from meshllm.proto.election import Candidate, Debouncer, elect
+from meshllm.proto.gossip import (
+    HEARTBEAT_S,
+    GossipPush,
+    Liveness,
+    MergeResult,
+    PeerRecord,
+    Ping,
+    Pong,
+    Table,
+)
+from meshllm.proto.wire import Message
+
+Out = list[tuple[NodeId, Message]]
+DIAL_RETRY_S = 3.0
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str  # joined | left | died | host | refuted
+    node: NodeId
+    detail: str = ""
+
+
+@dataclass
+class MeshCore:
+    key: Ed25519PrivateKey
+    mesh_id: bytes
+    chain: list[tok.Link]
+    incarnation: int
+    now: float
+    me: NodeId = field(init=False)
+    table: Table = field(init=False)
+    record: PeerRecord = field(init=False)
+    peers: set[NodeId] = field(default_factory=set)  # connected, authenticated
+    rtt_ms: dict[NodeId, float] = field(default_factory=dict)
+    events: list[Event] = field(default_factory=list)
+    _election: Debouncer = field(default_factory=Debouncer)
+    _last_beat: float = 0.0
+    _dialled: dict[NodeId, float] = field(default_factory=dict)
+    _raw_self: bytes = b""
+
+    def __post_init__(self) -> None:
+        self.me = crypto.node_id(self.key)
+        self.table = Table(self.me, self.mesh_id)
+        self.record = PeerRecord(node=self.me, incarnation=self.incarnation, seq=0, chain=tuple(self.chain))
+        self._sign()
+        self._last_beat = self.now
+
+    # ---------------------------------------------------------------- own record
+
+    def _sign(self) -> None:
+        self._raw_self = self.record.to_wire(self.key)
+
+    def update(self, now: float, **fields: object) -> Out:
+        """Change our own record (role, state, model, ...) and tell every peer."""
+        self.record = dataclasses.replace(self.record, seq=self.record.seq + 1, **fields)  # type: ignore[arg-type]
+        self._sign()
+        self._last_beat = now
+        return self._to_all(GossipPush(records=[self._raw_self]))
+
+    def leave(self, now: float) -> Out:
+        """A clean leave: our signed tombstone, to every peer."""
+        return self.update(now, left=True, state="leaving")
+
+    # ---------------------------------------------------------------- connections
+
+    def on_connected(self, peer: NodeId, now: float) -> Out:
+        self.peers.add(peer)
+        full = self.table.push_all()
+        return [(peer, GossipPush(records=[self._raw_self, *full.records], tombstones=full.tombstones))]
+
+    def on_disconnected(self, peer: NodeId, now: float) -> None:
+        self.peers.discard(peer)
+        self.rtt_ms.pop(peer, None)
+
+    def on_message(self, peer: NodeId, msg: Message, now: float) -> Out:
+        if isinstance(msg, Ping):
+            return [(peer, Pong(t=msg.t))]
+        if isinstance(msg, Pong):
+            if 0 <= now - msg.t < 60:
+                self.rtt_ms[peer] = (now - msg.t) * 1000.0
+            return []
+        if isinstance(msg, GossipPush):
+            before = set(self.table.entries)
+            res = self.table.merge_push(msg, now)
+            return self._after_merge(res, before, exclude=peer, now=now)
+        return []
+
+    def _after_merge(self, res: MergeResult, before: set[NodeId], exclude: NodeId | None, now: float) -> Out:
+        out: Out = []
+        after = set(self.table.entries)
+        for n in sorted(after - before):
+            self.events.append(Event("joined", n))
+        for t in res.new_tombstones:
+            if t.node in before and t.node not in after:
+                self.events.append(Event("left" if t.by == t.node else "died", t.node))
+        if res.refuted:
+            # someone buried our current life (a false death or a healed partition): come back as a new life
+            self.incarnation += 1
+            self.events.append(Event("refuted", self.me, f"incarnation {self.incarnation}"))
+            self.record = dataclasses.replace(self.record, incarnation=self.incarnation, seq=0)
+            self._sign()
+            out += self._to_all(GossipPush(records=[self._raw_self]))
+        if res.new_raw or res.new_tombstones:
+            push = GossipPush(records=res.new_raw, tombstones=[t.to_wire() for t in res.new_tombstones if t.sig])
+            out += [(p, push) for p in sorted(self.peers) if p != exclude]
+        return out
+
+    def _to_all(self, msg: Message) -> Out:
+        return [(p, msg) for p in sorted(self.peers)]
+
+    # ---------------------------------------------------------------- time
+
+    def tick(self, now: float) -> Out:
+        out: Out = []
+        if now - self._last_beat >= HEARTBEAT_S:
+            rtt = {crypto.short(p): round(v, 2) for p, v in self.rtt_ms.items()}
+            out += self.update(now, rtt_ms=rtt)
+            out += [(p, Ping(t=now)) for p in sorted(self.peers)]
+        before = set(self.table.entries)
+        res = self.table.expire(self.key, now)
+        out += self._after_merge(res, before, exclude=None, now=now)
+        return out
+
+    # ---------------------------------------------------------------- views
+
+    def alive(self, now: float) -> list[PeerRecord]:
+        """Every live node, ourselves included."""
+        return [self.record, *self.table.alive(now)]
+
+    def liveness(self, node: NodeId, now: float) -> Liveness:
+        return Liveness.ALIVE if node == self.me else self.table.liveness(node, now)
+
+    def wants_to_dial(self, now: float) -> list[PeerRecord]:
+        """Live nodes we should connect to: one connection per pair, dialled by the smaller NodeId (a client
+        dials everyone: nobody dials a client)."""
+        i_dial = self.record.role == "client"
+        # nodes declared dead are retried too: after a partition heals, that is how the sides find each other
+        known = self.table.alive(now) + list(self.table.graveyard.values())
+        out = []
+        for r in known:
+            if r.node in self.peers or not r.addrs or r.role == "client" or not (i_dial or self.me < r.node):
+                continue
+            if now - self._dialled.get(r.node, -1e18) < DIAL_RETRY_S:
+                continue
+            self._dialled[r.node] = now
+            out.append(r)
+        return out
+
+    def elected_host(self, now: float) -> NodeId | None:
+        """The debounced host for our model (None: no candidate yet, or still settling)."""
+        fp = self.record.model.fingerprint if self.record.model else None
+        if fp is None:
+            return None
+        recs = self.alive(now)
+        hosts = [r for r in recs if r.role == "host" and r.model and r.model.fingerprint == fp]
+        # after a partition heals there may be two sitting hosts: every node keeps the same one
+        sitting = max(hosts, key=lambda r: (r.capacity, r.node)).node if hosts else None
+        cands = [Candidate(r.node, r.capacity, r.model.fingerprint if r.model else None, r.role) for r in recs]
+        before = self._election.current
+        host = self._election.propose(elect(cands, fp, sitting), now)
+        if host != before and host is not None:
+            self.events.append(Event("host", host))
+        return host
