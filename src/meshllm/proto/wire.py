@@ -2,8 +2,9 @@
 
 A frame is ``| u32 big-endian length | msgpack map |``. The map carries ``"@"`` (the message type; never a
 field name) and the message's fields. :class:`FrameDecoder` never buffers past the cap: a length over it is
-refused as soon as the 4-byte header arrives. Decoding raises only :class:`RemoteProtocolError` (the peer broke the protocol) and
-returns only registered message types with fields of the declared types — h11's invariant.
+refused as soon as the 4-byte header arrives. Decoding raises only :class:`RemoteProtocolError` (the peer
+broke the protocol) and returns only registered message types with fields of the declared types (h11's
+invariant).
 """
 
 from __future__ import annotations
