@@ -1,0 +1,96 @@
+"""Election and split plan: pure functions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from meshllm.proto.election import MARGIN, Candidate, Debouncer, elect
+from meshllm.proto.planner import GB, MiB, ModelShape, Plan, Slot, Waiting, host_fixed_bytes, plan
+
+FP = "f" * 64
+A, B, C, D = (bytes([i]) * 32 for i in (1, 2, 3, 4))
+
+
+def test_highest_capacity_wins_ties_to_highest_id() -> None:
+    cands = [Candidate(A, 10, FP), Candidate(B, 20, FP), Candidate(C, 20, FP), Candidate(D, 99, FP, role="client")]
+    assert elect(cands, FP) == C
+    assert elect([Candidate(A, 50, "other"), *cands], FP) == C  # another model's node is no candidate
+    assert elect([Candidate(A, 1, "other")], FP) is None
+
+
+def test_sitting_host_keeps_the_role_unless_clearly_beaten() -> None:
+    cands = [Candidate(A, 100, FP), Candidate(B, int(100 * MARGIN), FP)]
+    assert elect(cands, FP, sitting=A) == A
+    cands[1] = Candidate(B, int(100 * MARGIN) + 1, FP)
+    assert elect(cands, FP, sitting=A) == B
+
+
+def test_debouncer_waits_for_a_stable_answer() -> None:
+    d = Debouncer(hold_s=2.0)
+    assert d.propose(A, 0.0) is None
+    assert d.propose(A, 1.9) is None
+    assert d.propose(A, 2.0) == A
+    assert d.propose(B, 3.0) == A  # flaps are ignored ...
+    assert d.propose(A, 3.5) == A
+    assert d.propose(B, 4.0) == A
+    assert d.propose(B, 6.0) == B  # ... until the new answer holds
+
+
+SHAPE = ModelShape(
+    n_layer=10, layer_bytes=(100 * MiB,) * 10, embd_bytes=200 * MiB, output_bytes=200 * MiB, other_bytes=MiB,
+    kv_bytes_per_token_layer=1024, n_embd=1024, n_vocab=32000,
+)  # fmt: skip
+CTX = 1024
+
+
+def _fits(layers: int) -> int:
+    """Capacity of a worker that fits exactly ``layers`` layers."""
+    return layers * SHAPE.layer_cost(0, CTX) + SHAPE.compute_bytes(CTX, output=False)
+
+
+def test_a_host_that_holds_everything_runs_alone() -> None:
+    p = plan(SHAPE, Slot(A, 10 * GB), [Slot(B, 10 * GB)], CTX)
+    assert isinstance(p, Plan)
+    assert [a.node for a in p.assignments] == [A] and p.assignments[0].count == 10 and p.standby == (B,)
+
+
+def test_workers_take_the_first_layers_the_host_the_last_and_the_output() -> None:
+    host_cap = host_fixed_bytes(SHAPE, CTX) + 4 * SHAPE.layer_cost(0, CTX)
+    p = plan(SHAPE, Slot(A, host_cap), [Slot(B, _fits(3), rtt_ms=5), Slot(C, _fits(8), rtt_ms=1)], CTX)
+    assert isinstance(p, Plan)
+    # C is nearer: it is used first and covers everything the host cannot; B stands by
+    assert [(a.node, a.first, a.count) for a in p.assignments] == [(C, 0, 6), (A, 6, 4)]
+    assert p.standby == (B,) and p.tensor_split == (6, 4)
+    assert all(a.bytes <= s for a, s in zip(p.assignments, [_fits(8), host_cap], strict=True))
+
+
+def test_far_nodes_only_when_near_ones_do_not_suffice() -> None:
+    host_cap = host_fixed_bytes(SHAPE, CTX) + 4 * SHAPE.layer_cost(0, CTX)
+    p = plan(SHAPE, Slot(A, host_cap), [Slot(B, _fits(6), rtt_ms=200), Slot(C, _fits(6), rtt_ms=10)], CTX)
+    assert isinstance(p, Plan) and [a.node for a in p.assignments] == [C, A]
+    p = plan(SHAPE, Slot(A, host_cap), [Slot(B, _fits(6), rtt_ms=200), Slot(C, _fits(3), rtt_ms=10)], CTX)
+    assert isinstance(p, Plan) and [(a.node, a.count) for a in p.assignments] == [(C, 3), (B, 3), (A, 4)]
+
+
+def test_not_enough_memory_says_how_much() -> None:
+    w = plan(SHAPE, Slot(A, GB // 2), [Slot(B, _fits(2))], CTX)
+    assert isinstance(w, Waiting) and w.need > w.have
+    assert w.message().startswith("waiting for more peers — need ")
+
+
+def test_tensor_split_override() -> None:
+    p = plan(SHAPE, Slot(A, GB), [Slot(B, GB, rtt_ms=1), Slot(C, GB, rtt_ms=2)], CTX, split=[1, 1, 3])
+    assert isinstance(p, Plan) and [(a.node, a.count) for a in p.assignments] == [(B, 2), (C, 2), (A, 6)]
+    with pytest.raises(ValueError):
+        plan(SHAPE, Slot(A, GB), [], CTX, split=[1, 1])
+
+
+def test_shape_of_the_test_model(tiny_model: Path) -> None:
+    from meshllm.llama.gguf import model_shape, read_header
+
+    s = model_shape(read_header(tiny_model))
+    assert s.n_layer == 18 and s.n_embd == 640 and s.n_vocab == 262_144
+    assert s.output_bytes == s.embd_bytes == 178_257_920  # tied: the output is a copy of the embedding
+    assert s.total_bytes > tiny_model.stat().st_size  # the copy counts twice

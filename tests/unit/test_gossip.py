@@ -1,0 +1,93 @@
+"""Signed records, merge order, tombstones, liveness (virtual time)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshllm.proto import crypto
+from meshllm.proto import token as tok
+from meshllm.proto.gossip import DEAD_AFTER_S, SUSPECT_AFTER_S, GossipPush, Liveness, PeerRecord, Table, Tombstone
+from meshllm.proto.wire import pack, unpack
+
+T = 1_800_000_000.0
+FOUNDER = crypto.new_key()
+CHAIN = tok.found(FOUNDER, T)
+MESH = CHAIN[0][0]
+
+
+def member() -> tuple[crypto.Ed25519PrivateKey, list[tok.Link]]:
+    k = crypto.new_key()
+    return k, tok.admit(FOUNDER, CHAIN, crypto.node_id(k), T)
+
+
+def rec(key: crypto.Ed25519PrivateKey, chain: list[tok.Link], inc: int = 1, seq: int = 1, **kw: object) -> bytes:
+    r = PeerRecord(node=crypto.node_id(key), incarnation=inc, seq=seq, chain=tuple(chain), **kw)  # type: ignore[arg-type]
+    return r.to_wire(key)
+
+
+def test_newer_records_win_older_ones_are_ignored() -> None:
+    t = Table(crypto.node_id(FOUNDER), MESH)
+    k, c = member()
+    n = crypto.node_id(k)
+    assert t.merge_record(rec(k, c, seq=2, state="a"), T).changed == [n]
+    assert t.merge_record(rec(k, c, seq=1, state="old"), T).changed == []
+    assert t.entries[n].record.state == "a"
+    assert t.merge_record(rec(k, c, inc=2, seq=0, state="restarted"), T).changed == [n]
+    assert t.entries[n].record.state == "restarted"
+
+
+def test_forged_and_foreign_records_are_dropped() -> None:
+    t = Table(crypto.node_id(FOUNDER), MESH)
+    k, c = member()
+    raw = rec(k, c)
+    body, sig = unpack(raw)
+    forged = pack([body.replace(b"starting", b"servingx"), sig])
+    assert "bad signature" in t.merge_record(forged, T).dropped[0]
+    outsider = crypto.new_key()
+    foreign = rec(outsider, tok.found(outsider, T))
+    assert "non-member" in t.merge_record(foreign, T).dropped[0]
+    assert t.merge_record(b"\x93garbage", T).dropped and not t.entries
+
+
+def test_tombstones_bury_a_life_and_a_new_life_comes_back() -> None:
+    t = Table(crypto.node_id(FOUNDER), MESH)
+    k, c = member()
+    n = crypto.node_id(k)
+    t.merge_record(rec(k, c, inc=3, seq=5), T)
+    tomb = Tombstone(n, 3, crypto.node_id(FOUNDER), T).signed(FOUNDER)
+    assert t.add_tombstone(tomb, T).changed == [n] and n not in t.entries
+    assert t.merge_record(rec(k, c, inc=3, seq=99), T).changed == []  # an old life never returns
+    assert t.merge_record(rec(k, c, inc=4, seq=0), T).changed == [n]
+
+
+def test_a_tombstone_about_ourselves_is_refuted() -> None:
+    k, c = member()
+    t = Table(crypto.node_id(k), MESH)
+    assert t.add_tombstone(Tombstone(crypto.node_id(k), 1, crypto.node_id(FOUNDER), T).signed(FOUNDER), T).refuted
+
+
+def test_a_clean_leave_buries_and_travels() -> None:
+    t = Table(crypto.node_id(FOUNDER), MESH)
+    k, c = member()
+    t.merge_record(rec(k, c, seq=1), T)
+    res = t.merge_record(rec(k, c, seq=2, left=True), T)
+    assert crypto.node_id(k) not in t.entries and res.new_raw
+    t2 = Table(crypto.node_id(crypto.new_key()), MESH)
+    t2.merge_push(t.push_all(), T)
+    t2.merge_record(rec(k, c, seq=1), T)  # an old record arriving later is buried
+    assert crypto.node_id(k) not in t2.entries
+
+
+def test_liveness_follows_the_heartbeat() -> None:
+    t = Table(crypto.node_id(FOUNDER), MESH)
+    k, c = member()
+    n = crypto.node_id(k)
+    t.merge_record(rec(k, c), T)
+    assert t.liveness(n, T + SUSPECT_AFTER_S - 0.1) is Liveness.ALIVE
+    assert t.liveness(n, T + SUSPECT_AFTER_S) is Liveness.SUSPECT
+    assert t.liveness(n, T + DEAD_AFTER_S) is Liveness.DEAD
+    res = t.expire(FOUNDER, T + DEAD_AFTER_S)
+    assert [x.node for x in res.new_tombstones] == [n] and n in t.graveyard
+    push = t.push_all()
+    assert isinstance(push, GossipPush) and len(push.tombstones) == 1
+    assert dataclasses.replace(res.new_tombstones[0]).by == crypto.node_id(FOUNDER)
