@@ -1,13 +1,20 @@
 """Command line: argument parsing and terminal output only. The work happens in the modules it calls.
 
-mesh-llm --model x.gguf                   serve (solo, or host of a new mesh)
+mesh-llm --model x.gguf                   start a mesh (or rejoin ours) with this model
+mesh-llm --model x.gguf --join TOKEN      join a mesh
+mesh-llm --client --join TOKEN            join as a lite client (no model)
+mesh-llm token                            mint a new invite token from this node's state dir
 mesh-llm build [--stock]                  build the patched (or stock) llama.cpp binaries
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import re
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,7 +26,76 @@ from meshllm.errors import UserError
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
 
-SUBCOMMANDS = ("build", "serve")
+
+def parse_duration(text: str) -> float:
+    """'1d', '12h', '30m', '45s' or plain seconds."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([dhms]?)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad duration {text!r}: use e.g. 1d, 12h, 30m or seconds")
+    return float(m.group(1)) * {"d": 86400, "h": 3600, "m": 60, "s": 1, "": 1}[m.group(2)]
+
+
+def parse_split(text: str) -> list[float]:
+    try:
+        parts = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad --tensor-split {text!r}: use proportions like 1,1,2") from None
+    if not parts or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise argparse.ArgumentTypeError("--tensor-split needs non-negative proportions with a positive sum")
+    return parts
+
+
+def gather_tokens(args: argparse.Namespace) -> list[str]:
+    """--join (repeatable), --join-file (repeatable), then $MESH_LLM_JOIN: tokens need not be on the command
+    line, where other users of the machine could read them."""
+    tokens = list(args.join or [])
+    for path in args.join_file or []:
+        try:
+            tokens += Path(path).read_text().split()
+        except OSError as e:
+            raise UserError(f"--join-file {path}: {e.strerror}") from None
+    env = os.environ.get("MESH_LLM_JOIN", "")
+    tokens += [t for t in re.split(r"[\s,]+", env) if t]
+    return tokens
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from meshllm.serve.node import NodeOptions, run_node
+
+    tokens = gather_tokens(args)
+    if args.client and not tokens:
+        raise UserError("--client needs --join TOKEN (or --join-file / MESH_LLM_JOIN)")
+    if not args.client and args.model is None:
+        raise UserError("give --model PATH (or --client to join without a model)")
+    opts = NodeOptions(
+        model=args.model, client=args.client, join=tokens, state_dir=args.state_dir, bind_host=args.bind_host,
+        bind_port=args.bind_port, advertise=args.advertise or [], token_ttl_s=args.token_ttl,
+        max_vram_gb=args.max_vram, ctx_size=args.ctx_size, tensor_split=args.tensor_split,
+    )  # fmt: skip
+    return run_node(opts, console)
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    import json
+
+    from meshllm.paths import state_dir
+    from meshllm.proto import token as tok
+    from meshllm.state import load_membership, load_or_create_key, save_token
+
+    sd = state_dir(args.state_dir)
+    if not (sd / "key").exists():
+        raise UserError(f"no node in {sd}: start one with `mesh-llm --model ...` first (or pass --state-dir)")
+    m = load_membership(sd)
+    if m is None:
+        raise UserError(f"the node in {sd} is not in a mesh yet")
+    try:
+        addrs = json.loads((sd / "node.json").read_text())["addrs"]
+    except (OSError, ValueError, KeyError):
+        raise UserError(f"no addresses recorded in {sd}/node.json: start the node once first") from None
+    t = tok.mint(load_or_create_key(sd), m.mesh_id, m.secret, addrs, time.time(), args.ttl)
+    save_token(sd, t.encode())
+    print(t.encode())
+    return 0
 
 
 def _add_build_args(p: argparse.ArgumentParser) -> None:
@@ -70,21 +146,45 @@ def cmd_build(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mesh-llm", description="Run one LLM across several machines.")
     p.add_argument("--version", action="version", version=f"mesh-llm {__version__}")
+    p.add_argument("--model", type=Path, metavar="PATH", help="GGUF model file (first part of a split model)")
+    p.add_argument("--client", action="store_true", help="lite client: no model, no GPU")
+    p.add_argument("--join", action="append", metavar="TOKEN", help="invite token (repeatable)")
+    p.add_argument("--join-file", action="append", metavar="PATH", help="file holding invite token(s)")
+    p.add_argument("--state-dir", type=Path, metavar="DIR", help="node state (default $MESH_LLM_HOME or ~/.mesh-llm)")
+    p.add_argument("--bind-host", default="0.0.0.0", help="UDP address to bind (default all)")
+    p.add_argument("--bind-port", type=int, default=0, help="UDP port for the mesh (default ephemeral)")
+    p.add_argument("--advertise", action="append", metavar="HOST:PORT", help="address peers should dial")
+    p.add_argument("--token-ttl", type=parse_duration, default=86400.0, metavar="DURATION", help="default 1d")
+    p.add_argument("--max-vram", type=float, metavar="GB", help="cap the memory this node offers")
+    p.add_argument("--ctx-size", type=int, default=4096, metavar="N", help="context size (default 4096)")
+    p.add_argument("--tensor-split", type=parse_split, metavar="P,P,...", help="override the split plan")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.set_defaults(func=cmd_node)
     sub = p.add_subparsers(dest="command")
     pb = sub.add_parser("build", help="build (or find) the llama.cpp binaries")
     _add_build_args(pb)
     pb.set_defaults(func=cmd_build)
+    pt = sub.add_parser("token", help="mint a new invite token (reads this node's state dir)")
+    pt.add_argument("--state-dir", type=Path, metavar="DIR")
+    pt.add_argument("--ttl", type=parse_duration, default=86400.0, metavar="DURATION", help="default 1d")
+    pt.set_defaults(func=cmd_token)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
-    func = getattr(args, "func", None)
-    if func is None:
+    if not argv:
         parser.print_help()
         return 2
+    args = parser.parse_args(argv)
+    func = args.func
+    logging.basicConfig(
+        level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("quic").setLevel(logging.WARNING)
     try:
         rc: int = func(args)
         return rc

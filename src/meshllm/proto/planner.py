@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from meshllm.proto.crypto import NodeId
 
 MAX_RTT_MS = 80.0
+RTT_BUCKET_MS = 10.0
 MiB = 1 << 20
 GB = 1_000_000_000
 COMPUTE_BASE = 48 * MiB  # per device: graph and scratch buffers beyond what scales with the model
@@ -95,11 +96,19 @@ def plan(
     ctx: int,
     max_rtt_ms: float = MAX_RTT_MS,
     split: list[float] | None = None,
+    prefer: set[NodeId] | None = None,
 ) -> Plan | Waiting:
     """Assign every layer, or say how much memory is missing. ``split`` (--tensor-split) overrides the sizes."""
     n = shape.n_layer
-    near = sorted((s for s in others if s.rtt_ms <= max_rtt_ms), key=lambda s: (s.rtt_ms, -s.capacity, s.node))
-    far = sorted((s for s in others if s.rtt_ms > max_rtt_ms), key=lambda s: (s.rtt_ms, -s.capacity, s.node))
+    keep = prefer or set()
+
+    def order(s: Slot) -> tuple[int, bool, int, bytes]:
+        # RTT in coarse buckets, so jitter does not reorder nodes; then the nodes already in the plan (a
+        # change costs a restart), then capacity, then id: every node computes the same order
+        return (int(s.rtt_ms // RTT_BUCKET_MS), s.node not in keep, -s.capacity, s.node)
+
+    near = sorted((s for s in others if s.rtt_ms <= max_rtt_ms), key=order)
+    far = sorted((s for s in others if s.rtt_ms > max_rtt_ms), key=order)
     if split is not None:
         return _plan_override(shape, host, near + far, ctx, split)
     host_budget = host.capacity - host_fixed_bytes(shape, ctx)

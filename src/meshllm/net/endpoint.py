@@ -1,0 +1,410 @@
+"""One UDP socket per node carrying QUIC connections in both roles, and room for non-QUIC control packets.
+
+aioquic's own ``connect()``/``serve()`` each make a socket; here we drive its sans-IO ``QuicConnection``
+ourselves and demultiplex by connection id. A datagram whose first byte has bit 0x40 clear is not QUIC (every
+QUIC v1 packet sets that bit) and goes to ``on_control`` ([reach] uses it for address discovery and punching).
+
+Identity: each node's TLS certificate is self-signed with its Ed25519 node key. The dialler checks after the
+handshake that the certificate's key is the NodeId it meant to reach (TLS already checked that the peer holds
+that key: CertificateVerify), and closes otherwise. The listener learns the dialler's key from the auth stream.
+
+Streams are typed: the opener's first byte says what the stream is for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import logging
+import os
+import ssl
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from aioquic.buffer import Buffer  # type: ignore[attr-defined]
+from aioquic.quic import events
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+from aioquic.quic.packet import QuicPacketType, pull_quic_header
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.x509.oid import NameOID
+
+from meshllm.errors import MeshError
+from meshllm.proto import crypto
+from meshllm.proto.crypto import NodeId
+
+log = logging.getLogger("meshllm.net")
+
+ALPN = "mesh-llm/1"
+CID_LEN = 8
+IDLE_TIMEOUT_S = 20.0
+KEEPALIVE_S = 7.0
+MIN_INITIAL = 1200
+
+STREAM_AUTH = 1
+STREAM_GOSSIP = 2
+STREAM_RPC = 3
+STREAM_HTTP = 4
+STREAM_KINDS = {STREAM_AUTH: "auth", STREAM_GOSSIP: "gossip", STREAM_RPC: "rpc", STREAM_HTTP: "http"}
+MAX_HELD_STREAMS = 8
+
+Addr = tuple[str, int]
+
+
+class DialError(MeshError):
+    pass
+
+
+def make_certificate(key: Ed25519PrivateKey) -> x509.Certificate:
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, crypto.node_id(key).hex())])
+    now = datetime.datetime.now(datetime.UTC)
+    return (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=3650))
+        .sign(key, None)
+    )
+
+
+def _peer_key(quic: QuicConnection) -> NodeId | None:
+    cert = getattr(quic.tls, "_peer_certificate", None)  # aioquic keeps it here after CertificateVerify
+    if cert is None:
+        return None
+    try:
+        raw: bytes = cert.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    except (ValueError, TypeError):
+        return None
+    return raw
+
+
+class Stream:
+    """One bidirectional QUIC stream. ``read()`` returns b"" at the end; ``write()`` sends at once."""
+
+    def __init__(self, conn: Conn, stream_id: int, kind: int) -> None:
+        self.conn = conn
+        self.id = stream_id
+        self.kind = kind
+        self._rx: asyncio.Queue[bytes] = asyncio.Queue()
+        self.at_eof = False
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    async def read(self) -> bytes:
+        if self.at_eof and self._rx.empty():
+            return b""
+        data = await self._rx.get()
+        if not data:
+            self.at_eof = True
+        return data
+
+    def _feed(self, data: bytes, end: bool) -> None:
+        if data:
+            self.bytes_in += len(data)
+            self._rx.put_nowait(data)
+        if end:
+            self._rx.put_nowait(b"")
+
+    def write(self, data: bytes, end: bool = False) -> None:
+        if self.conn.closed.is_set():
+            raise ConnectionError("connection closed")
+        self.bytes_out += len(data)
+        self.conn.quic.send_stream_data(self.id, data, end_stream=end)
+        self.conn.transmit()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.write(b"", end=True)
+
+    def reset(self, code: int = 0) -> None:
+        with contextlib.suppress(Exception):
+            self.conn.quic.reset_stream(self.id, code)
+            self.conn.transmit()
+        self._rx.put_nowait(b"")
+
+
+class Conn:
+    """One QUIC connection to a peer, in either role."""
+
+    def __init__(self, ep: Endpoint, quic: QuicConnection, addr: Addr, is_client: bool, expect: NodeId | None):
+        self.ep = ep
+        self.quic = quic
+        self.addr = addr
+        self.is_client = is_client
+        self.peer: NodeId | None = expect  # pinned when dialling; learned from auth when accepted
+        self.authenticated = False
+        self.handshake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # a failed handshake nobody waits for any more must not be reported as "never retrieved"
+        self.handshake.add_done_callback(lambda f: None if f.cancelled() else f.exception())
+        self.closed = asyncio.Event()
+        self.close_reason = ""
+        self.streams: dict[int, Stream] = {}
+        self._incoming: asyncio.Queue[Stream | None] = asyncio.Queue()
+        self._held: list[Stream] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._keepalive = asyncio.get_running_loop().create_task(self._keepalive_loop())
+
+    def __repr__(self) -> str:
+        who = crypto.short(self.peer) if self.peer else "?"
+        return f"<Conn {who} {self.addr[0]}:{self.addr[1]} {'out' if self.is_client else 'in'}>"
+
+    # -- streams
+
+    def open_stream(self, kind: int) -> Stream:
+        sid = self.quic.get_next_available_stream_id(is_unidirectional=False)
+        st = Stream(self, sid, kind)
+        self.streams[sid] = st
+        st.write(bytes([kind]))
+        return st
+
+    async def accept(self) -> Stream | None:
+        """The next stream the peer opened (None once the connection closes). Before ``authenticated`` is set
+        only the auth stream is handed out; others wait, and too many waiting close the connection."""
+        return await self._incoming.get()
+
+    def set_authenticated(self) -> None:
+        self.authenticated = True
+        for st in self._held:
+            self._incoming.put_nowait(st)
+        self._held.clear()
+
+    # -- lifecycle
+
+    def close(self, reason: str = "", code: int = 0) -> None:
+        if not self.closed.is_set():
+            self.close_reason = self.close_reason or reason
+            with contextlib.suppress(Exception):
+                self.quic.close(error_code=code, reason_phrase=reason[:100])
+                self.transmit()
+        self._terminated(reason)
+
+    def _terminated(self, reason: str) -> None:
+        if self.closed.is_set():
+            return
+        self.close_reason = self.close_reason or reason
+        self.closed.set()
+        if not self.handshake.done():
+            self.handshake.set_exception(DialError(reason or "connection closed"))
+        for st in self.streams.values():
+            st._feed(b"", True)
+        self._incoming.put_nowait(None)
+        if self._timer:
+            self._timer.cancel()
+        self._keepalive.cancel()
+        self.ep._forget(self)
+
+    async def _keepalive_loop(self) -> None:
+        while not self.closed.is_set():
+            await asyncio.sleep(KEEPALIVE_S)
+            with contextlib.suppress(Exception):
+                self.quic.send_ping(0)
+                self.transmit()
+
+    # -- driving aioquic
+
+    def transmit(self) -> None:
+        loop = asyncio.get_running_loop()
+        for data, addr in self.quic.datagrams_to_send(now=loop.time()):
+            self.ep._sendto(data, addr)
+        self._process_events()
+        if self._timer:
+            self._timer.cancel()
+            self._timer = None
+        t = self.quic.get_timer()
+        if t is not None and not self.closed.is_set():
+            self._timer = loop.call_at(t, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self.quic.handle_timer(now=asyncio.get_running_loop().time())
+        self.transmit()
+
+    def datagram_received(self, data: bytes, addr: Addr) -> None:
+        self.quic.receive_datagram(data, addr, now=asyncio.get_running_loop().time())
+        self.transmit()
+
+    def _process_events(self) -> None:
+        while (ev := self.quic.next_event()) is not None:
+            if isinstance(ev, events.HandshakeCompleted):
+                self._on_handshake()
+            elif isinstance(ev, events.StreamDataReceived):
+                self._on_stream_data(ev.stream_id, ev.data, ev.end_stream)
+            elif isinstance(ev, events.StreamReset):
+                st = self.streams.get(ev.stream_id)
+                if st:
+                    st._feed(b"", True)
+            elif isinstance(ev, events.ConnectionIdIssued):
+                self.ep._cids[ev.connection_id] = self
+            elif isinstance(ev, events.ConnectionIdRetired):
+                self.ep._cids.pop(ev.connection_id, None)
+            elif isinstance(ev, events.ConnectionTerminated):
+                self._terminated(ev.reason_phrase or f"closed (code {ev.error_code})")
+
+    def _on_handshake(self) -> None:
+        if self.is_client:
+            got = _peer_key(self.quic)
+            if got is None or got != self.peer:
+                shown = crypto.short(got) if got else "none"
+                self.close(f"peer key {shown} is not the node we dialled")
+                return
+        if not self.handshake.done():
+            self.handshake.set_result(None)
+
+    def _on_stream_data(self, sid: int, data: bytes, end: bool) -> None:
+        st = self.streams.get(sid)
+        if st is None:
+            if not data:
+                return
+            kind, data = data[0], data[1:]
+            st = Stream(self, sid, kind)
+            self.streams[sid] = st
+            if self.authenticated or (kind == STREAM_AUTH and not self.is_client):
+                self._incoming.put_nowait(st)
+            else:
+                self._held.append(st)
+                if len(self._held) > MAX_HELD_STREAMS:
+                    self.close("too many streams before authentication")
+                    return
+        st._feed(data, end)
+
+
+@dataclass
+class EndpointStats:
+    datagrams_in: int = 0
+    datagrams_out: int = 0
+    control_in: int = 0
+
+
+class Endpoint(asyncio.DatagramProtocol):
+    """The node's single UDP socket: dial and accept QUIC connections, send and receive control packets."""
+
+    def __init__(
+        self,
+        key: Ed25519PrivateKey,
+        on_accept: Callable[[Conn], Awaitable[None]] | None = None,
+        on_control: Callable[[bytes, Addr], None] | None = None,
+    ) -> None:
+        self.key = key
+        self.me = crypto.node_id(key)
+        self.on_accept = on_accept
+        self.on_control = on_control
+        self.transport: asyncio.DatagramTransport | None = None
+        self._cids: dict[bytes, Conn] = {}
+        self.conns: set[Conn] = set()
+        self.stats = EndpointStats()
+        cert = make_certificate(key)
+        self._server_cfg = QuicConfiguration(
+            is_client=False, alpn_protocols=[ALPN], idle_timeout=IDLE_TIMEOUT_S, connection_id_length=CID_LEN,
+            max_data=16 << 20, max_stream_data=4 << 20,
+        )  # fmt: skip
+        self._server_cfg.certificate = cert
+        self._server_cfg.private_key = key
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def open(self, host: str = "0.0.0.0", port: int = 0) -> Addr:
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.create_datagram_endpoint(lambda: self, local_addr=(host, port))
+        except OSError as e:
+            raise MeshError(f"cannot bind UDP {host}:{port}: {e.strerror}") from None
+        return self.local_addr
+
+    @property
+    def local_addr(self) -> Addr:
+        assert self.transport is not None
+        h, p = self.transport.get_extra_info("sockname")[:2]
+        return str(h), int(p)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def close(self) -> None:
+        for c in list(self.conns):
+            c.close("shutting down")
+        if self.transport:
+            self.transport.close()
+
+    def _sendto(self, data: bytes, addr: Addr) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.stats.datagrams_out += 1
+            self.transport.sendto(data, addr)
+
+    def send_control(self, data: bytes, addr: Addr) -> None:
+        if not data or data[0] & 0x40:
+            raise ValueError("control packets must have bit 0x40 of the first byte clear")
+        self._sendto(data, addr)
+
+    def _forget(self, conn: Conn) -> None:
+        self.conns.discard(conn)
+        for cid in [c for c, v in self._cids.items() if v is conn]:
+            del self._cids[cid]
+
+    def datagram_received(self, data: bytes, addr: Addr) -> None:
+        self.stats.datagrams_in += 1
+        if not data:
+            return
+        if not data[0] & 0x40:
+            self.stats.control_in += 1
+            if self.on_control:
+                self.on_control(data, addr)
+            return
+        try:
+            header = pull_quic_header(Buffer(data=data), host_cid_length=CID_LEN)
+        except ValueError:
+            return
+        conn = self._cids.get(header.destination_cid)
+        if conn is None:
+            if header.packet_type != QuicPacketType.INITIAL or len(data) < MIN_INITIAL or self.on_accept is None:
+                return
+            quic = QuicConnection(
+                configuration=self._server_cfg, original_destination_connection_id=header.destination_cid
+            )
+            conn = Conn(self, quic, addr, is_client=False, expect=None)
+            self.conns.add(conn)
+            self._cids[header.destination_cid] = conn
+            self._cids[quic.host_cid] = conn
+            task = asyncio.get_running_loop().create_task(self._accept(conn))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        conn.datagram_received(data, addr)
+
+    async def _accept(self, conn: Conn) -> None:
+        try:
+            await asyncio.wait_for(asyncio.shield(conn.handshake), timeout=10)
+        except (TimeoutError, DialError):
+            conn.close("handshake failed")
+            return
+        assert self.on_accept is not None
+        await self.on_accept(conn)
+
+    async def dial(self, addr: Addr, expect: NodeId, timeout: float = 5.0) -> Conn:
+        """A QUIC connection to ``addr`` that is provably ``expect`` (its TLS key), or DialError."""
+        cfg = QuicConfiguration(
+            is_client=True, alpn_protocols=[ALPN], idle_timeout=IDLE_TIMEOUT_S, connection_id_length=CID_LEN,
+            verify_mode=ssl.CERT_NONE, server_name=expect.hex()[:32], max_data=16 << 20, max_stream_data=4 << 20,
+        )  # fmt: skip
+        quic = QuicConnection(configuration=cfg)
+        conn = Conn(self, quic, addr, is_client=True, expect=expect)
+        self.conns.add(conn)
+        self._cids[quic.host_cid] = conn
+        quic.connect(addr, now=asyncio.get_running_loop().time())
+        conn.transmit()
+        try:
+            await asyncio.wait_for(asyncio.shield(conn.handshake), timeout=timeout)
+        except TimeoutError:
+            conn.close("handshake timed out")
+            raise DialError(f"no answer from {addr[0]}:{addr[1]} within {timeout:.0f} s") from None
+        except DialError as e:
+            conn.close(str(e))
+            raise DialError(f"{addr[0]}:{addr[1]}: {e}") from None
+        return conn
+
+
+def random_nonce() -> bytes:
+    return os.urandom(32)

@@ -1,0 +1,393 @@
+"""The control plane's asyncio shell: QUIC endpoint + auth + MeshCore. It carries bytes and makes no decisions.
+
+Per connection: the dialler opens an auth stream (see proto/auth.py); once the listener accepts, the dialler
+opens one gossip stream that both sides use for GossipPush / Ping / Pong frames. Further stream kinds (RPC and
+HTTP tunnels) go to handlers registered in ``stream_handlers``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import psutil
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from meshllm.errors import MeshError, RemoteProtocolError, UserError
+from meshllm.net.endpoint import STREAM_AUTH, STREAM_GOSSIP, Addr, Conn, DialError, Endpoint, Stream
+from meshllm.proto import crypto
+from meshllm.proto import token as tok
+from meshllm.proto.auth import (
+    AUTH_MAX_FRAME,
+    AuthChallenge,
+    AuthHello,
+    AuthProof,
+    AuthRefuse,
+    AuthWelcome,
+    check_proof,
+    make_proof,
+)
+from meshllm.proto.crypto import NodeId
+from meshllm.proto.meshcore import MeshCore, Out
+from meshllm.proto.wire import FrameDecoder, Message, encode
+from meshllm.state import Membership, save_membership
+
+log = logging.getLogger("meshllm.mesh")
+
+AUTH_TIMEOUT_S = 5.0
+TICK_S = 0.5
+GOSSIP_MAX_FRAME = 1 << 20
+
+StreamHandler = Callable[[Conn, Stream], Awaitable[None]]
+
+
+def local_addresses(port: int) -> list[str]:
+    """host:port for every IPv4 address of this machine, loopback last."""
+    ips: list[str] = []
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family.name == "AF_INET" and a.address not in ips:
+                ips.append(a.address)
+    ips.sort(key=lambda ip: (ip.startswith("127."), ip))
+    return [f"{ip}:{port}" for ip in ips] or [f"127.0.0.1:{port}"]
+
+
+def parse_addr(text: str) -> Addr:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"bad address {text!r}")
+    return host.strip("[]"), int(port)
+
+
+async def _read_frame(stream: Stream, dec: FrameDecoder, timeout: float) -> Message:
+    deadline = time.monotonic() + timeout
+    while True:
+        msgs = dec.feed(b"")
+        if msgs:
+            return msgs[0]
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("timed out")
+        data = await asyncio.wait_for(stream.read(), timeout=left)
+        if not data:
+            raise ConnectionError("stream closed")
+        msgs = dec.feed(data)
+        if msgs:
+            if len(msgs) > 1:
+                raise RemoteProtocolError("unexpected extra frames during auth")
+            return msgs[0]
+
+
+class MeshNet:
+    def __init__(
+        self,
+        key: Ed25519PrivateKey,
+        membership: Membership | None,
+        state_dir: Path,
+        *,
+        bind: tuple[str, int] = ("0.0.0.0", 0),
+        advertise: list[str] | None = None,
+        on_event: Callable[[str, NodeId, str], None] | None = None,
+    ) -> None:
+        self.key = key
+        self.me = crypto.node_id(key)
+        self.m = membership
+        self.state_dir = state_dir
+        self.bind = bind
+        self.advertise = advertise
+        self.ep = Endpoint(key, on_accept=self._on_accept)
+        self.core: MeshCore | None = None
+        self.peers: dict[NodeId, Conn] = {}
+        self._gossip: dict[NodeId, Stream] = {}
+        self.stream_handlers: dict[int, StreamHandler] = {}
+        self.on_event = on_event or (lambda kind, node, detail: None)
+        self.on_change: Callable[[], None] = lambda: None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._dialling: set[NodeId] = set()
+        self.refusals: list[str] = []
+        self._pending_fields: dict[str, object] = {}
+        self.addrs: list[str] = []
+
+    # ---------------------------------------------------------------- lifecycle
+
+    @property
+    def now(self) -> float:
+        return time.time()
+
+    async def start(self) -> list[str]:
+        await self.ep.open(*self.bind)
+        host, port = self.ep.local_addr
+        if self.advertise:
+            self.addrs = self.advertise
+        elif host not in ("0.0.0.0", "::"):
+            self.addrs = [f"{host}:{port}"]
+        else:
+            self.addrs = local_addresses(port)
+        if self.m is not None:
+            self._make_core(self.m)
+        self._spawn(self._tick_loop())
+        return self.addrs
+
+    def _make_core(self, m: Membership) -> MeshCore:
+        self.core = MeshCore(key=self.key, mesh_id=m.mesh_id, chain=m.chain, incarnation=m.incarnation, now=self.now)
+        self.core.update(self.now, addrs=tuple(self.addrs), **self._pending_fields)
+        return self.core
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def stop(self, leave: bool = True) -> None:
+        if leave and self.core is not None:
+            self._send(self.core.leave(self.now))
+            await asyncio.sleep(0.3)  # let the leave reach the peers before the connections close
+        for t in list(self._tasks):
+            t.cancel()
+        self.ep.close()
+
+    def update(self, **fields: object) -> None:
+        """Change our own gossip record (kept for later if we are not in a mesh yet)."""
+        self._pending_fields.update(fields)
+        if self.core is not None:
+            self._send(self.core.update(self.now, **fields))
+        self.on_change()
+
+    # ---------------------------------------------------------------- sending
+
+    def _send(self, out: Out) -> None:
+        for peer, msg in out:
+            st = self._gossip.get(peer)
+            if st is None:
+                continue
+            try:
+                st.write(encode(msg, GOSSIP_MAX_FRAME))
+            except (ConnectionError, MeshError) as e:
+                log.debug("send to %s failed: %s", crypto.short(peer), e)
+
+    # ---------------------------------------------------------------- time
+
+    async def _tick_loop(self) -> None:
+        while True:
+            if self.core is None:
+                await asyncio.sleep(TICK_S)
+                continue
+            now = self.now
+            self._send(self.core.tick(now))
+            for rec in self.core.wants_to_dial(now):
+                if rec.node not in self._dialling:
+                    self._spawn(self._dial_member(rec.node, list(rec.addrs)))
+            self._flush_events()
+            self.on_change()
+            await asyncio.sleep(TICK_S)
+
+    def _flush_events(self) -> None:
+        if self.core is None:
+            return
+        for ev in self.core.events:
+            self.on_event(ev.kind, ev.node, ev.detail)
+        self.core.events.clear()
+
+    # ---------------------------------------------------------------- dialling
+
+    async def _dial_any(self, node: NodeId, addrs: list[str], timeout: float = 3.0) -> Conn:
+        errors: list[str] = []
+        for a in addrs:
+            try:
+                return await self.ep.dial(parse_addr(a), node, timeout=timeout)
+            except (DialError, ValueError, OSError) as e:
+                errors.append(str(e))
+        raise DialError("; ".join(errors) or "no address")
+
+    async def _auth_as_dialler(self, conn: Conn, node: NodeId, token: tok.Token | None) -> list[tok.Link]:
+        st = conn.open_stream(STREAM_AUTH)
+        dec = FrameDecoder(AUTH_MAX_FRAME)
+        assert token is not None or self.m is not None
+        mesh_id = token.mesh_id if token else self.m.mesh_id  # type: ignore[union-attr]
+        st.write(encode(AuthHello(dialler=self.me, listener=node, mesh_id=mesh_id)))
+        ch = await _read_frame(st, dec, AUTH_TIMEOUT_S)
+        if not isinstance(ch, AuthChallenge):
+            raise RemoteProtocolError("expected a challenge")
+        if token is not None:
+            proof = make_proof(self.key, token.secret, ch, node, token=token)
+        else:
+            assert self.m is not None
+            proof = make_proof(self.key, self.m.secret, ch, node, chain=self.m.chain)
+        st.write(encode(proof))
+        ans = await _read_frame(st, dec, AUTH_TIMEOUT_S)
+        st.close()
+        if isinstance(ans, AuthRefuse):
+            raise UserError(f"refused by {crypto.short(node)}: {ans.reason}")
+        if not isinstance(ans, AuthWelcome):
+            raise RemoteProtocolError("expected welcome or refusal")
+        chain = tok.chain_from_wire(ans.chain)
+        why = tok.verify_chain(chain, self.me, mesh_id)
+        if why is not None:
+            raise RemoteProtocolError(f"welcome with an invalid admission chain: {why}")
+        return chain
+
+    async def join(self, token: tok.Token) -> None:
+        """Connect to the token's issuer; as a joiner (token) unless we are already a member of its mesh."""
+        as_member = self.m is not None and self.m.mesh_id == token.mesh_id
+        conn = await self._dial_any(token.issuer, list(token.addrs))
+        try:
+            chain = await asyncio.wait_for(
+                self._auth_as_dialler(conn, token.issuer, None if as_member else token), AUTH_TIMEOUT_S * 2
+            )
+        except BaseException:
+            conn.close("auth failed")
+            raise
+        if not as_member:
+            self.m = Membership(mesh_id=token.mesh_id, secret=token.secret, chain=chain, incarnation=1)
+            save_membership(self.state_dir, self.m)
+            self._make_core(self.m)
+        self._register(conn, token.issuer)
+
+    async def _dial_member(self, node: NodeId, addrs: list[str]) -> None:
+        self._dialling.add(node)
+        try:
+            conn = await self._dial_any(node, addrs, timeout=2.0)
+            try:
+                await asyncio.wait_for(self._auth_as_dialler(conn, node, None), AUTH_TIMEOUT_S * 2)
+            except BaseException:
+                conn.close("auth failed")
+                raise
+            self._register(conn, node)
+        except (DialError, MeshError, TimeoutError, ConnectionError) as e:
+            log.debug("dial %s failed: %s", crypto.short(node), e)
+        finally:
+            self._dialling.discard(node)
+
+    # ---------------------------------------------------------------- accepting
+
+    async def _on_accept(self, conn: Conn) -> None:
+        try:
+            st = await asyncio.wait_for(conn.accept(), AUTH_TIMEOUT_S)
+            if st is None or st.kind != STREAM_AUTH:
+                conn.close("first stream was not auth")
+                return
+            await asyncio.wait_for(self._auth_as_listener(conn, st), AUTH_TIMEOUT_S * 2)
+        except (TimeoutError, ConnectionError, RemoteProtocolError) as e:
+            self._refused(conn, None, f"auth did not complete: {e or type(e).__name__}")
+            conn.close("auth failed")
+            return
+        if not conn.authenticated:
+            return
+        self._spawn(self._serve_streams(conn))
+
+    def _refused(self, conn: Conn, who: NodeId | None, reason: str) -> None:
+        line = f"refused {crypto.short(who) if who else '?'} from {conn.addr[0]}:{conn.addr[1]}: {reason}"
+        self.refusals.append(line)
+        log.warning(line)
+
+    async def _auth_as_listener(self, conn: Conn, st: Stream) -> None:
+        dec = FrameDecoder(AUTH_MAX_FRAME)
+        hello = await _read_frame(st, dec, AUTH_TIMEOUT_S)
+        if not isinstance(hello, AuthHello):
+            raise RemoteProtocolError("expected hello")
+        nonce = os.urandom(32)
+        st.write(encode(AuthChallenge(nonce=nonce)))
+        proof = await _read_frame(st, dec, AUTH_TIMEOUT_S)
+        if not isinstance(proof, AuthProof):
+            raise RemoteProtocolError("expected proof")
+        if self.core is None or self.m is None:
+            self._refused(conn, hello.dialler, "this node is not in a mesh yet")
+            st.write(encode(AuthRefuse(reason="not in a mesh yet")))
+            conn.close("refused")
+            return
+        v = check_proof(
+            key=self.key, my_chain=self.m.chain, mesh_id=self.m.mesh_id, secret=self.m.secret, hello=hello,
+            nonce=nonce, proof=proof, is_member=self.core.table.is_member, now=self.now,
+        )  # fmt: skip
+        if not v.ok:
+            self._refused(conn, hello.dialler, v.reason)
+            st.write(encode(AuthRefuse(reason=v.reason)))
+            await asyncio.sleep(0.05)
+            conn.close("refused")
+            return
+        assert v.chain is not None
+        st.write(encode(AuthWelcome(chain=tok.chain_to_wire(v.chain))))
+        st.close()
+        if v.joined:
+            log.info("admitted %s from %s:%d with a token", crypto.short(hello.dialler), *conn.addr)
+        conn.peer = hello.dialler
+        conn.set_authenticated()
+        self._register(conn, hello.dialler, listener=True)
+
+    # ---------------------------------------------------------------- connected peers
+
+    def _register(self, conn: Conn, node: NodeId, listener: bool = False) -> None:
+        old = self.peers.get(node)
+        if old is not None and not old.closed.is_set():
+            # two connections for one pair: keep the one dialled by the smaller NodeId
+            keep_old = (old.is_client and self.me < node) or (not old.is_client and node < self.me)
+            if keep_old:
+                conn.close("duplicate connection")
+                return
+            old.close("duplicate connection")
+        conn.peer = node
+        conn.set_authenticated()
+        self.peers[node] = conn
+        if not listener:
+            st = conn.open_stream(STREAM_GOSSIP)
+            self._start_gossip(conn, node, st)
+            self._spawn(self._serve_streams(conn))
+        self._spawn(self._watch(conn, node))
+
+    def _start_gossip(self, conn: Conn, node: NodeId, st: Stream) -> None:
+        assert self.core is not None
+        self._gossip[node] = st
+        self._send(self.core.on_connected(node, self.now))
+        self._spawn(self._read_gossip(conn, node, st))
+
+    async def _serve_streams(self, conn: Conn) -> None:
+        while True:
+            st = await conn.accept()
+            if st is None:
+                return
+            if st.kind == STREAM_GOSSIP and conn.peer is not None and conn.peer not in self._gossip:
+                self._start_gossip(conn, conn.peer, st)
+            elif st.kind in self.stream_handlers:
+                self._spawn(self.stream_handlers[st.kind](conn, st))
+            else:
+                st.reset()
+
+    async def _read_gossip(self, conn: Conn, node: NodeId, st: Stream) -> None:
+        assert self.core is not None
+        dec = FrameDecoder(GOSSIP_MAX_FRAME)
+        try:
+            while True:
+                data = await st.read()
+                if not data:
+                    break
+                for msg in dec.feed(data):
+                    self._send(self.core.on_message(node, msg, self.now))
+                self._flush_events()
+        except RemoteProtocolError as e:
+            log.warning("closing %s: %s", crypto.short(node), e)
+            conn.close("protocol error")
+
+    async def _watch(self, conn: Conn, node: NodeId) -> None:
+        await conn.closed.wait()
+        if self.peers.get(node) is conn:
+            del self.peers[node]
+            self._gossip.pop(node, None)
+            if self.core is not None:
+                self.core.on_disconnected(node, self.now)
+
+    # ---------------------------------------------------------------- tokens
+
+    def mint_token(self, ttl_s: float) -> tok.Token:
+        assert self.m is not None
+        return tok.mint(self.key, self.m.mesh_id, self.m.secret, list(self.addrs), self.now, ttl_s)
+
+
+def new_mesh(key: Ed25519PrivateKey, now: float) -> Membership:
+    """Found a mesh: its id follows from our key, its secret is fresh."""
+    chain = tok.found(key, now)
+    return Membership(mesh_id=chain[0][0], secret=os.urandom(tok.SECRET_LEN), chain=chain)
+

@@ -1,0 +1,99 @@
+"""A node's files in its state dir (default ~/.mesh-llm, or --state-dir / $MESH_LLM_HOME).
+
+    key         Ed25519 private key, raw 32 bytes                      0600
+    mesh.json   mesh id, admission secret, admission chain, incarnation 0600
+    token       the latest invite token this node minted                0600
+
+Secrets are written with mode 0600 from the start (never chmod'ed after the fact) and are never logged.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from meshllm.errors import UserError
+from meshllm.proto import crypto
+from meshllm.proto import token as tok
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically with mode 0600."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def load_or_create_key(state: Path) -> Ed25519PrivateKey:
+    path = state / "key"
+    if path.exists():
+        mode = path.stat().st_mode & 0o777
+        if mode & 0o077:
+            raise UserError(f"{path} is readable by others (mode {mode:o}): chmod 600 {path}")
+        raw = path.read_bytes()
+        if len(raw) != 32:
+            raise UserError(f"{path} is not a mesh-llm key (expected 32 bytes)")
+        return crypto.key_from_bytes(raw)
+    key = crypto.new_key()
+    write_private(path, crypto.key_to_bytes(key))
+    return key
+
+
+@dataclass
+class Membership:
+    mesh_id: bytes
+    secret: bytes
+    chain: list[tok.Link]
+    incarnation: int = 0
+    extra: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def founder(self) -> bytes:
+        return self.chain[0][1]
+
+
+def load_membership(state: Path) -> Membership | None:
+    path = state / "mesh.json"
+    if not path.exists():
+        return None
+    try:
+        d = json.loads(path.read_text())
+        chain = [
+            (bytes.fromhex(m), bytes.fromhex(n), bytes.fromhex(b), int(at), bytes.fromhex(s))
+            for m, n, b, at, s in d["chain"]
+        ]
+        return Membership(
+            mesh_id=bytes.fromhex(d["mesh_id"]),
+            secret=base64.b64decode(d["secret"]),
+            chain=chain,
+            incarnation=int(d.get("incarnation", 0)),
+        )
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{path} is damaged ({e}); move it away to start a new mesh") from None
+
+
+def save_membership(state: Path, m: Membership) -> None:
+    d = {
+        "mesh_id": m.mesh_id.hex(),
+        "secret": base64.b64encode(m.secret).decode(),
+        "chain": [[mid.hex(), n.hex(), b.hex(), at, s.hex()] for mid, n, b, at, s in m.chain],
+        "incarnation": m.incarnation,
+    }
+    write_private(state / "mesh.json", (json.dumps(d, indent=1) + "\n").encode())
+
+
+def save_token(state: Path, text: str) -> Path:
+    path = state / "token"
+    write_private(path, (text + "\n").encode())
+    return path
