@@ -61,7 +61,7 @@ def test_tombstones_bury_a_life_and_a_new_life_comes_back() -> None:
 
 
 def test_a_tombstone_about_ourselves_is_refuted() -> None:
-    k, c = member()
+    k, _ = member()
     t = Table(crypto.node_id(k), MESH)
     assert t.add_tombstone(Tombstone(crypto.node_id(k), 1, crypto.node_id(FOUNDER), T).signed(FOUNDER), T).refuted
 

@@ -390,4 +390,3 @@ def new_mesh(key: Ed25519PrivateKey, now: float) -> Membership:
     """Found a mesh: its id follows from our key, its secret is fresh."""
     chain = tok.found(key, now)
     return Membership(mesh_id=chain[0][0], secret=os.urandom(tok.SECRET_LEN), chain=chain)
-

@@ -1,0 +1,242 @@
+"""[mesh] Real mesh-llm processes on loopback: three nodes from one token; refusals at the accepting member;
+a killed member leaves every table."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from meshllm.net.endpoint import STREAM_AUTH, Endpoint
+from meshllm.net.meshnet import _read_frame
+from meshllm.proto import crypto
+from meshllm.proto import token as tok
+from meshllm.proto.auth import AuthChallenge, AuthHello, AuthProof, make_proof
+from meshllm.proto.gossip import DEAD_AFTER_S, HEARTBEAT_S
+from meshllm.proto.wire import FrameDecoder, encode
+
+KILL_BOUND_S = DEAD_AFTER_S + HEARTBEAT_S + 3  # silent for DEAD_AFTER_S, plus a heartbeat and a tick or two
+
+
+class NodeProc:
+    def __init__(self, tmp: Path, name: str, model: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.state = tmp / name
+        self.log_path = tmp / f"{name}.log"
+        cmd = [sys.executable, "-m", "meshllm.cli", "--model", str(model), "--state-dir", str(self.state),
+               "--bind-host", "127.0.0.1", *args]  # fmt: skip
+        self.log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True
+        )
+
+    def status(self) -> dict[str, object]:
+        try:
+            d: dict[str, object] = json.loads((self.state / "status.json").read_text())
+            return d
+        except (OSError, ValueError):
+            return {}
+
+    def peers(self) -> set[str]:
+        return {p["short"] for p in self.status().get("peers", [])}  # type: ignore[attr-defined, index]
+
+    def short(self) -> str:
+        return crypto.short((self.state / "key").read_bytes() and crypto.node_id(self.key()))
+
+    def key(self) -> crypto.Ed25519PrivateKey:
+        return crypto.key_from_bytes((self.state / "key").read_bytes())
+
+    def text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[list[NodeProc]]:
+    started: list[NodeProc] = []
+    yield started
+    for n in started:
+        n.stop()
+
+
+def _membership(state: Path) -> tuple[bytes, bytes]:
+    d = json.loads((state / "mesh.json").read_text())
+    return bytes.fromhex(d["mesh_id"]), base64.b64decode(d["secret"])
+
+
+async def _attempt(
+    addr: str,
+    listener: bytes,
+    mesh_id: bytes,
+    make: Callable[[crypto.Ed25519PrivateKey, AuthChallenge], AuthProof],
+    key: crypto.Ed25519PrivateKey | None = None,
+) -> tuple[str, AuthProof]:
+    """Dial a member, answer its challenge with ``make``; return what it said and the proof we sent."""
+    key = key or crypto.new_key()
+    ep = Endpoint(key)
+    await ep.open("127.0.0.1", 0)
+    host, port = addr.rsplit(":", 1)
+    try:
+        conn = await ep.dial((host, int(port)), listener)
+        st = conn.open_stream(STREAM_AUTH)
+        dec = FrameDecoder()
+        st.write(encode(AuthHello(dialler=crypto.node_id(key), listener=listener, mesh_id=mesh_id)))
+        ch = await _read_frame(st, dec, 5)
+        assert isinstance(ch, AuthChallenge)
+        proof = make(key, ch)
+        st.write(encode(proof))
+        ans = await _read_frame(st, dec, 5)
+        return type(ans).__name__ + ":" + str(getattr(ans, "reason", "")), proof
+    finally:
+        ep.close()
+
+
+def test_three_nodes_form_a_mesh_from_one_token_and_refuse_intruders(
+    nodes: list[NodeProc], tmp_path: Path, tiny_model: Path
+) -> None:
+    # sized so that two nodes hold the model: the host and one worker; the third stands by
+    a = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.5")
+    nodes.append(a)
+    wait_for(lambda: (a.state / "token").exists() and bool(a.status()), 20, "the first node's token")
+    assert (a.state / "token").stat().st_mode & 0o777 == 0o600
+    assert (a.state / "key").stat().st_mode & 0o777 == 0o600
+    token = (a.state / "token").read_text().strip()
+    assert token not in a.text(), "the token must not go to the log"
+    b = NodeProc(tmp_path, "b", tiny_model, "--max-vram", "0.3", "--join", token)
+    c = NodeProc(tmp_path, "c", tiny_model, "--max-vram", "0.3", env={"MESH_LLM_JOIN": token})
+    nodes += [b, c]
+    for n in (a, b, c):
+        wait_for(lambda n=n: len(n.peers()) == 3, 30, f"{n.state.name} to see three nodes")
+
+    # they agree on the host and on the plan
+    def one_host() -> bool:
+        hosts = {n.status().get("host") for n in (a, b, c)}
+        return len(hosts) == 1 and None not in hosts
+
+    wait_for(one_host, 10, "agreement on one host")
+    wait_for(lambda: len({json.dumps(n.status()["plan"], sort_keys=True) for n in (a, b, c)}) == 1, 10, "one plan")
+    plan = a.status()["plan"]
+    assert isinstance(plan, dict) and len(plan["assignments"]) == 2 and len(plan["standby"]) == 1, plan
+    assert plan["host"] == a.status()["host"]
+
+    # ---- refusals, each decided and logged by the accepting member (a)
+    addr = json.loads((a.state / "node.json").read_text())["addrs"][0]
+    a_id = crypto.node_id(a.key())
+    mesh_id, secret = _membership(a.state)
+    good = tok.parse(token)
+
+    async def refusals() -> dict[str, str]:
+        out: dict[str, str] = {}
+        tampered = replace(good, addrs=("127.0.0.1:1",))  # re-encoded without re-signing
+        out["tampered"], _ = await _attempt(
+            addr, a_id, mesh_id, lambda k, ch: make_proof(k, secret, ch, a_id, token=tampered)
+        )
+        outsider = crypto.new_key()
+        alien = tok.mint(outsider, mesh_id, secret, [addr], time.time(), 3600)
+        out["non-member"], _ = await _attempt(
+            addr, a_id, mesh_id, lambda k, ch: make_proof(k, secret, ch, a_id, token=alien)
+        )
+        out["wrong-secret"], _ = await _attempt(
+            addr, a_id, mesh_id, lambda k, ch: make_proof(k, os.urandom(32), ch, a_id, token=good)
+        )
+        joiner = crypto.new_key()
+        ok, captured = await _attempt(
+            addr, a_id, mesh_id, lambda k, ch: make_proof(k, secret, ch, a_id, token=good), joiner
+        )
+        assert ok.startswith("AuthWelcome"), ok
+        out["replay"], _ = await _attempt(addr, a_id, mesh_id, lambda k, ch: captured, joiner)
+        return out
+
+    got = asyncio.run(refusals())
+    # an expired token (minted by a member with a 1 s lifetime), re-encoded with a later expiry
+    short_lived = subprocess.run(
+        [sys.executable, "-m", "meshllm.cli", "token", "--state-dir", str(a.state), "--ttl", "1s"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    time.sleep(1.5)
+    stretched = replace(tok.parse(short_lived), expires=int(time.time() + 3600))
+    got["expired+re-encoded"], _ = asyncio.run(
+        _attempt(addr, a_id, mesh_id, lambda k, ch: make_proof(k, secret, ch, a_id, token=stretched))
+    )
+    expect = {
+        "tampered": "token signature invalid",
+        "non-member": "is not a member of this mesh",
+        "wrong-secret": "secret proof invalid",
+        "replay": "not made for this connection",
+        "expired+re-encoded": "token signature invalid",
+    }
+    log = a.text()
+    for case, words in expect.items():
+        assert got[case].startswith("AuthRefuse") and words in got[case], (case, got[case])
+        assert any(words in line and "refused" in line for line in log.splitlines()), f"{case}: not in a's log"
+    assert token not in log and secret.hex() not in log
+
+    # ---- kill -9 of a member: it leaves every table within the bound
+    c_short = crypto.short(crypto.node_id(c.key()))
+    c.stop(signal.SIGKILL)
+    took = max(
+        wait_for(lambda n=n: c_short not in n.peers(), KILL_BOUND_S, f"{n.state.name} to drop c") for n in (a, b)
+    )
+    print(f"killed node left every table after {took:.1f} s (bound {KILL_BOUND_S:.0f} s)")
+
+
+def test_bad_tokens_fail_at_once_with_one_line(tmp_path: Path, tiny_model: Path) -> None:
+    key = crypto.new_key()
+    chain = tok.found(key, time.time())
+    good = tok.mint(key, chain[0][0], os.urandom(32), ["127.0.0.1:9"], time.time(), 3600)
+    cases = {
+        "garbage": "hello",
+        "tampered": replace(good, addrs=("10.0.0.1:1",)).encode(),
+        "expired": tok.mint(key, chain[0][0], good.secret, [], time.time() - 100, 10).encode(),
+    }
+    for name, text in cases.items():
+        state = tmp_path / name
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "meshllm.cli",
+                "--model",
+                str(tiny_model),
+                "--state-dir",
+                str(state),
+                "--join",
+                text,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 2, (name, r.stderr)
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and "invite token" in lines[0], (name, r.stderr)
+        assert not (state / "mesh.json").exists(), "nothing half-started"
