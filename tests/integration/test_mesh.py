@@ -239,4 +239,16 @@ def test_bad_tokens_fail_at_once_with_one_line(tmp_path: Path, tiny_model: Path)
         assert r.returncode == 2, (name, r.stderr)
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert len(lines) == 1 and "invite token" in lines[0], (name, r.stderr)
-        assert not (state / "mesh.json").exists(), "nothing half-started"
+        assert not state.exists(), "nothing half-started"
+    # a node already in one mesh, handed a token for another
+    from meshllm.net.meshnet import new_mesh
+    from meshllm.state import load_or_create_key, save_membership
+
+    state = tmp_path / "member"
+    save_membership(state, new_mesh(load_or_create_key(state), time.time()))
+    r = subprocess.run(
+        [sys.executable, "-m", "meshllm.cli", "--model", str(tiny_model), "--state-dir", str(state), "--join",
+         good.encode()],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2 and "wrong-mesh" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -72,8 +72,6 @@ class Node:
         self.o = opts
         self.console = console
         self.state = default_state_dir(opts.state_dir)
-        self.key = load_or_create_key(self.state)
-        self.me = crypto.node_id(self.key)
         self.shape: ModelShape | None = None
         self.facts: ModelFacts | None = None
         self.net: MeshNet | None = None
@@ -87,7 +85,7 @@ class Node:
     def prepare(self) -> list[tok.Token]:
         now = time.time()
         m = load_membership(self.state)
-        tokens = parse_tokens(self.o.join, now, m.mesh_id if m else None)
+        tokens = parse_tokens(self.o.join, now, m.mesh_id if m else None)  # before anything is written
         if self.o.model is not None:
             path = self.o.model
             if not path.is_file():
@@ -98,6 +96,8 @@ class Node:
                 fingerprint=model_fingerprint(path), size=path.stat().st_size,
                 n_layer=self.shape.n_layer, source=path.name,
             )  # fmt: skip
+        self.key = load_or_create_key(self.state)
+        self.me = crypto.node_id(self.key)
         if m is None and not tokens:
             m = new_mesh(self.key, now)
             self.console.print(f"new mesh [bold]{m.mesh_id.hex()[:8]}[/] founded by this node")
