@@ -24,6 +24,7 @@ test *pytest_args="":
         "lint=={{bin}}/ruff check src tests benchmarks scripts" \
         "mypy=={{bin}}/mypy --strict src" \
         "unit tests=={{bin}}/pytest -q tests/unit {{pytest_args}}" \
+        "simulation=={{bin}}/pytest -q tests/sim {{pytest_args}}" \
         "integration tests=={{bin}}/pytest -q tests/integration {{pytest_args}}"
 
 # Unit tests only (no binaries needed).

@@ -23,6 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from meshllm import __version__
 from meshllm.errors import UserError
+from meshllm.llama.build import Binaries
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -67,12 +68,40 @@ def cmd_node(args: argparse.Namespace) -> int:
         raise UserError("--client needs --join TOKEN (or --join-file / MESH_LLM_JOIN)")
     if not args.client and args.model is None:
         raise UserError("give --model PATH (or --client to join without a model)")
+    api_key = args.api_key or os.environ.get("MESH_LLM_API_KEY") or None
+    if args.listen_all and not api_key:
+        import secrets
+
+        from meshllm.paths import state_dir
+        from meshllm.state import write_private
+
+        api_key = secrets.token_urlsafe(24)
+        path = state_dir(args.state_dir) / "api-key"
+        write_private(path, (api_key + "\n").encode())
+        where = f"API key (also in {path}): {api_key}" if sys.stderr.isatty() else f"API key written to {path}"
+        console.print(f"--listen-all: requests need 'Authorization: Bearer <key>'. {where}")
+    bins = None if args.client else ensure_binaries(args.bin_dir)
     opts = NodeOptions(
         model=args.model, client=args.client, join=tokens, state_dir=args.state_dir, bind_host=args.bind_host,
         bind_port=args.bind_port, advertise=args.advertise or [], token_ttl_s=args.token_ttl,
-        max_vram_gb=args.max_vram, ctx_size=args.ctx_size, tensor_split=args.tensor_split,
+        max_vram_gb=args.max_vram, ctx_size=args.ctx_size, tensor_split=args.tensor_split, port=args.port,
+        listen_all=args.listen_all, api_key=api_key, bins=bins,
     )  # fmt: skip
     return run_node(opts, console)
+
+
+def ensure_binaries(bin_dir: Path | None) -> Binaries:
+    """The patched binaries: the user's (--bin-dir), the cached build, or a build now (with progress)."""
+    from meshllm.llama import build as b
+
+    if bin_dir is not None:
+        return b.user_binaries(bin_dir)
+    plan = b.plan_build()
+    if not plan.is_built():
+        console.print("llama.cpp is not built yet: building it now (about 10 minutes on 2 cores, once)")
+        cmd_build(argparse.Namespace(stock=False, llama_src=None, backend=None, bin_dir=None, jobs=None,
+                                     print_dir=False))  # fmt: skip
+    return b.find_binaries()
 
 
 def cmd_token(args: argparse.Namespace) -> int:
@@ -158,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-vram", type=float, metavar="GB", help="cap the memory this node offers")
     p.add_argument("--ctx-size", type=int, default=4096, metavar="N", help="context size (default 4096)")
     p.add_argument("--tensor-split", type=parse_split, metavar="P,P,...", help="override the split plan")
+    p.add_argument("--port", type=int, default=9337, help="API port (default 9337)")
+    p.add_argument("--listen-all", action="store_true", help="API on all interfaces (then an API key is required)")
+    p.add_argument("--api-key", metavar="KEY", help="require this API key (or $MESH_LLM_API_KEY)")
+    p.add_argument("--bin-dir", type=Path, metavar="DIR", help="your own ggml-rpc-server and llama-server")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(func=cmd_node)
     sub = p.add_subparsers(dest="command")

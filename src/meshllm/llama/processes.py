@@ -8,9 +8,11 @@ safe. Both servers bind 127.0.0.1 only: anyone whose bytes reach rpc-server owns
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
+import sys
 import socket
 import subprocess
 import time
@@ -28,6 +30,15 @@ LOOPBACK = "127.0.0.1"
 
 class ChildFailed(MeshError):
     """A child process exited or did not become ready in time."""
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the process that started us dies (Linux), so a crashed or
+    killed mesh-llm leaves no llama.cpp behind. Elsewhere the supervisor's own shutdown path stops children."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -71,6 +82,7 @@ def llama_server_argv(
     *,
     ctx_size: int = 4096,
     threads: int | None = None,
+    alias: str | None = None,
     rpc: Sequence[str] = (),
     n_gpu_layers: int | None = None,
     tensor_split: Sequence[float] = (),
@@ -84,6 +96,8 @@ def llama_server_argv(
     ]  # fmt: skip
     if threads:
         argv += ["--threads", str(threads)]
+    if alias:
+        argv += ["--alias", alias]
     if rpc:
         argv += ["--rpc", ",".join(rpc)]
     if n_gpu_layers is not None:
@@ -124,6 +138,7 @@ class Child:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,  # own process group: stop() signals exactly what we started
+                preexec_fn=_die_with_parent,  # noqa: PLW1509 - only calls prctl
             )
         return cls(name=name, argv=list(argv), log_path=log_path, proc=proc)
 

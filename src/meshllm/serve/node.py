@@ -20,7 +20,9 @@ from rich.console import Console
 
 from meshllm import __version__
 from meshllm.errors import MeshError, UserError
+from meshllm.llama.build import Binaries
 from meshllm.llama.gguf import model_fingerprint, model_shape, read_header
+from meshllm.llama.processes import port_in_use
 from meshllm.net.meshnet import MeshNet, new_mesh
 from meshllm.paths import state_dir as default_state_dir
 from meshllm.proto import crypto
@@ -28,6 +30,8 @@ from meshllm.proto import token as tok
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import ModelFacts, PeerRecord
 from meshllm.proto.planner import GB, ModelShape, Plan, Slot, Waiting, plan
+from meshllm.serve.api import Api, Unavailable, Upstream
+from meshllm.serve.host import LocalServer, ServerConfig, default_threads
 from meshllm.state import load_membership, load_or_create_key, save_membership, save_token, write_private
 
 log = logging.getLogger("meshllm.node")
@@ -47,6 +51,10 @@ class NodeOptions:
     max_vram_gb: float | None = None
     ctx_size: int = 4096
     tensor_split: list[float] | None = None
+    port: int = 9337
+    listen_all: bool = False
+    api_key: str | None = None
+    bins: Binaries | None = None  # None: a lite client
 
 
 def measure_capacity(max_gb: float | None) -> tuple[int, str]:
@@ -79,22 +87,32 @@ class Node:
         self.plan: Plan | Waiting | None = None
         self._last_status = ""
         self._stop = asyncio.Event()
+        self.server: LocalServer | None = None
+        self._server_cfg: ServerConfig | None = None
+        self._announced = False
+        self.api: Api | None = None
+        self.model_path: Path | None = None
 
     # ---------------------------------------------------------------- setup (before anything listens)
 
     def prepare(self) -> list[tok.Token]:
         now = time.time()
+        api_host = "0.0.0.0" if self.o.listen_all else "127.0.0.1"
+        if port_in_use(self.o.port, api_host):
+            raise UserError(f"port {self.o.port} is in use: stop what runs there or pass --port N")
         m = load_membership(self.state)
         tokens = parse_tokens(self.o.join, now, m.mesh_id if m else None)  # before anything is written
         if self.o.model is not None:
-            path = self.o.model
+            path = resolve_model(self.o.model)
             if not path.is_file():
                 raise UserError(f"--model {path}: no such file")
             hdr = read_header(path)
+            self.model_path = path
             self.shape = model_shape(hdr)
+            named = path != self.o.model  # given by name: the API serves it under that name
             self.facts = ModelFacts(
                 fingerprint=model_fingerprint(path), size=path.stat().st_size,
-                n_layer=self.shape.n_layer, source=path.name,
+                n_layer=self.shape.n_layer, source=str(self.o.model) if named else path.stem,
             )  # fmt: skip
         self.key = load_or_create_key(self.state)
         self.me = crypto.node_id(self.key)
@@ -116,6 +134,7 @@ class Node:
     async def run(self) -> int:
         tokens = self.prepare()
         assert self.net is not None
+        await self._start_api()
         addrs = await self.net.start()
         cap, device = measure_capacity(self.o.max_vram_gb)
         self.capacity = cap
@@ -137,7 +156,81 @@ class Node:
         await self._stop.wait()
         self.console.print("leaving the mesh")
         await self.net.stop(leave=True)
+        if self.server:
+            await self.server.stop()
+        if self.api:
+            await self.api.stop()
         return 0
+
+    # ---------------------------------------------------------------- the API on :9337
+
+    async def _start_api(self) -> None:
+        host = "0.0.0.0" if self.o.listen_all else "127.0.0.1"
+        if port_in_use(self.o.port, host):
+            raise UserError(f"port {self.o.port} is in use: stop what runs there or pass --port N")
+        self.api = Api(self._route, self._models, lambda: self.status(time.time()), api_key=self.o.api_key)
+        try:
+            await self.api.start(host, self.o.port)
+        except OSError as e:
+            raise UserError(f"cannot listen on {host}:{self.o.port}: {e.strerror}") from None
+
+    def _models(self) -> list[str]:
+        net = self.net
+        if net is None or net.core is None:
+            return []
+        return sorted({r.model.source for r in net.core.alive(time.time()) if r.model})
+
+    def _route(self, model: str | None) -> Upstream | Unavailable | None:
+        names = self._models()
+        if model is not None and model not in names and names:
+            return None
+        if self.server is not None and self.server.state == "serving" and self.facts is not None:
+            return Upstream(self.facts.source, self.server.base_url)
+        if self.server is not None and self.server.state in ("loading", "failed"):
+            return Unavailable(self.server.reason or f"the model is {self.server.state}")
+        if isinstance(self.plan, Waiting):
+            return Unavailable(self.plan.message())
+        if self.host is None:
+            return Unavailable("no host elected yet: waiting for peers")
+        if self.host != self.me:
+            return Unavailable(f"the host is {crypto.short(self.host)}; serving through it is not wired yet")
+        return Unavailable("starting the model server")
+
+    # ---------------------------------------------------------------- hosting
+
+    def _reconfigure(self) -> None:
+        """Run llama-server as the plan says, restarting it only when its configuration changes."""
+        want: ServerConfig | None = None
+        p = self.plan
+        if (isinstance(p, Plan) and p.host == self.me and not p.workers and self.o.bins is not None
+                and self.model_path is not None and self.facts is not None):  # fmt: skip
+            want = ServerConfig(
+                model=self.model_path, alias=self.facts.source, ctx_size=self.o.ctx_size, threads=default_threads()
+            )
+        if want == self._server_cfg:
+            return
+        self._server_cfg = want
+        asyncio.ensure_future(self._restart_server(want))
+
+    async def _restart_server(self, cfg: ServerConfig | None) -> None:
+        old, self.server = self.server, None
+        if old:
+            await old.stop()
+        self._announced = False
+        if cfg is None or self.o.bins is None:
+            return
+        self.server = LocalServer(self.o.bins, cfg, self.state)
+        self.server.start()
+
+    def _announce(self) -> None:
+        if self._announced or self.server is None or self.server.state != "serving" or self.net is None:
+            return
+        self._announced = True
+        self.net.update(state="serving")
+        host = "0.0.0.0" if self.o.listen_all else "127.0.0.1"
+        self.console.print(
+            f"[bold green]ready:[/] http://{host}:{self.o.port}/v1 — model {self.facts.source if self.facts else '?'}"
+        )
 
     async def _join(self, tokens: list[tok.Token]) -> None:
         assert self.net is not None
@@ -204,6 +297,8 @@ class Node:
             if not self.o.client and self.facts is not None:
                 net.update(role="host" if host == self.me else "worker")
         self._replan(now)
+        self._reconfigure()
+        self._announce()
         self._write_status(now)
 
     def _flush(self) -> None:
@@ -288,6 +383,15 @@ class Node:
             tmp = self.state / f".{STATUS_FILE}.tmp"
             tmp.write_text(text)
             tmp.replace(self.state / STATUS_FILE)
+
+
+def resolve_model(arg: Path) -> Path:
+    """A path, or the name of the tiny default model (the full catalog is the [models] issue)."""
+    from meshllm.models.tiny import TINY_NAME, tiny_model_path
+
+    if not arg.exists() and str(arg) in (TINY_NAME, "tiny"):
+        return tiny_model_path()
+    return arg
 
 
 def run_node(opts: NodeOptions, console: Console) -> int:

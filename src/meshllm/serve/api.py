@@ -1,0 +1,160 @@
+"""The OpenAI-compatible API on :9337 that every node serves.
+
+Requests go to an upstream chosen by the request's ``model`` field: the local llama-server on the host, or (on
+other nodes) a tunnel to the host ([serve] step 2). Responses are streamed through as they come, so SSE arrives
+token by token. With no upstream yet the answer is 503 with a JSON body that says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+log = logging.getLogger("meshllm.api")
+
+HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade", "te", "trailer"}
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """Where a model is served: an HTTP base URL reachable from this process (a local port or a tunnel)."""
+
+    model: str
+    base_url: str
+
+
+@dataclass(frozen=True)
+class Unavailable:
+    reason: str
+    retry_after_s: int = 5
+
+
+Router = Callable[[str | None], Upstream | Unavailable | None]  # None: no such model
+
+
+def _json(status: int, obj: object, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, text=json.dumps(obj), content_type="application/json", headers=headers)
+
+
+def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> web.Response:
+    return _json(status, {"error": {"message": message, "type": kind, "code": status}}, headers)
+
+
+class Api:
+    def __init__(
+        self,
+        router: Router,
+        models: Callable[[], list[str]],
+        status: Callable[[], dict[str, object]],
+        api_key: str | None = None,
+    ) -> None:
+        self.router = router
+        self.models = models
+        self.status = status
+        self.api_key = api_key
+        self.requests: dict[int, int] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self.app = web.Application(middlewares=[self._auth], client_max_size=64 << 20)
+        self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/v1/models", self.list_models)
+        self.app.router.add_get("/mesh/status", self.mesh_status)
+        self.app.router.add_route("*", "/v1/{tail:.*}", self.proxy)
+
+    async def start(self, host: str, port: int) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        self._runner = web.AppRunner(self.app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, reuse_address=True)
+        await site.start()
+
+    async def stop(self) -> None:
+        if self._runner:
+            await self._runner.cleanup()
+        if self._session:
+            await self._session.close()
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                    ) -> web.StreamResponse:  # fmt: skip
+        if self.api_key and request.path != "/health":
+            got = request.headers.get("Authorization", "")
+            expected = f"Bearer {self.api_key}"
+            if not hmac.compare_digest(got.encode(), expected.encode()):
+                return _error(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error")
+        resp = await handler(request)
+        self.requests[resp.status] = self.requests.get(resp.status, 0) + 1
+        return resp
+
+    async def health(self, request: web.Request) -> web.Response:
+        up = self.router(None)
+        if isinstance(up, Upstream):
+            return _json(200, {"status": "ok", "model": up.model})
+        reason = up.reason if isinstance(up, Unavailable) else "no model"
+        return _json(503, {"status": "unavailable", "reason": reason})
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        data = [{"id": m, "object": "model", "owned_by": "mesh-llm"} for m in self.models()]
+        return _json(200, {"object": "list", "data": data})
+
+    async def mesh_status(self, request: web.Request) -> web.Response:
+        return _json(200, self.status())
+
+    async def proxy(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        model: str | None = None
+        if body and request.content_type == "application/json":
+            try:
+                parsed = json.loads(body)
+            except ValueError:
+                return _error(400, "request body is not valid JSON", "invalid_request_error")
+            if isinstance(parsed, dict) and isinstance(parsed.get("model"), str):
+                model = parsed["model"]
+        up = self.router(model)
+        if up is None:
+            names = ", ".join(self.models()) or "none"
+            return _error(404, f"model {model!r} is not served by this mesh (served: {names})", "not_found_error")
+        if isinstance(up, Unavailable):
+            return _error(503, up.reason, "unavailable", headers={"Retry-After": str(up.retry_after_s)})
+        return await self._forward(request, up, body)
+
+    async def _forward(self, request: web.Request, up: Upstream, body: bytes) -> web.StreamResponse:
+        assert self._session is not None
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS | {"authorization"}}
+        url = up.base_url + request.path_qs
+        resp: web.StreamResponse | None = None
+        try:
+            async with self._session.request(request.method, url, data=body or None, headers=headers) as r:
+                resp = web.StreamResponse(status=r.status)
+                for k, v in r.headers.items():
+                    if k.lower() not in HOP_HEADERS:
+                        resp.headers[k] = v
+                await resp.prepare(request)
+                try:
+                    async for chunk in r.content.iter_any():
+                        await resp.write(chunk)
+                    await resp.write_eof()
+                except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+                    # our client went away: leaving the block closes the upstream request, which stops generating
+                    log.debug("client of %s went away", request.path)
+                return resp
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+            log.warning("upstream %s failed: %s", up.base_url, e)
+            if resp is None or not resp.prepared:
+                return _error(502, f"the model server failed: {e.__class__.__name__}", "upstream_error")
+            # already streaming: end it with an error event rather than a hang or a silent cut
+            try:
+                if "event-stream" in resp.headers.get("Content-Type", ""):
+                    err = {"error": {"message": "the model server failed mid-stream", "type": "upstream_error"}}
+                    await resp.write(f"data: {json.dumps(err)}\n\n".encode())
+                await resp.write_eof()
+            except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+                pass
+            return resp

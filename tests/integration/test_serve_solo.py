@@ -1,0 +1,179 @@
+"""[serve] Solo: one node serves the test model on its API port, through llama-server on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from meshllm.llama.processes import free_port
+
+
+def _post(port: int, path: str, body: dict[str, object], key: str | None = None) -> tuple[int, dict[str, object]]:
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def _get(port: int, path: str) -> tuple[int, dict[str, object]]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+class Solo:
+    def __init__(self, tmp: Path, *args: str) -> None:
+        self.port = free_port()
+        self.state = tmp / "node"
+        self.log_path = tmp / "node.log"
+        self.log = self.log_path.open("wb")
+        cmd = [sys.executable, "-m", "meshllm.cli", "--model", "gemma3-270m", "--state-dir", str(self.state),
+               "--bind-host", "127.0.0.1", "--port", str(self.port), "--ctx-size", "1024", *args]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        t0 = time.monotonic()
+        while "ready:" not in self.log_path.read_text(errors="replace"):
+            assert self.proc.poll() is None, self.log_path.read_text()
+            assert time.monotonic() - t0 < timeout, self.log_path.read_text()
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+
+
+@pytest.fixture
+def solo(tmp_path: Path) -> Iterator[Solo]:
+    s = Solo(tmp_path)
+    yield s
+    s.stop()
+
+
+def _llama_server_port(pid: int) -> int:
+    for child in psutil.Process(pid).children(recursive=True):
+        if "llama-server" in child.name():
+            for c in child.net_connections(kind="tcp"):
+                if c.status == psutil.CONN_LISTEN:
+                    assert c.laddr.ip == "127.0.0.1", "llama-server must listen on loopback only"
+                    return int(c.laddr.port)
+    raise AssertionError("no llama-server child listening")
+
+
+def test_solo_answers_like_llama_server_itself(solo: Solo) -> None:
+    solo.wait_ready()
+    status, models = _get(solo.port, "/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == ["gemma3-270m"]  # type: ignore[index]
+    assert _get(solo.port, "/health")[0] == 200
+    body = {"model": "gemma3-270m", "prompt": "The capital of France is", "max_tokens": 24, "temperature": 0}
+    code, via_mesh = _post(solo.port, "/v1/completions", body)
+    assert code == 200, via_mesh
+    direct_port = _llama_server_port(solo.proc.pid)
+    code, direct = _post(direct_port, "/v1/completions", body)
+    assert via_mesh["choices"][0]["text"] == direct["choices"][0]["text"]  # type: ignore[index]
+    chat = {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 8, "temperature": 0}
+    code, out = _post(solo.port, "/v1/chat/completions", chat)
+    assert code == 200 and out["choices"][0]["message"]["content"]  # type: ignore[index]
+    code, err = _post(solo.port, "/v1/completions", {**body, "model": "no-such-model"})
+    assert code == 404 and "gemma3-270m" in err["error"]["message"]  # type: ignore[index]
+    status, st = _get(solo.port, "/mesh/status")
+    assert status == 200 and st["role"] == "host"
+
+
+def test_streaming_arrives_token_by_token(solo: Solo) -> None:
+    solo.wait_ready()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{solo.port}/v1/chat/completions",
+        data=json.dumps(
+            {
+                "messages": [{"role": "user", "content": "Count to ten."}],
+                "max_tokens": 16,
+                "temperature": 0,
+                "stream": True,
+            }
+        ).encode(),  # fmt: skip
+        headers={"Content-Type": "application/json"},
+    )
+    events = []
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        for line in r:
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                events.append(json.loads(line[6:]))
+    deltas = [e["choices"][0]["delta"].get("content") for e in events if e.get("choices")]
+    assert sum(1 for d in deltas if d) >= 8, "expected one event per token"
+
+
+def test_listen_all_requires_the_api_key(tmp_path: Path) -> None:
+    s = Solo(tmp_path, "--listen-all", "--api-key", "sekrit-123")
+    try:
+        s.wait_ready()
+        body = {"prompt": "Hi", "max_tokens": 2}
+        assert _post(s.port, "/v1/completions", body)[0] == 401
+        assert _post(s.port, "/v1/completions", body, key="wrong")[0] == 401
+        assert _post(s.port, "/v1/completions", body, key="sekrit-123")[0] == 200
+        assert "sekrit-123" not in s.log_path.read_text()
+    finally:
+        s.stop()
+
+
+def test_bad_input_is_one_clear_line(tmp_path: Path) -> None:
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "meshllm.cli", "--state-dir", str(tmp_path / "s"), *args],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+
+    r = run("--model", str(tmp_path / "missing.gguf"))
+    assert r.returncode == 2 and "no such file" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a model at all")
+    r = run("--model", str(junk))
+    assert r.returncode == 2 and "not a GGUF file" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        r = run("--model", "gemma3-270m", "--port", str(busy.getsockname()[1]))
+    assert r.returncode == 2 and "in use" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_sigterm_leaves_no_children(tmp_path: Path) -> None:
+    s = Solo(tmp_path)
+    s.wait_ready()
+    kids = psutil.Process(s.proc.pid).children(recursive=True)
+    assert kids
+    s.stop()
+    gone, alive = psutil.wait_procs(kids, timeout=10)
+    assert not alive, f"left behind: {[p.pid for p in alive]}"
+
+
+def test_killed_mesh_llm_takes_its_children_along(tmp_path: Path) -> None:
+    s = Solo(tmp_path)
+    s.wait_ready()
+    kids = psutil.Process(s.proc.pid).children(recursive=True)
+    s.proc.kill()  # SIGKILL to mesh-llm only: its llama-server must not outlive it
+    gone, alive = psutil.wait_procs(kids, timeout=10)
+    assert not alive
+    s.stop()
