@@ -165,7 +165,7 @@ def test_sigterm_leaves_no_children(tmp_path: Path) -> None:
     kids = psutil.Process(s.proc.pid).children(recursive=True)
     assert kids
     s.stop()
-    gone, alive = psutil.wait_procs(kids, timeout=10)
+    _, alive = psutil.wait_procs(kids, timeout=10)
     assert not alive, f"left behind: {[p.pid for p in alive]}"
 
 
@@ -174,6 +174,6 @@ def test_killed_mesh_llm_takes_its_children_along(tmp_path: Path) -> None:
     s.wait_ready()
     kids = psutil.Process(s.proc.pid).children(recursive=True)
     s.proc.kill()  # SIGKILL to mesh-llm only: its llama-server must not outlive it
-    gone, alive = psutil.wait_procs(kids, timeout=10)
+    _, alive = psutil.wait_procs(kids, timeout=10)
     assert not alive
     s.stop()

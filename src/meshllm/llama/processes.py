@@ -12,9 +12,9 @@ import ctypes
 import json
 import os
 import signal
-import sys
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -138,7 +138,7 @@ class Child:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,  # own process group: stop() signals exactly what we started
-                preexec_fn=_die_with_parent,  # noqa: PLW1509 - only calls prctl
+                preexec_fn=_die_with_parent,
             )
         return cls(name=name, argv=list(argv), log_path=log_path, proc=proc)
 

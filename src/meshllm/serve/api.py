@@ -7,7 +7,6 @@ token by token. With no upstream yet the answer is 503 with a JSON body that say
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
@@ -145,7 +144,7 @@ class Api:
                     # our client went away: leaving the block closes the upstream request, which stops generating
                     log.debug("client of %s went away", request.path)
                 return resp
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+        except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
             log.warning("upstream %s failed: %s", up.base_url, e)
             if resp is None or not resp.prepared:
                 return _error(502, f"the model server failed: {e.__class__.__name__}", "upstream_error")

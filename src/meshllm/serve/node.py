@@ -92,6 +92,7 @@ class Node:
         self._announced = False
         self.api: Api | None = None
         self.model_path: Path | None = None
+        self._reconfig_task: asyncio.Future[None] | None = None
 
     # ---------------------------------------------------------------- setup (before anything listens)
 
@@ -210,7 +211,7 @@ class Node:
         if want == self._server_cfg:
             return
         self._server_cfg = want
-        asyncio.ensure_future(self._restart_server(want))
+        self._reconfig_task = asyncio.ensure_future(self._restart_server(want))
 
     async def _restart_server(self, cfg: ServerConfig | None) -> None:
         old, self.server = self.server, None
