@@ -115,7 +115,7 @@ def test_streaming_arrives_token_by_token(solo: Solo) -> None:
                 "temperature": 0,
                 "stream": True,
             }
-        ).encode(),  # fmt: skip
+        ).encode(),
         headers={"Content-Type": "application/json"},
     )
     events = []
