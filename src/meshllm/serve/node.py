@@ -12,6 +12,7 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,8 +23,10 @@ from meshllm import __version__
 from meshllm.errors import MeshError, UserError
 from meshllm.llama.build import Binaries
 from meshllm.llama.gguf import model_fingerprint, model_shape, read_header
-from meshllm.llama.processes import port_in_use
+from meshllm.llama.processes import Child, free_port, port_in_use, rpc_server_argv, wait_tcp_ready
+from meshllm.net.endpoint import STREAM_HTTP, STREAM_RPC, Conn, Stream
 from meshllm.net.meshnet import MeshNet, new_mesh
+from meshllm.net.tunnel import TunnelListener, TunnelStats, connect_and_bridge
 from meshllm.paths import state_dir as default_state_dir
 from meshllm.proto import crypto
 from meshllm.proto import token as tok
@@ -93,6 +96,15 @@ class Node:
         self.api: Api | None = None
         self.model_path: Path | None = None
         self._reconfig_task: asyncio.Future[None] | None = None
+        self._listener_task: asyncio.Future[TunnelListener] | None = None
+        self._rpc_listener_task: asyncio.Future[None] | None = None
+        self.rpc_child: Child | None = None  # our own rpc-server (worker, and the host's last device)
+        self.rpc_port = 0
+        self.rpc_stats: dict[NodeId, TunnelStats] = {}  # per peer
+        self.http_stats: dict[NodeId, TunnelStats] = {}
+        self._rpc_listeners: dict[NodeId, TunnelListener] = {}  # host side: one per worker
+        self._http_listeners: dict[NodeId, TunnelListener] = {}  # any node: one per remote host
+        self._rpc_tunnels: dict[NodeId, set[asyncio.Task[None]]] = {}  # worker side: per dialling host
 
     # ---------------------------------------------------------------- setup (before anything listens)
 
@@ -136,6 +148,10 @@ class Node:
         tokens = self.prepare()
         assert self.net is not None
         await self._start_api()
+        self.net.stream_handlers[STREAM_RPC] = self._on_rpc_stream
+        self.net.stream_handlers[STREAM_HTTP] = self._on_http_stream
+        if self.o.bins is not None and self.model_path is not None:
+            await self._start_rpc_server()
         addrs = await self.net.start()
         cap, device = measure_capacity(self.o.max_vram_gb)
         self.capacity = cap
@@ -159,9 +175,74 @@ class Node:
         await self.net.stop(leave=True)
         if self.server:
             await self.server.stop()
+        if self.rpc_child:
+            await asyncio.to_thread(self.rpc_child.stop)
+        for lst in [*self._rpc_listeners.values(), *self._http_listeners.values()]:
+            await lst.close()
         if self.api:
             await self.api.stop()
         return 0
+
+    # ---------------------------------------------------------------- tunnels
+
+    async def _start_rpc_server(self) -> None:
+        """Our rpc-server on loopback, loading weights from our own copy of the model. The host uses it as
+        its last device (so the output layer runs here, on the host); workers serve it to the host."""
+        assert self.o.bins is not None and self.model_path is not None
+        self.rpc_port = free_port()
+        argv = rpc_server_argv(self.o.bins, self.rpc_port, threads=default_threads(), gguf=self.model_path)
+        self.rpc_child = Child.start("rpc-server", argv, self.state / "rpc-server.log")
+        await asyncio.to_thread(wait_tcp_ready, self.rpc_child, self.rpc_port, 30.0)
+
+    async def _on_rpc_stream(self, conn: Conn, st: Stream) -> None:
+        """Worker side: only the elected host may reach our rpc-server (anyone reaching it owns the machine)."""
+        peer = conn.peer
+        rec = self._record(peer) if peer else None
+        announced = (rec is not None and rec.role == "host" and rec.model is not None and self.facts is not None
+                     and rec.model.fingerprint == self.facts.fingerprint)  # fmt: skip
+        if peer is None or not (peer == self.host or announced) or self.rpc_child is None or not self.rpc_child.alive():
+            log.warning("refused an RPC tunnel from %s: not the elected host", crypto.short(peer) if peer else "?")
+            st.reset()
+            return
+        # rpc-server serves one client at a time: tunnels from a former host must not hold it
+        for old, tasks in self._rpc_tunnels.items():
+            if old != peer:
+                for t in tasks:
+                    t.cancel()
+        task = asyncio.current_task()
+        mine = self._rpc_tunnels.setdefault(peer, set())
+        if task is not None:
+            mine.add(task)
+        try:
+            await connect_and_bridge(st, self.rpc_port, self.rpc_stats.setdefault(peer, TunnelStats()))
+        finally:
+            if task is not None:
+                mine.discard(task)
+
+    async def _on_http_stream(self, conn: Conn, st: Stream) -> None:
+        """Host side: a peer's API forwards a request for our model to our llama-server."""
+        if self.server is None or self.server.state != "serving" or conn.peer is None:
+            st.reset()
+            return
+        await connect_and_bridge(st, self.server.port, self.http_stats.setdefault(conn.peer, TunnelStats()))
+
+    def _opener(self, node: NodeId, kind: int) -> Callable[[], Stream | None]:
+        def open_stream() -> Stream | None:
+            assert self.net is not None
+            conn = self.net.peers.get(node)
+            if conn is None or conn.closed.is_set():
+                return None
+            return conn.open_stream(kind)
+
+        return open_stream
+
+    async def _http_listener(self, host: NodeId) -> TunnelListener:
+        lst = self._http_listeners.get(host)
+        if lst is None:
+            lst = TunnelListener(self._opener(host, STREAM_HTTP), self.http_stats.setdefault(host, TunnelStats()))
+            await lst.start()
+            self._http_listeners[host] = lst  # only once it has a port
+        return lst
 
     # ---------------------------------------------------------------- the API on :9337
 
@@ -185,17 +266,45 @@ class Node:
         names = self._models()
         if model is not None and model not in names and names:
             return None
-        if self.server is not None and self.server.state == "serving" and self.facts is not None:
+        if (self.server is not None and self.server.state == "serving" and self.facts is not None
+                and (model is None or model == self.facts.source)):  # fmt: skip
             return Upstream(self.facts.source, self.server.base_url)
         if self.server is not None and self.server.state in ("loading", "failed"):
             return Unavailable(self.server.reason or f"the model is {self.server.state}")
+        remote = self._serving_host(model)
+        if remote is not None:
+            lst = self._http_listeners.get(remote)
+            if lst is None:
+                self._spawn_listener(remote)
+                return Unavailable("connecting to the host", retry_after_s=1)
+            return Upstream(self._model_of(remote), f"http://127.0.0.1:{lst.port}")
         if isinstance(self.plan, Waiting):
             return Unavailable(self.plan.message())
         if self.host is None:
             return Unavailable("no host elected yet: waiting for peers")
-        if self.host != self.me:
-            return Unavailable(f"the host is {crypto.short(self.host)}; serving through it is not wired yet")
+        if self.host is not None and self.host != self.me:
+            return Unavailable(f"the host {crypto.short(self.host)} is loading the model")
         return Unavailable("starting the model server")
+
+    def _serving_host(self, model: str | None) -> NodeId | None:
+        """Another node that serves ``model`` (any model when None) and that we are connected to."""
+        net = self.net
+        if net is None or net.core is None:
+            return None
+        now = time.time()
+        for r in net.core.table.alive(now):
+            if (r.role == "host" and r.state == "serving" and r.model is not None
+                    and (model is None or r.model.source == model) and r.node in net.peers):  # fmt: skip
+                return r.node
+        return None
+
+    def _model_of(self, node: NodeId) -> str:
+        r = self._record(node)
+        return r.model.source if r and r.model else "?"
+
+    def _spawn_listener(self, host: NodeId) -> None:
+        if self._listener_task is None or self._listener_task.done():
+            self._listener_task = asyncio.ensure_future(self._http_listener(host))
 
     # ---------------------------------------------------------------- hosting
 
@@ -203,15 +312,45 @@ class Node:
         """Run llama-server as the plan says, restarting it only when its configuration changes."""
         want: ServerConfig | None = None
         p = self.plan
-        if (isinstance(p, Plan) and p.host == self.me and not p.workers and self.o.bins is not None
+        if (isinstance(p, Plan) and p.host == self.me and self.o.bins is not None
                 and self.model_path is not None and self.facts is not None):  # fmt: skip
-            want = ServerConfig(
-                model=self.model_path, alias=self.facts.source, ctx_size=self.o.ctx_size, threads=default_threads()
-            )
+            if not p.workers:
+                want = ServerConfig(
+                    model=self.model_path, alias=self.facts.source, ctx_size=self.o.ctx_size,
+                    threads=default_threads(),
+                )  # fmt: skip
+            elif self._tunnels_ready(p):
+                # workers first (the first layers), our own rpc-server last: the output layer stays here
+                rpc = tuple(f"127.0.0.1:{self._rpc_listeners[a.node].port}" for a in p.workers)
+                want = ServerConfig(
+                    model=self.model_path, alias=self.facts.source, ctx_size=self.o.ctx_size,
+                    threads=default_threads(), rpc=(*rpc, f"127.0.0.1:{self.rpc_port}"),
+                    tensor_split=p.tensor_split, extra=("--load-mode", "none", "--fit", "off"),
+                )  # fmt: skip
+            else:
+                return  # listeners are being made; the next tick reconfigures
         if want == self._server_cfg:
             return
         self._server_cfg = want
         self._reconfig_task = asyncio.ensure_future(self._restart_server(want))
+
+    def _tunnels_ready(self, p: Plan) -> bool:
+        """A tunnel listener for every worker of the plan (made in the background when missing)."""
+        assert self.net is not None
+        missing = [a.node for a in p.workers if a.node not in self._rpc_listeners]
+        if not missing:
+            return all(a.node in self.net.peers for a in p.workers)
+        if self._rpc_listener_task is None or self._rpc_listener_task.done():
+            self._rpc_listener_task = asyncio.ensure_future(self._make_rpc_listeners(missing))
+        return False
+
+    async def _make_rpc_listeners(self, nodes: list[NodeId]) -> None:
+        for n in nodes:
+            if n not in self._rpc_listeners:
+                lst = TunnelListener(self._opener(n, STREAM_RPC), self.rpc_stats.setdefault(n, TunnelStats()))
+                await lst.start()
+                self._rpc_listeners[n] = lst  # only once it has a port
+        self._on_change()
 
     async def _restart_server(self, cfg: ServerConfig | None) -> None:
         old, self.server = self.server, None
@@ -300,6 +439,9 @@ class Node:
         self._replan(now)
         self._reconfigure()
         self._announce()
+        remote = self._serving_host(None)
+        if remote is not None and remote not in self._http_listeners:
+            self._spawn_listener(remote)  # ready before the first request
         self._write_status(now)
 
     def _flush(self) -> None:
@@ -358,6 +500,8 @@ class Node:
                 "path": "self" if r.node == self.me else (f"direct {conn.addr[0]}:{conn.addr[1]}" if conn
                                                           else "gossip"),
                 "rtt_ms": core.rtt_ms.get(r.node),
+                "tunnel": self._tunnel_counts(r.node),
+                "layers": self._layers_of(r.node),
             })  # fmt: skip
         p = self.plan
         plan_obj: object = None
@@ -376,6 +520,20 @@ class Node:
             "host": self.host.hex() if self.host else None, "peers": peers, "plan": plan_obj,
             "model": self.facts.__dict__ if self.facts else None, "version": __version__,
         }  # fmt: skip
+
+    def _tunnel_counts(self, node: NodeId) -> dict[str, int]:
+        rpc = self.rpc_stats.get(node, TunnelStats())
+        http = self.http_stats.get(node, TunnelStats())
+        # bytes_up: what we sent to that peer through tunnels; bytes_down: what came back from it
+        return {"rpc_sent": rpc.bytes_up, "rpc_received": rpc.bytes_down, "rpc_tunnels": rpc.tunnels,
+                "http_sent": http.bytes_up, "http_received": http.bytes_down}  # fmt: skip
+
+    def _layers_of(self, node: NodeId) -> list[int] | None:
+        if isinstance(self.plan, Plan):
+            for a in self.plan.assignments:
+                if a.node == node:
+                    return [a.first, a.first + a.count - 1] if a.count else None
+        return None
 
     def _write_status(self, now: float) -> None:
         text = json.dumps(self.status(now), indent=1, sort_keys=True)
