@@ -65,12 +65,15 @@ def start_split(
     children: list[Child],
     relays: list[CountingRelay],
     env: dict[str, str] | None = None,
+    threads: int = 1,
+    tensor_split: list[float] | None = None,
+    extra: list[str] | None = None,
 ) -> Split:
     procs: list[Child] = []
     mine: list[CountingRelay] = []
     for i, w in enumerate(workers):
         port = free_port()
-        child = Child.start(f"rpc{i}", rpc_server_argv(w.bins, port, threads=1, gguf=w.gguf), tmp / f"rpc{i}.log")
+        child = Child.start(f"rpc{i}", rpc_server_argv(w.bins, port, threads=threads, gguf=w.gguf), tmp / f"rpc{i}.log")
         children.append(child)
         wait_tcp_ready(child, port)
         relay = CountingRelay(port)
@@ -87,7 +90,9 @@ def start_split(
         threads=2,
         rpc=[f"127.0.0.1:{r.port}" for r in mine],
         n_gpu_layers=99,
-        extra=["--load-mode", "none"],  # read() instead of mmap: what the host reads shows in rchar
+        tensor_split=tensor_split or (),
+        # read() instead of mmap: what the host reads shows in rchar
+        extra=["--load-mode", "none", *(extra or [])],
     )
     llama = Child.start("llama-server", argv, tmp / "llama.log", env={**os.environ, **(env or {})})
     children.append(llama)

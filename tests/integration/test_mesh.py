@@ -25,57 +25,9 @@ from meshllm.proto.auth import AuthChallenge, AuthHello, AuthProof, make_proof
 from meshllm.proto.gossip import DEAD_AFTER_S, HEARTBEAT_S
 from meshllm.proto.wire import FrameDecoder, encode
 
+from .meshlab import NodeProc, wait_for
+
 KILL_BOUND_S = DEAD_AFTER_S + HEARTBEAT_S + 3  # silent for DEAD_AFTER_S, plus a heartbeat and a tick or two
-
-
-class NodeProc:
-    def __init__(self, tmp: Path, name: str, model: Path, *args: str, env: dict[str, str] | None = None) -> None:
-        self.state = tmp / name
-        self.log_path = tmp / f"{name}.log"
-        cmd = [sys.executable, "-m", "meshllm.cli", "--model", str(model), "--state-dir", str(self.state),
-               "--bind-host", "127.0.0.1", *args]  # fmt: skip
-        self.log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True
-        )
-
-    def status(self) -> dict[str, object]:
-        try:
-            d: dict[str, object] = json.loads((self.state / "status.json").read_text())
-            return d
-        except (OSError, ValueError):
-            return {}
-
-    def peers(self) -> set[str]:
-        return {p["short"] for p in self.status().get("peers", [])}  # type: ignore[attr-defined, index]
-
-    def short(self) -> str:
-        return crypto.short((self.state / "key").read_bytes() and crypto.node_id(self.key()))
-
-    def key(self) -> crypto.Ed25519PrivateKey:
-        return crypto.key_from_bytes((self.state / "key").read_bytes())
-
-    def text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
-
-
-def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> float:
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.1)
-    return time.monotonic() - t0
 
 
 @pytest.fixture

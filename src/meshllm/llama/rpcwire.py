@@ -93,11 +93,12 @@ class WireStats:
         )
 
 
-class _CommandParser:
+class CommandParser:
     """Incremental parser of the client->server stream: counts commands and payload bytes."""
 
-    def __init__(self, stats: WireStats, lock: threading.Lock) -> None:
-        self.stats, self.lock = stats, lock
+    def __init__(self, stats: WireStats, lock: threading.Lock | None = None) -> None:
+        self.stats = stats
+        self.lock: contextlib.AbstractContextManager[object] = lock or contextlib.nullcontext()
         self.header = b""
         self.cmd = -1
         self.remaining = 0
@@ -162,11 +163,11 @@ class CountingRelay:
             with self._lock:
                 self.stats.connections += 1
                 self._socks += [client, server]
-            parser = _CommandParser(self.stats, self._lock)
+            parser = CommandParser(self.stats, self._lock)
             threading.Thread(target=self._pump, args=(client, server, parser, True), daemon=True).start()
             threading.Thread(target=self._pump, args=(server, client, None, False), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, parser: _CommandParser | None, up: bool) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, parser: CommandParser | None, up: bool) -> None:
         try:
             while True:
                 data = src.recv(1 << 20)

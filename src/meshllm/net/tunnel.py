@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from meshllm.errors import RemoteProtocolError
+from meshllm.llama.rpcwire import CommandParser, WireStats
 from meshllm.net.endpoint import Stream
 
 log = logging.getLogger("meshllm.tunnel")
@@ -39,6 +40,7 @@ class TunnelStats:
     bytes_up: int = 0  # TCP -> QUIC (to the peer)
     bytes_down: int = 0  # QUIC -> TCP (from the peer)
     tunnels: int = 0
+    rpc: WireStats | None = None  # host side of RPC tunnels: what llama-server asked of the worker
 
 
 class _Decoder:
@@ -72,6 +74,7 @@ async def bridge(stream: Stream, reader: asyncio.StreamReader, writer: asyncio.S
     nodelay(writer)
     stats = stats or TunnelStats()
     stats.tunnels += 1
+    parser = CommandParser(stats.rpc) if stats.rpc is not None else None
     window = WINDOW
     credit_changed = asyncio.Event()
 
@@ -87,6 +90,8 @@ async def bridge(stream: Stream, reader: asyncio.StreamReader, writer: asyncio.S
                     await credit_changed.wait()
                 window -= len(data)
                 stats.bytes_up += len(data)
+                if parser is not None:
+                    parser.feed(data)
                 stream.write(HDR.pack(DATA, len(data)) + data)
         except (ConnectionError, OSError):
             pass

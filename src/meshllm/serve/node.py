@@ -24,6 +24,7 @@ from meshllm.errors import MeshError, UserError
 from meshllm.llama.build import Binaries
 from meshllm.llama.gguf import model_fingerprint, model_shape, read_header
 from meshllm.llama.processes import Child, free_port, port_in_use, rpc_server_argv, wait_tcp_ready
+from meshllm.llama.rpcwire import Cmd, WireStats
 from meshllm.net.endpoint import STREAM_HTTP, STREAM_RPC, Conn, Stream
 from meshllm.net.meshnet import MeshNet, new_mesh
 from meshllm.net.tunnel import TunnelListener, TunnelStats, connect_and_bridge
@@ -96,6 +97,7 @@ class Node:
         self.api: Api | None = None
         self.model_path: Path | None = None
         self._reconfig_task: asyncio.Future[None] | None = None
+        self._at_load: dict[NodeId, tuple[int, int]] = {}
         self._listener_task: asyncio.Future[TunnelListener] | None = None
         self._rpc_listener_task: asyncio.Future[None] | None = None
         self.rpc_child: Child | None = None  # our own rpc-server (worker, and the host's last device)
@@ -347,7 +349,9 @@ class Node:
     async def _make_rpc_listeners(self, nodes: list[NodeId]) -> None:
         for n in nodes:
             if n not in self._rpc_listeners:
-                lst = TunnelListener(self._opener(n, STREAM_RPC), self.rpc_stats.setdefault(n, TunnelStats()))
+                stats = self.rpc_stats.setdefault(n, TunnelStats())
+                stats.rpc = stats.rpc or WireStats()
+                lst = TunnelListener(self._opener(n, STREAM_RPC), stats)
                 await lst.start()
                 self._rpc_listeners[n] = lst  # only once it has a port
         self._on_change()
@@ -367,6 +371,8 @@ class Node:
             return
         self._announced = True
         self.net.update(state="serving")
+        # what loading the model cost on each worker's wire (later traffic is per-token inputs)
+        self._at_load = {n: _weights_and_trips(st) for n, st in self.rpc_stats.items() if st.rpc is not None}
         host = "0.0.0.0" if self.o.listen_all else "127.0.0.1"
         self.console.print(
             f"[bold green]ready:[/] http://{host}:{self.o.port}/v1 — model {self.facts.source if self.facts else '?'}"
@@ -525,8 +531,13 @@ class Node:
         rpc = self.rpc_stats.get(node, TunnelStats())
         http = self.http_stats.get(node, TunnelStats())
         # bytes_up: what we sent to that peer through tunnels; bytes_down: what came back from it
-        return {"rpc_sent": rpc.bytes_up, "rpc_received": rpc.bytes_down, "rpc_tunnels": rpc.tunnels,
-                "http_sent": http.bytes_up, "http_received": http.bytes_down}  # fmt: skip
+        out = {"rpc_sent": rpc.bytes_up, "rpc_received": rpc.bytes_down, "rpc_tunnels": rpc.tunnels,
+               "http_sent": http.bytes_up, "http_received": http.bytes_down}  # fmt: skip
+        if rpc.rpc is not None:
+            out["rpc_local_loads"] = rpc.rpc.commands[Cmd.SET_TENSOR_GGUF]
+            if node in self._at_load:
+                out["load_weight_bytes"], out["load_round_trips"] = self._at_load[node]
+        return out
 
     def _layers_of(self, node: NodeId) -> list[int] | None:
         if isinstance(self.plan, Plan):
@@ -542,6 +553,11 @@ class Node:
             tmp = self.state / f".{STATUS_FILE}.tmp"
             tmp.write_text(text)
             tmp.replace(self.state / STATUS_FILE)
+
+
+def _weights_and_trips(st: TunnelStats) -> tuple[int, int]:
+    assert st.rpc is not None
+    return st.rpc.payload[Cmd.SET_TENSOR] + st.rpc.payload[Cmd.SET_TENSOR_HASH], st.rpc.round_trips
 
 
 def resolve_model(arg: Path) -> Path:

@@ -1,0 +1,89 @@
+"""Real mesh-llm node processes for integration tests."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+
+from meshllm.proto import crypto
+
+
+class NodeProc:
+    def __init__(
+        self, tmp: Path, name: str, model: Path | None, *args: str, env: dict[str, str] | None = None,
+        port: int | None = None,
+    ) -> None:  # fmt: skip
+        self.state = tmp / name
+        self.log_path = tmp / f"{name}.log"
+        self.port = port or 0
+        which = ["--model", str(model)] if model is not None else ["--client"]
+        cmd = [sys.executable, "-m", "meshllm.cli", *which, "--state-dir", str(self.state),
+               "--bind-host", "127.0.0.1", "--port", str(self.port or _free_port()), *args]  # fmt: skip
+        self.port = int(cmd[cmd.index("--port") + 1])
+        self.log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True
+        )
+
+    def status(self) -> dict[str, object]:
+        try:
+            d: dict[str, object] = json.loads((self.state / "status.json").read_text())
+            return d
+        except (OSError, ValueError):
+            return {}
+
+    def peers(self) -> set[str]:
+        return {p["short"] for p in self.status().get("peers", [])}  # type: ignore[attr-defined, index]
+
+    def short(self) -> str:
+        return crypto.short((self.state / "key").read_bytes() and crypto.node_id(self.key()))
+
+    def key(self) -> crypto.Ed25519PrivateKey:
+        return crypto.key_from_bytes((self.state / "key").read_bytes())
+
+    def text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Signal mesh-llm itself (it must stop its own children); the process group only as a fallback."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # leave nothing behind for the next test
+        self.log.close()
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def _free_port() -> int:
+    from meshllm.llama.processes import free_port
+
+    return free_port()
+
+
+def children(proc: subprocess.Popen[bytes]) -> list[psutil.Process]:
+    try:
+        return psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []

@@ -1,0 +1,164 @@
+"""[serve] A host and a worker sized so the plan splits, plus a lite client: the same answers from every node's
+:9337, with no weights and no logits on the wire."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from meshllm.llama.build import Binaries
+from meshllm.llama.processes import Child
+from meshllm.llama.rpcwire import CountingRelay
+
+from .meshlab import NodeProc, children, wait_for
+from .splitlab import PROMPT, Worker, start_split, stop_split
+
+N = 64
+
+
+def complete(port: int, path: str = "/completion", **extra: object) -> dict[str, object]:
+    body = {"prompt": PROMPT, "n_predict": N, "max_tokens": N, "temperature": 0, "seed": 1, "cache_prompt": False}
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=json.dumps({**body, **extra}).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(req, timeout=300) as r:
+        out: dict[str, object] = json.loads(r.read())
+        return out
+
+
+def text_of(out: dict[str, object]) -> str:
+    if "content" in out:
+        return str(out["content"])
+    return str(out["choices"][0]["text"])  # type: ignore[index]
+
+
+def llama_server_port(node: NodeProc) -> int:
+    for p in children(node.proc):
+        if "llama-server" in p.name():
+            for c in p.net_connections(kind="tcp"):
+                if c.status == psutil.CONN_LISTEN:
+                    return int(c.laddr.port)
+    raise AssertionError("no llama-server")
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[dict[str, NodeProc]]:
+    tmp = tmp_path_factory.mktemp("split-mesh")
+    a = NodeProc(tmp, "a", tiny_model, "--max-vram", "0.5", "--ctx-size", "1024")
+    nodes = {"a": a}
+    try:
+        wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
+        token = (a.state / "token").read_text().strip()
+        nodes["b"] = NodeProc(tmp, "b", tiny_model, "--max-vram", "0.3", "--ctx-size", "1024", "--join", token)
+        nodes["c"] = NodeProc(tmp, "c", None, env={"MESH_LLM_JOIN": token})
+        wait_for(lambda: "ready:" in a.text(), 120, "the host to serve")
+        for n in nodes.values():
+            wait_for(lambda n=n: _health(n.port) == 200, 60, f"{n.state.name}'s :{n.port} to answer")
+        yield nodes
+    finally:
+        for n in nodes.values():
+            n.stop()
+
+
+def _health(port: int) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+            return int(r.status)
+    except OSError:
+        return 0
+
+
+def test_plan_splits_and_every_node_gives_the_hosts_answer(
+    mesh: dict[str, NodeProc], stock_bins: Binaries, tiny_model: Path, tmp_path: Path
+) -> None:
+    a, b, c = mesh["a"], mesh["b"], mesh["c"]
+    plan = a.status()["plan"]
+    assert isinstance(plan, dict) and len(plan["assignments"]) == 2, plan
+    worker_hex = plan["assignments"][0]["node"]
+    counts = [x["count"] for x in plan["assignments"]]
+    # the host's own llama-server, asked directly
+    direct = text_of(complete(llama_server_port(a)))
+    for n in (a, b, c):
+        assert text_of(complete(n.port, "/v1/completions")) == direct, f"{n.state.name} differs"
+    # the same split loaded the stock way (stock binaries, weights pushed, same layer counts)
+    children_: list[Child] = []
+    relays: list[CountingRelay] = []
+    ref = start_split(
+        tmp_path, stock_bins, [Worker(stock_bins), Worker(stock_bins)], tiny_model, children_, relays, threads=2,
+        tensor_split=[float(x) for x in counts], extra=["--fit", "off"],
+    )  # fmt: skip
+    try:
+        assert ref.complete(PROMPT, N) == direct
+    finally:
+        stop_split(ref)
+        for ch in children_:
+            ch.stop()
+        for r in relays:
+            r.close()
+    # no weights on the wire, and only a hidden state back per token (logits would be 1 MiB)
+    peer = next(p for p in a.status()["peers"] if p["node"] == worker_hex)  # type: ignore[attr-defined]
+    tun = peer["tunnel"]
+    assert tun["rpc_local_loads"] > 0 and tun["load_weight_bytes"] <= 1_000_000, tun
+    print(f"load: {tun['load_weight_bytes']} weight bytes, {tun['load_round_trips']} round trips to the worker")
+    before = tun["rpc_received"]
+    complete(c.port, "/v1/completions")
+    after = next(p for p in a.status()["peers"] if p["node"] == worker_hex)["tunnel"]["rpc_received"]  # type: ignore[attr-defined]
+    per_token = (after - before) / N
+    print(f"bytes back from the worker per token: {per_token:.0f}")
+    assert per_token < 16_000, per_token
+
+
+def test_openai_sdk_through_a_worker_and_a_lite_client(mesh: dict[str, NodeProc]) -> None:
+    openai = pytest.importorskip("openai")
+    for n in (mesh["b"], mesh["c"]):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{n.port}/v1", api_key="unused")
+        models = [m.id for m in client.models.list()]
+        assert models == [models[0]] and models[0]
+        chat = client.chat.completions.create(
+            model=models[0], messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0
+        )
+        assert chat.choices[0].message.content
+        stream = client.chat.completions.create(
+            model=models[0], messages=[{"role": "user", "content": "Count."}], max_tokens=8, temperature=0,
+            stream=True,
+        )  # fmt: skip
+        pieces = [ch.choices[0].delta.content for ch in stream if ch.choices and ch.choices[0].delta.content]
+        assert len(pieces) >= 4
+        comp = client.completions.create(model=models[0], prompt="One, two,", max_tokens=4, temperature=0)
+        assert comp.choices[0].text
+
+
+def test_concurrent_requests_from_two_nodes(mesh: dict[str, NodeProc]) -> None:
+    results: dict[str, str] = {}
+
+    def ask(name: str) -> None:
+        results[name] = text_of(complete(mesh[name].port, "/v1/completions", max_tokens=24, n_predict=24))
+
+    threads = [threading.Thread(target=ask, args=(n,)) for n in ("b", "c")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert set(results) == {"b", "c"} and all(results.values())
+
+
+def test_children_listen_on_loopback_and_go_with_sigterm(mesh: dict[str, NodeProc]) -> None:
+    kids = []
+    for n in (mesh["a"], mesh["b"]):
+        for p in children(n.proc):
+            kids.append(p)
+            for conn in p.net_connections(kind="tcp"):
+                if conn.status == psutil.CONN_LISTEN:
+                    assert conn.laddr.ip == "127.0.0.1", (p.name(), conn.laddr)
+    assert {p.name() for p in kids} >= {"llama-server", "ggml-rpc-server"}
+    for n in mesh.values():
+        n.stop()
+    _, alive = psutil.wait_procs(kids, timeout=15)
+    assert not alive, [p.pid for p in alive]
