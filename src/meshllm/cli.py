@@ -172,6 +172,41 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    import json
+    import urllib.error
+    import urllib.request
+
+    from rich.table import Table
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    req = urllib.request.Request(f"http://127.0.0.1:{args.port}/mesh/status", headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            st = json.loads(r.read())
+    except (urllib.error.URLError, OSError) as e:
+        raise UserError(f"no mesh-llm answering on 127.0.0.1:{args.port} ({e}); pass --port") from None
+    if args.json:
+        print(json.dumps(st, indent=1))
+        return 0
+    out = Console(highlight=False)
+    plan = st.get("plan") or {}
+    host = (st.get("host") or "")[:8]
+    out.print(f"node {st['node'][:8]} ({st['role']}) in mesh {st['mesh'][:8]} — host {host or 'none'}")
+    if isinstance(plan, dict) and plan.get("waiting"):
+        out.print(f"[yellow]{plan['waiting']}[/]")
+    t = Table("node", "role", "state", "capacity", "layers", "path", "RTT ms", "liveness")
+    for p in st["peers"]:
+        layers = p.get("layers")
+        t.add_row(
+            p["short"], p["role"], p["state"], f"{p['capacity'] / 1e9:.1f} GB" if p["capacity"] else "-",
+            f"{layers[0]}-{layers[1]}" if layers else "-", p["path"],
+            f"{p['rtt_ms']:.1f}" if p.get("rtt_ms") is not None else "-", p["liveness"],
+        )  # fmt: skip
+    out.print(t)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mesh-llm", description="Run one LLM across several machines.")
     p.add_argument("--version", action="version", version=f"mesh-llm {__version__}")
@@ -201,6 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("--state-dir", type=Path, metavar="DIR")
     pt.add_argument("--ttl", type=parse_duration, default=86400.0, metavar="DURATION", help="default 1d")
     pt.set_defaults(func=cmd_token)
+    ps = sub.add_parser("status", help="show the running node's view of the mesh")
+    ps.add_argument("--port", type=int, default=9337)
+    ps.add_argument("--api-key", default=os.environ.get("MESH_LLM_API_KEY"))
+    ps.add_argument("--json", action="store_true")
+    ps.set_defaults(func=cmd_status)
     return p
 
 

@@ -135,6 +135,16 @@ def test_openai_sdk_through_a_worker_and_a_lite_client(mesh: dict[str, NodeProc]
         assert comp.choices[0].text
 
 
+def test_status_command_shows_both_model_nodes(mesh: dict[str, NodeProc]) -> None:
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "meshllm.cli", "status", "--port", str(mesh["c"].port)],
+                       capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "host" in r.stdout and "worker" in r.stdout and "client" in r.stdout
+
+
 def test_concurrent_requests_from_two_nodes(mesh: dict[str, NodeProc]) -> None:
     results: dict[str, str] = {}
 

@@ -521,7 +521,12 @@ class Node:
             }
         elif isinstance(p, Waiting):
             plan_obj = {"waiting": p.message(), "need": p.need, "have": p.have}
+        api_host = "0.0.0.0" if self.o.listen_all else "127.0.0.1"
         return {
+            "api": f"http://{api_host}:{self.o.port}/v1",
+            "state": self.server.state if self.server else core.record.state,
+            "requests": dict(self.api.requests) if self.api else {},
+            "draft": None,
             "node": self.me.hex(), "mesh": core.mesh_id.hex(), "role": core.record.role,
             "host": self.host.hex() if self.host else None, "peers": peers, "plan": plan_obj,
             "model": self.facts.__dict__ if self.facts else None, "version": __version__,
