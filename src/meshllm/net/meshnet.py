@@ -181,14 +181,16 @@ class MeshNet:
             for rec in self.core.wants_to_dial(now):
                 if rec.node not in self._dialling:
                     self._spawn(self._dial_member(rec.node, list(rec.addrs)))
-            self._flush_events()
+            self.flush_events()
             self.on_change()
             await asyncio.sleep(TICK_S)
 
-    def _flush_events(self) -> None:
+    def flush_events(self) -> None:
         if self.core is None:
             return
         for ev in self.core.events:
+            if ev.kind in ("died", "left") and ev.node in self.peers:
+                self.peers[ev.node].close(f"peer {ev.kind}")  # if it lives, it refutes and reconnects
             self.on_event(ev.kind, ev.node, ev.detail)
         self.core.events.clear()
 
@@ -366,7 +368,7 @@ class MeshNet:
                     break
                 for msg in dec.feed(data):
                     self._send(self.core.on_message(node, msg, self.now))
-                self._flush_events()
+                self.flush_events()
         except RemoteProtocolError as e:
             log.warning("closing %s: %s", crypto.short(node), e)
             conn.close("protocol error")

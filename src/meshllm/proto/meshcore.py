@@ -25,11 +25,15 @@ from meshllm.proto.gossip import (
     Ping,
     Pong,
     Table,
+    Tombstone,
 )
 from meshllm.proto.wire import Message
 
 Out = list[tuple[NodeId, Message]]
 DIAL_RETRY_S = 3.0
+# a directly connected peer answers our pings every HEARTBEAT_S: silence this long means it is gone (faster than
+# waiting for its record to age out; a false alarm costs the peer one refutation)
+DIRECT_DEAD_S = 6.0
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,7 @@ class MeshCore:
     _election: Debouncer = field(default_factory=Debouncer)
     _last_beat: float = 0.0
     _dialled: dict[NodeId, float] = field(default_factory=dict)
+    _heard: dict[NodeId, float] = field(default_factory=dict)  # last message from each connected peer
     _raw_self: bytes = b""
 
     def __post_init__(self) -> None:
@@ -84,14 +89,17 @@ class MeshCore:
 
     def on_connected(self, peer: NodeId, now: float) -> Out:
         self.peers.add(peer)
+        self._heard[peer] = now
         full = self.table.push_all()
         return [(peer, GossipPush(records=[self._raw_self, *full.records], tombstones=full.tombstones))]
 
     def on_disconnected(self, peer: NodeId, now: float) -> None:
         self.peers.discard(peer)
         self.rtt_ms.pop(peer, None)
+        self._heard.pop(peer, None)
 
     def on_message(self, peer: NodeId, msg: Message, now: float) -> Out:
+        self._heard[peer] = now
         if isinstance(msg, Ping):
             return [(peer, Pong(t=msg.t))]
         if isinstance(msg, Pong):
@@ -137,6 +145,11 @@ class MeshCore:
             out += [(p, Ping(t=now)) for p in sorted(self.peers)]
         before = set(self.table.entries)
         res = self.table.expire(self.key, now)
+        for p in sorted(self.peers):
+            e = self.table.entries.get(p)
+            if e is not None and now - self._heard.get(p, now) >= DIRECT_DEAD_S:
+                t = Tombstone(p, e.record.incarnation, self.me, now).signed(self.key)
+                self.table.add_tombstone(t, now, res)
         out += self._after_merge(res, before, exclude=None, now=now)
         return out
 

@@ -7,6 +7,7 @@ token by token. With no upstream yet the answer is 503 with a JSON body that say
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -18,6 +19,7 @@ from aiohttp import web
 
 log = logging.getLogger("meshllm.api")
 
+RETRY_WAIT_S = 60.0  # how long a failed request waits for the mesh to serve again before its one retry
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade", "te", "trailer"}
 
 
@@ -122,9 +124,30 @@ class Api:
             return _error(404, f"model {model!r} is not served by this mesh (served: {names})", "not_found_error")
         if isinstance(up, Unavailable):
             return _error(503, up.reason, "unavailable", headers={"Retry-After": str(up.retry_after_s)})
-        return await self._forward(request, up, body)
+        result = await self._forward(request, up, body)
+        if isinstance(result, web.StreamResponse):
+            return result
+        # nothing reached the client yet: retry once, on whatever serves the model once the mesh has re-planned
+        log.warning("%s via %s failed before any output (%s); retrying once", request.path, up.base_url, result)
+        again = await self._wait_for_upstream(model)
+        if isinstance(again, Upstream):
+            result = await self._forward(request, again, body)
+            if isinstance(result, web.StreamResponse):
+                return result
+        reason = again.reason if isinstance(again, Unavailable) else f"the model server failed: {result}"
+        return _error(503, reason, "unavailable", headers={"Retry-After": "5"})
 
-    async def _forward(self, request: web.Request, up: Upstream, body: bytes) -> web.StreamResponse:
+    async def _wait_for_upstream(self, model: str | None) -> Upstream | Unavailable | None:
+        deadline = asyncio.get_running_loop().time() + RETRY_WAIT_S
+        await asyncio.sleep(0.5)
+        while True:
+            up = self.router(model)
+            if isinstance(up, Upstream) or up is None or asyncio.get_running_loop().time() > deadline:
+                return up
+            await asyncio.sleep(0.5)
+
+    async def _forward(self, request: web.Request, up: Upstream, body: bytes) -> web.StreamResponse | str:
+        """The upstream's response streamed to the client, or why it failed before anything was sent."""
         assert self._session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS | {"authorization"}}
         url = up.base_url + request.path_qs
@@ -147,7 +170,7 @@ class Api:
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
             log.warning("upstream %s failed: %s", up.base_url, e)
             if resp is None or not resp.prepared:
-                return _error(502, f"the model server failed: {e.__class__.__name__}", "upstream_error")
+                return e.__class__.__name__
             # already streaming: end it with an error event rather than a hang or a silent cut
             try:
                 if "event-stream" in resp.headers.get("Content-Type", ""):

@@ -39,6 +39,7 @@ from meshllm.serve.host import LocalServer, ServerConfig, default_threads
 from meshllm.state import load_membership, load_or_create_key, save_membership, save_token, write_private
 
 log = logging.getLogger("meshllm.node")
+PLAN_DEBOUNCE_S = 2.0
 STATUS_FILE = "status.json"
 
 
@@ -98,6 +99,8 @@ class Node:
         self.model_path: Path | None = None
         self._reconfig_task: asyncio.Future[None] | None = None
         self._at_load: dict[NodeId, tuple[int, int]] = {}
+        self._plan_candidate: Plan | Waiting | None = None
+        self._plan_since = 0.0
         self._listener_task: asyncio.Future[TunnelListener] | None = None
         self._rpc_listener_task: asyncio.Future[None] | None = None
         self.rpc_child: Child | None = None  # our own rpc-server (worker, and the host's last device)
@@ -220,6 +223,14 @@ class Node:
         finally:
             if task is not None:
                 mine.discard(task)
+
+    def _drop_stale_tunnels(self) -> None:
+        """rpc-server serves one client at a time: when the host changes, close every tunnel from another node
+        at once, so the new host's load never waits on a dead connection."""
+        for peer, tasks in self._rpc_tunnels.items():
+            if peer != self.host:
+                for t in list(tasks):
+                    t.cancel()
 
     async def _on_http_stream(self, conn: Conn, st: Stream) -> None:
         """Host side: a peer's API forwards a request for our model to our llama-server."""
@@ -440,6 +451,7 @@ class Node:
         self._flush()
         if host != self.host:
             self.host = host
+            self._drop_stale_tunnels()
             if not self.o.client and self.facts is not None:
                 net.update(role="host" if host == self.me else "worker")
         self._replan(now)
@@ -451,10 +463,8 @@ class Node:
         self._write_status(now)
 
     def _flush(self) -> None:
-        assert self.net is not None and self.net.core is not None
-        for ev in self.net.core.events:
-            self._on_event(ev.kind, ev.node, ev.detail)
-        self.net.core.events.clear()
+        assert self.net is not None
+        self.net.flush_events()
 
     def _replan(self, now: float) -> None:
         assert self.net is not None and self.net.core is not None
@@ -478,6 +488,8 @@ class Node:
         except ValueError as e:
             p = Waiting(0, 0)
             log.warning("plan: %s", e)
+        if p != self.plan and not self._plan_settled(p, now):
+            return
         if p != self.plan:
             self.plan = p
             if isinstance(p, Waiting):
@@ -489,6 +501,20 @@ class Node:
                 ]  # fmt: skip
                 standby = f"; standby: {', '.join(self._name(n) for n in p.standby)}" if p.standby else ""
                 self.console.print(f"[bold]plan:[/] {'; '.join(parts)} + output on host{standby}")
+
+    def _plan_settled(self, p: Plan | Waiting, now: float) -> bool:
+        """Adopt a new plan once it has held for PLAN_DEBOUNCE_S (joins come in bursts; a restart costs a model
+        load) — at once when the current plan can no longer run because one of its nodes is gone."""
+        assert self.net is not None and self.net.core is not None
+        if self._plan_candidate != p:
+            self._plan_candidate, self._plan_since = p, now
+        if self.plan is None:
+            return True
+        if isinstance(self.plan, Plan):
+            alive = {r.node for r in self.net.core.alive(now)}
+            if any(a.node not in alive for a in self.plan.assignments):
+                return True
+        return now - self._plan_since >= PLAN_DEBOUNCE_S
 
     # ---------------------------------------------------------------- status
 
