@@ -102,10 +102,10 @@ def plan(
     n = shape.n_layer
     keep = prefer or set()
 
-    def order(s: Slot) -> tuple[int, bool, int, bytes]:
-        # RTT in coarse buckets, so jitter does not reorder nodes; then the nodes already in the plan (a
-        # change costs a restart), then capacity, then id: every node computes the same order
-        return (int(s.rtt_ms // RTT_BUCKET_MS), s.node not in keep, -s.capacity, s.node)
+    def order(s: Slot) -> tuple[bool, int, int, bytes]:
+        # the nodes already in the plan first (a change costs a model reload), then RTT in coarse buckets so
+        # jitter does not reorder nodes, then capacity, then id: every node computes the same order
+        return (s.node not in keep, int(s.rtt_ms // RTT_BUCKET_MS), -s.capacity, s.node)
 
     near = sorted((s for s in others if s.rtt_ms <= max_rtt_ms), key=order)
     far = sorted((s for s in others if s.rtt_ms > max_rtt_ms), key=order)
@@ -144,7 +144,7 @@ def plan(
         first += count
     assignments.append(Assignment(host.node, first, host_count, used + host_fixed_bytes(shape, ctx)))
     used_nodes = {a.node for a in assignments}
-    standby = tuple(s.node for s in others if s.node not in used_nodes)
+    standby = tuple(sorted(s.node for s in others if s.node not in used_nodes))
     return Plan(host=host.node, assignments=tuple(assignments), standby=standby)
 
 
@@ -167,4 +167,4 @@ def _plan_override(shape: ModelShape, host: Slot, ordered: list[Slot], ctx: int,
         assignments.append(Assignment(s.node, first, c, b))
         first += c
     used = {a.node for a in assignments}
-    return Plan(host.node, tuple(assignments), tuple(s.node for s in ordered if s.node not in used))
+    return Plan(host.node, tuple(assignments), tuple(sorted(s.node for s in ordered if s.node not in used)))

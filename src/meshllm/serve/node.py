@@ -99,6 +99,7 @@ class Node:
         self.model_path: Path | None = None
         self._reconfig_task: asyncio.Future[None] | None = None
         self._at_load: dict[NodeId, tuple[int, int]] = {}
+        self._server_generations = 0  # llama-server configurations started (a re-plan that changes it: +1)
         self._plan_candidate: Plan | Waiting | None = None
         self._plan_since = 0.0
         self._listener_task: asyncio.Future[TunnelListener] | None = None
@@ -374,8 +375,11 @@ class Node:
         self._announced = False
         if cfg is None or self.o.bins is None:
             return
+        if self.net is not None:
+            self.net.update(state="loading")  # peers stop routing here until we announce "serving" again
         self.server = LocalServer(self.o.bins, cfg, self.state)
         self.server.start()
+        self._server_generations += 1
 
     def _announce(self) -> None:
         if self._announced or self.server is None or self.server.state != "serving" or self.net is None:
@@ -552,6 +556,7 @@ class Node:
             "api": f"http://{api_host}:{self.o.port}/v1",
             "state": self.server.state if self.server else core.record.state,
             "requests": dict(self.api.requests) if self.api else {},
+            "llama_starts": self._server_generations + (self.server.restarts if self.server else 0),
             "draft": None,
             "node": self.me.hex(), "mesh": core.mesh_id.hex(), "role": core.record.role,
             "host": self.host.hex() if self.host else None, "peers": peers, "plan": plan_obj,

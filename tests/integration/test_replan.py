@@ -1,0 +1,193 @@
+"""[replan] A living mesh: joins, a clean leave, a worker killed mid-stream, the host killed.
+
+Five nodes of 0.5 GB each; the tiny model needs two (the host keeps the embedding, the output and the last
+layers; one worker takes the rest). One scenario, in order, so the model loads stay few:
+  1. two nodes join while requests run: no request fails, llama-server is not restarted (the plan holds);
+  2. the worker leaves with SIGTERM while idle: the host re-plans onto a standby, no request fails afterwards;
+  3. the new worker is killed -9 during a stream: the stream ends with an error event, the host re-plans, every
+     node answers again, with the text of a fresh split of the same shape;
+  4. the host is killed -9: another node hosts and the survivors answer.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+from meshllm.llama.build import Binaries
+from meshllm.llama.processes import Child
+from meshllm.llama.rpcwire import CountingRelay
+
+from .meshlab import NodeProc, children, wait_for
+from .splitlab import PROMPT, Worker, start_split, stop_split
+
+N = 32
+
+
+def ask(port: int, n: int = N, timeout: float = 120) -> str:
+    body = {"prompt": PROMPT, "max_tokens": n, "temperature": 0, "seed": 1, "cache_prompt": False}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return str(json.loads(r.read())["choices"][0]["text"])
+
+
+def plan_of(node: NodeProc) -> dict[str, object]:
+    p = node.status().get("plan")
+    return p if isinstance(p, dict) else {}
+
+
+def roles(nodes: list[NodeProc]) -> tuple[NodeProc, NodeProc]:
+    """(host, worker) according to the plan every node agrees on."""
+    by_id = {json.loads((n.state / "status.json").read_text())["node"]: n for n in nodes}
+    p = plan_of(nodes[0])
+    assign = p["assignments"]  # type: ignore[index]
+    return by_id[assign[-1]["node"]], by_id[assign[0]["node"]]  # type: ignore[index]
+
+
+def serving(nodes: list[NodeProc]) -> bool:
+    for n in nodes:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{n.port}/health", timeout=5) as r:
+                if r.status != 200:
+                    return False
+        except OSError:
+            return False
+    return True
+
+
+def agreed(nodes: list[NodeProc]) -> bool:
+    plans = {json.dumps(plan_of(n), sort_keys=True) for n in nodes}
+    return len(plans) == 1 and bool(plan_of(nodes[0]).get("assignments"))
+
+
+def until_answered(nodes: list[NodeProc], t0: float, limit: float) -> float:
+    """Seconds from t0 until every node has answered a request."""
+    pending = list(nodes)
+    while pending:
+        n = pending[0]
+        try:
+            ask(n.port, 4, timeout=60)
+            pending.pop(0)
+        except (urllib.error.HTTPError, OSError):
+            assert time.monotonic() - t0 < limit, f"{n.state.name} still not answering after {limit:.0f} s"
+            time.sleep(0.25)
+    return time.monotonic() - t0
+
+
+def test_joins_leaves_and_deaths(tmp_path: Path, tiny_model: Path, stock_bins: Binaries) -> None:
+    args = ("--max-vram", "0.5", "--ctx-size", "1024")
+    a = NodeProc(tmp_path, "a", tiny_model, *args)
+    nodes = [a]
+    try:
+        wait_for(lambda: (a.state / "token").exists(), 30, "token")
+        token = (a.state / "token").read_text().strip()
+        for name in "bc":
+            nodes.append(NodeProc(tmp_path, name, tiny_model, *args, "--join", token))
+        wait_for(lambda: serving(nodes) and agreed(nodes), 120, "three nodes serving")
+        host, _ = roles(nodes)
+        starts = host.status()["llama_starts"]
+
+        # 1. two joins while requests run
+        failures: list[str] = []
+        done = threading.Event()
+
+        def load(node: NodeProc) -> None:
+            while not done.is_set():
+                try:
+                    ask(node.port, 8)
+                except (urllib.error.HTTPError, OSError) as e:
+                    failures.append(f"{node.state.name}: {e}")
+
+        runners = [threading.Thread(target=load, args=(n,)) for n in nodes[:2]]
+        for t in runners:
+            t.start()
+        for name in "de":
+            nodes.append(NodeProc(tmp_path, name, tiny_model, *args, "--join", token))
+        wait_for(lambda: all(len(n.status().get("peers", [])) == 5 for n in nodes), 60, "five nodes")  # type: ignore[arg-type]
+        wait_for(lambda: len(plan_of(host).get("standby", [])) == 3, 30, "the newcomers on standby")  # type: ignore[arg-type]
+        time.sleep(2)
+        done.set()
+        for t in runners:
+            t.join(120)
+        assert not failures, failures
+        assert host.status()["llama_starts"] == starts, "a join that does not change the plan restarted llama-server"
+        plan = plan_of(host)
+        assert len(plan["assignments"]) == 2 and len(plan["standby"]) == 3, plan  # type: ignore[arg-type]
+
+        # 2. the worker leaves cleanly while idle
+        host, worker = roles(nodes)
+        worker.stop(signal.SIGTERM)
+        nodes.remove(worker)
+        wait_for(lambda: serving(nodes) and agreed(nodes) and roles(nodes)[1] is not worker, 60, "a new worker")
+        for n in nodes:
+            ask(n.port, 4)  # zero failed requests afterwards
+
+        # 3. the new worker killed -9 during a stream
+        host, worker = roles(nodes)
+        via = next(n for n in nodes if n not in (host, worker))
+        events: list[bytes] = []
+        ended = threading.Event()
+
+        def stream() -> None:
+            body = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0, "stream": True}
+            req = urllib.request.Request(f"http://127.0.0.1:{via.port}/v1/completions",
+                                         data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    for line in r:
+                        if line.startswith(b"data: "):
+                            events.append(line)
+            except OSError as e:
+                events.append(f"closed: {e}".encode())
+            ended.set()
+
+        th = threading.Thread(target=stream)
+        th.start()
+        wait_for(lambda: len(events) >= 5, 60, "the stream to start")
+        doomed = children(worker.proc)
+        t_kill = time.monotonic()
+        worker.stop(signal.SIGKILL)
+        nodes.remove(worker)
+        assert ended.wait(60), "the stream hung after its worker died"
+        assert b"error" in events[-1] or events[-1].startswith(b"closed"), events[-1]
+        took = until_answered(nodes, t_kill, 90)
+        print(f"\nworker kill -9 -> every node answering: {took:.1f} s")
+        _, alive = psutil.wait_procs(doomed, timeout=10)
+        assert not alive, "the killed node's rpc-server outlived it"
+        wait_for(lambda: agreed(nodes), 30, "agreement on the new plan")
+        host, worker = roles(nodes)
+        text = ask(host.port, N)
+        counts = [float(x["count"]) for x in plan_of(host)["assignments"]]  # type: ignore[index]
+        kids: list[Child] = []
+        relays: list[CountingRelay] = []
+        ref = start_split(tmp_path / "ref", stock_bins, [Worker(stock_bins), Worker(stock_bins)], tiny_model, kids,
+                          relays, threads=2, tensor_split=counts, extra=["--fit", "off"])  # fmt: skip
+        try:
+            assert ref.complete(PROMPT, N) == text
+        finally:
+            stop_split(ref)
+            for r in relays:
+                r.close()
+        for n in nodes:
+            assert ask(n.port, N) == text
+
+        # 4. the host killed -9
+        t_kill = time.monotonic()
+        host.stop(signal.SIGKILL)
+        nodes.remove(host)
+        took = until_answered(nodes, t_kill, 120)
+        print(f"host kill -9 -> every survivor answering: {took:.1f} s")
+        new_host, _ = roles(nodes)
+        assert new_host is not host
+    finally:
+        for n in nodes:
+            n.stop()
