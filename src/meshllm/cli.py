@@ -66,8 +66,9 @@ def cmd_node(args: argparse.Namespace) -> int:
     tokens = gather_tokens(args)
     if args.client and not tokens:
         raise UserError("--client needs --join TOKEN (or --join-file / MESH_LLM_JOIN)")
-    if not args.client and args.model is None:
-        raise UserError("give --model PATH (or --client to join without a model)")
+    if not args.client and args.model is None and not tokens:
+        raise UserError("give --model PATH (or --join TOKEN to serve the mesh's model, or --client)")
+    auto = not args.client and args.model is None
     api_key = args.api_key or os.environ.get("MESH_LLM_API_KEY") or None
     if args.listen_all and not api_key:
         import secrets
@@ -85,7 +86,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         model=args.model, client=args.client, join=tokens, state_dir=args.state_dir, bind_host=args.bind_host,
         bind_port=args.bind_port, advertise=args.advertise or [], token_ttl_s=args.token_ttl,
         max_vram_gb=args.max_vram, ctx_size=args.ctx_size, tensor_split=args.tensor_split, port=args.port,
-        listen_all=args.listen_all, api_key=api_key, bins=bins,
+        listen_all=args.listen_all, api_key=api_key, bins=bins, auto_model=auto, models_dir=args.models_dir,
     )  # fmt: skip
     return run_node(opts, console)
 
@@ -226,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen-all", action="store_true", help="API on all interfaces (then an API key is required)")
     p.add_argument("--api-key", metavar="KEY", help="require this API key (or $MESH_LLM_API_KEY)")
     p.add_argument("--bin-dir", type=Path, metavar="DIR", help="your own ggml-rpc-server and llama-server")
+    p.add_argument(
+        "--models-dir", type=Path, metavar="DIR", help="where models live (default $MESH_LLM_MODELS or ~/.models)"
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(func=cmd_node)
     sub = p.add_subparsers(dest="command")

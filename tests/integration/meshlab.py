@@ -20,12 +20,12 @@ from meshllm.proto import crypto
 class NodeProc:
     def __init__(
         self, tmp: Path, name: str, model: Path | None, *args: str, env: dict[str, str] | None = None,
-        port: int | None = None,
+        port: int | None = None, auto: bool = False,
     ) -> None:  # fmt: skip
         self.state = tmp / name
         self.log_path = tmp / f"{name}.log"
         self.port = port or 0
-        which = ["--model", str(model)] if model is not None else ["--client"]
+        which = ["--model", str(model)] if model is not None else [] if auto else ["--client"]
         cmd = [sys.executable, "-m", "meshllm.cli", *which, "--state-dir", str(self.state),
                "--bind-host", "127.0.0.1", "--port", str(self.port or _free_port()), *args]  # fmt: skip
         self.port = int(cmd[cmd.index("--port") + 1])

@@ -204,3 +204,34 @@ def test_bad_tokens_fail_at_once_with_one_line(tmp_path: Path, tiny_model: Path)
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert r.returncode == 2 and "wrong-mesh" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_joining_without_a_model_finds_it_by_fingerprint(tmp_path: Path, tiny_model: Path) -> None:
+    a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024")
+    nodes = [a]
+    try:
+        wait_for(lambda: (a.state / "token").exists() and bool(a.status().get("model")), 30, "a's token")
+        token = (a.state / "token").read_text().strip()
+        models = tmp_path / "models"
+        (models / "sub").mkdir(parents=True)
+        os.link(tiny_model, models / "sub" / "my-copy-under-another-name.gguf")  # same bytes, another name
+        (models / "decoy.gguf").write_bytes(b"GGUF" + bytes(100))
+        empty = tmp_path / "empty"
+        empty.mkdir()
+        b = NodeProc(tmp_path, "b", None, "--join", token, "--models-dir", str(models), auto=True)
+        c = NodeProc(tmp_path, "c", None, "--join", token, "--models-dir", str(empty), auto=True)
+        nodes += [b, c]
+        fp = a.status()["model"]["fingerprint"]  # type: ignore[index]
+
+        def role_and_model(n: NodeProc) -> tuple[object, object]:
+            st = n.status()
+            me = next((p for p in st.get("peers", []) if p["path"] == "self"), {})  # type: ignore[attr-defined]
+            return me.get("role"), me.get("model")
+
+        wait_for(lambda: role_and_model(b) == ("worker", fp), 30, "b to serve the mesh's model")
+        assert "my-copy-under-another-name.gguf" in b.text() and "joining as a worker" in b.text()
+        wait_for(lambda: "staying a lite client" in c.text(), 30, "c to say why it stays a client")
+        assert role_and_model(c)[0] == "client"
+    finally:
+        for n in nodes:
+            n.stop()

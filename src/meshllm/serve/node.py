@@ -28,6 +28,7 @@ from meshllm.llama.rpcwire import Cmd, WireStats
 from meshllm.net.endpoint import STREAM_HTTP, STREAM_RPC, Conn, Stream
 from meshllm.net.meshnet import MeshNet, new_mesh
 from meshllm.net.tunnel import TunnelListener, TunnelStats, connect_and_bridge
+from meshllm.paths import models_dir
 from meshllm.paths import state_dir as default_state_dir
 from meshllm.proto import crypto
 from meshllm.proto import token as tok
@@ -60,6 +61,8 @@ class NodeOptions:
     listen_all: bool = False
     api_key: str | None = None
     bins: Binaries | None = None  # None: a lite client
+    auto_model: bool = False  # joined without --model: serve the mesh's model if we have a copy
+    models_dir: Path | None = None
 
 
 def measure_capacity(max_gb: float | None) -> tuple[int, str]:
@@ -161,8 +164,9 @@ class Node:
         addrs = await self.net.start()
         cap, device = measure_capacity(self.o.max_vram_gb)
         self.capacity = cap
+        lite = self.o.client or self.facts is None
         self.net.update(
-            role="client" if self.o.client else "worker", capacity=0 if self.o.client else cap, device=device,
+            role="client" if lite else "worker", capacity=0 if lite else cap, device=device,
             model=self.facts, state="ready", version=__version__,
         )  # fmt: skip
         write_private(self.state / "node.json", json.dumps({"addrs": addrs}).encode())
@@ -173,6 +177,8 @@ class Node:
         if tokens:
             await self._join(tokens)
         self._print_token()
+        if self.o.auto_model:
+            await self._adopt_model()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
@@ -405,6 +411,46 @@ class Node:
                 errors.append(f"{crypto.short(t.issuer)}: {e}")
         raise UserError("could not join: " + "; ".join(errors))
 
+    async def _adopt_model(self) -> None:
+        """Joined without --model: find the mesh's model on this machine by fingerprint (any file name) and
+        serve it as a worker; otherwise stay a lite client and say why."""
+        assert self.net is not None
+        facts: ModelFacts | None = None
+        for _ in range(40):
+            facts = self._mesh_model()
+            if facts is not None:
+                break
+            await asyncio.sleep(0.25)
+        if facts is None:
+            self.console.print("[yellow]the mesh serves no model yet: staying a lite client[/]")
+            return
+        where = models_dir(self.o.models_dir)
+        found = await asyncio.to_thread(find_by_fingerprint, where, facts.fingerprint, facts.size)
+        if found is None:
+            self.console.print(
+                f"[yellow]no copy of {facts.source} ({facts.size / GB:.2f} GB, fingerprint "
+                f"{facts.fingerprint[:12]}) in {where}: staying a lite client (downloading it is the [models] "
+                f"issue's work)[/]"
+            )
+            return
+        if self.o.bins is None:
+            self.console.print("[yellow]found the model but no llama.cpp binaries: staying a lite client[/]")
+            return
+        self.console.print(f"found the mesh's model {facts.source} as {found} (same fingerprint): joining as a worker")
+        self.model_path = found
+        self.shape = model_shape(read_header(found))
+        self.facts = facts
+        await self._start_rpc_server()
+        self.net.update(role="worker", capacity=self.capacity, model=facts)
+
+    def _mesh_model(self) -> ModelFacts | None:
+        net = self.net
+        if net is None or net.core is None:
+            return None
+        recs = [r for r in net.core.table.alive(time.time()) if r.model is not None and r.role != "client"]
+        recs.sort(key=lambda r: (r.role != "host", r.node))
+        return recs[0].model if recs else None
+
     def _print_token(self) -> None:
         assert self.net is not None
         t = self.net.mint_token(self.o.token_ttl_s)
@@ -594,6 +640,21 @@ class Node:
 def _weights_and_trips(st: TunnelStats) -> tuple[int, int]:
     assert st.rpc is not None
     return st.rpc.payload[Cmd.SET_TENSOR] + st.rpc.payload[Cmd.SET_TENSOR_HASH], st.rpc.round_trips
+
+
+def find_by_fingerprint(where: Path, fingerprint: str, size: int) -> Path | None:
+    """A GGUF file under ``where`` with this size and model fingerprint (only same-size files are hashed)."""
+    if not where.is_dir():
+        return None
+    for path in sorted(where.rglob("*.gguf")):
+        try:
+            if path.stat().st_size != size:
+                continue
+            if model_fingerprint(path) == fingerprint:
+                return path
+        except (OSError, UserError):
+            continue
+    return None
 
 
 def resolve_model(arg: Path) -> Path:
