@@ -177,3 +177,27 @@ def test_killed_mesh_llm_takes_its_children_along(tmp_path: Path) -> None:
     _, alive = psutil.wait_procs(kids, timeout=10)
     assert not alive
     s.stop()
+
+
+def test_self_draft_runs_on_the_host_and_a_foreign_vocabulary_is_refused(tmp_path: Path, tiny_model: Path) -> None:
+    s = Solo(tmp_path, "--draft", str(tiny_model), "--draft-max", "4")  # the tiny model can draft for itself
+    try:
+        s.wait_ready()
+        code, out = _post(s.port, "/v1/completions", {"prompt": "def fib(n):", "max_tokens": 16, "temperature": 0})
+        assert code == 200 and out["choices"][0]["text"]  # type: ignore[index]
+        log = (s.state / "llama-server.log").read_text()
+        assert "--spec-draft-model" in log and "--spec-draft-device none" in log  # on this host's own CPU
+        assert "loading draft model" in log
+        assert "pi --provider mesh --model gemma3-270m" in s.log_path.read_text()
+        assert _get(s.port, "/mesh/status")[1]["draft"] == tiny_model.name
+    finally:
+        s.stop()
+    from meshllm.llama.build import fetch_pinned_source
+
+    other = fetch_pinned_source() / "models" / "ggml-vocab-llama-bpe.gguf"  # a vocabulary-only GGUF (Llama 3)
+    r = subprocess.run(
+        [sys.executable, "-m", "meshllm.cli", "--model", "gemma3-270m", "--draft", str(other),
+         "--state-dir", str(tmp_path / "s2"), "--port", str(free_port())],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2 and "vocabulary differs" in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -267,3 +267,13 @@ def model_shape(hdr: GGUFHeader) -> ModelShape:
         n_embd=n_embd,
         n_vocab=int(vocab) if isinstance(vocab, int) else 0,
     )
+
+
+def vocab_signature(hdr: GGUFHeader) -> tuple[object, ...]:
+    """What a draft model must share with the main model: tokenizer kind, pre-tokenizer, vocabulary size and
+    the special token ids (llama.cpp's speculative decoding needs them to agree)."""
+    m = hdr.metadata
+    return (
+        m.get("tokenizer.ggml.model"), m.get("tokenizer.ggml.pre"), m.get("tokenizer.ggml.tokens"),
+        m.get("tokenizer.ggml.bos_token_id"), m.get("tokenizer.ggml.eos_token_id"),
+    )  # fmt: skip

@@ -87,6 +87,9 @@ def llama_server_argv(
     n_gpu_layers: int | None = None,
     tensor_split: Sequence[float] = (),
     device: str | None = None,
+    draft: Path | None = None,
+    draft_max: int = 8,
+    draft_device: str | None = None,
     extra: Sequence[str] = (),
 ) -> list[str]:
     """The one place that builds llama-server's command line."""
@@ -106,6 +109,13 @@ def llama_server_argv(
         argv += ["--tensor-split", ",".join(f"{x:g}" for x in tensor_split)]
     if device:
         argv += ["--device", device]
+    if draft is not None:
+        # the draft runs on the host's own device ("none": this process's CPU), never on an RPC worker,
+        # whatever the main model's device list says
+        argv += ["--spec-draft-model", str(draft), "--spec-draft-n-max", str(draft_max),
+                 "--spec-draft-device", draft_device or "none"]  # fmt: skip
+        if not draft_device or draft_device == "none":
+            argv += ["--spec-draft-ngl", "0"]
     argv += list(extra)
     return argv
 

@@ -31,6 +31,8 @@ class ServerConfig:
     rpc: tuple[str, ...] = ()
     tensor_split: tuple[int, ...] = ()
     extra: tuple[str, ...] = ()
+    draft: Path | None = None
+    draft_max: int = 8
 
 
 @dataclass
@@ -58,7 +60,8 @@ class LocalServer:
         argv = llama_server_argv(
             self.bins, self.cfg.model, self.port, ctx_size=self.cfg.ctx_size, threads=self.cfg.threads,
             alias=self.cfg.alias, rpc=self.cfg.rpc, tensor_split=[float(x) for x in self.cfg.tensor_split],
-            n_gpu_layers=999 if self.cfg.rpc else None, extra=self.cfg.extra,
+            n_gpu_layers=999 if self.cfg.rpc else None, extra=self.cfg.extra, draft=self.cfg.draft,
+            draft_max=self.cfg.draft_max,
         )  # fmt: skip
         self.state = "loading"
         self._child = Child.start("llama-server", argv, self.log_dir / "llama-server.log")

@@ -61,6 +61,9 @@ class NodeOptions:
     listen_all: bool = False
     api_key: str | None = None
     bins: Binaries | None = None  # None: a lite client
+    draft: str | None = None  # --draft PATH|NAME
+    draft_max: int = 8
+    no_draft: bool = False
     auto_model: bool = False  # joined without --model: serve the mesh's model if we have a copy
     models_dir: Path | None = None
 
@@ -100,6 +103,7 @@ class Node:
         self._announced = False
         self.api: Api | None = None
         self.model_path: Path | None = None
+        self.draft_path: Path | None = None
         self._reconfig_task: asyncio.Future[None] | None = None
         self._at_load: dict[NodeId, tuple[int, int]] = {}
         self._server_generations = 0  # llama-server configurations started (a re-plan that changes it: +1)
@@ -132,6 +136,7 @@ class Node:
             self.model_path = path
             self.shape = model_shape(hdr)
             named = path != self.o.model and "/" not in str(self.o.model)  # by name: served under that name
+            self.draft_path = self._choose_draft(path, hdr)
             self.facts = ModelFacts(
                 fingerprint=model_fingerprint(path), size=path.stat().st_size,
                 n_layer=self.shape.n_layer, source=str(self.o.model) if named else path.stem,
@@ -150,6 +155,29 @@ class Node:
         )  # fmt: skip
         self.net.on_change = self._on_change
         return tokens
+
+    def _choose_draft(self, model: Path, hdr: object) -> Path | None:
+        """--draft, or the catalog's paired draft when it is installed; refused if the vocabularies differ."""
+        from meshllm.llama.gguf import GGUFHeader, vocab_signature
+        from meshllm.models import catalog
+        from meshllm.models.download import installed, resolve
+
+        assert isinstance(hdr, GGUFHeader)
+        if self.o.no_draft:
+            return None
+        if self.o.draft:
+            draft = resolve(self.o.draft, self.o.models_dir)
+        else:
+            entry = catalog.find(str(self.o.model)) if self.o.model else None
+            d = catalog.find(entry.draft) if entry and entry.draft else None
+            found = installed(d.files[0], models_dir(self.o.models_dir)) if d else None
+            if found is None:
+                return None
+            draft = found
+            self.console.print(f"draft model: {d.name if d else draft.name} (paired in the catalog; --no-draft)")
+        if vocab_signature(read_header(draft)) != vocab_signature(hdr):
+            raise UserError(f"--draft {draft.name}: its vocabulary differs from {model.name}'s; drafts must share it")
+        return draft
 
     # ---------------------------------------------------------------- run
 
@@ -337,7 +365,7 @@ class Node:
             if not p.workers:
                 want = ServerConfig(
                     model=self.model_path, alias=self.facts.source, ctx_size=self.o.ctx_size,
-                    threads=default_threads(),
+                    threads=default_threads(), draft=self.draft_path, draft_max=self.o.draft_max,
                 )  # fmt: skip
             elif self._tunnels_ready(p):
                 # workers first (the first layers), our own rpc-server last: the output layer stays here
@@ -346,6 +374,7 @@ class Node:
                     model=self.model_path, alias=self.facts.source, ctx_size=self.o.ctx_size,
                     threads=default_threads(), rpc=(*rpc, f"127.0.0.1:{self.rpc_port}"),
                     tensor_split=p.tensor_split, extra=("--load-mode", "none", "--fit", "off"),
+                    draft=self.draft_path, draft_max=self.o.draft_max,
                 )  # fmt: skip
             else:
                 return  # listeners are being made; the next tick reconfigures
@@ -395,9 +424,11 @@ class Node:
         # what loading the model cost on each worker's wire (later traffic is per-token inputs)
         self._at_load = {n: _weights_and_trips(st) for n, st in self.rpc_stats.items() if st.rpc is not None}
         host = "0.0.0.0" if self.o.listen_all else "127.0.0.1"
-        self.console.print(
-            f"[bold green]ready:[/] http://{host}:{self.o.port}/v1 — model {self.facts.source if self.facts else '?'}"
-        )
+        model = self.facts.source if self.facts else "?"
+        draft = f", draft {self.draft_path.name}" if self.draft_path else ""
+        self.console.print(f"[bold green]ready:[/] http://{host}:{self.o.port}/v1 — model {model}{draft}")
+        for line in agent_lines(model, self.o.port):
+            self.console.print(line, markup=False)
 
     async def _join(self, tokens: list[tok.Token]) -> None:
         assert self.net is not None
@@ -603,7 +634,7 @@ class Node:
             "state": self.server.state if self.server else core.record.state,
             "requests": dict(self.api.requests) if self.api else {},
             "llama_starts": self._server_generations + (self.server.restarts if self.server else 0),
-            "draft": None,
+            "draft": self.draft_path.name if self.draft_path else None,
             "node": self.me.hex(), "mesh": core.mesh_id.hex(), "role": core.record.role,
             "host": self.host.hex() if self.host else None, "peers": peers, "plan": plan_obj,
             "model": self.facts.__dict__ if self.facts else None, "version": __version__,
@@ -640,6 +671,18 @@ class Node:
 def _weights_and_trips(st: TunnelStats) -> tuple[int, int]:
     assert st.rpc is not None
     return st.rpc.payload[Cmd.SET_TENSOR] + st.rpc.payload[Cmd.SET_TENSOR_HASH], st.rpc.round_trips
+
+
+def agent_lines(model: str, port: int) -> list[str]:
+    """Ready-to-paste launch lines for coding agents, for the model actually served."""
+    url = f"http://localhost:{port}/v1"
+    provider = {"mesh": {"baseUrl": url, "api": "openai-completions", "apiKey": "mesh", "models": [{"id": model}]}}
+    return [
+        f"pi:    add to ~/.pi/agent/models.json: {json.dumps({'providers': provider})}",
+        f"       then: pi --provider mesh --model {model}",
+        f"goose: GOOSE_PROVIDER=openai OPENAI_HOST=http://localhost:{port} OPENAI_API_KEY=mesh "
+        f"GOOSE_MODEL={model} goose session",
+    ]
 
 
 def find_by_fingerprint(where: Path, fingerprint: str, size: int) -> Path | None:
