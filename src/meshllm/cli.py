@@ -87,7 +87,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         bind_port=args.bind_port, advertise=args.advertise or [], token_ttl_s=args.token_ttl,
         max_vram_gb=args.max_vram, ctx_size=args.ctx_size, tensor_split=args.tensor_split, port=args.port,
         listen_all=args.listen_all, api_key=api_key, bins=bins, auto_model=auto, models_dir=args.models_dir,
-        draft=args.draft, draft_max=args.draft_max, no_draft=args.no_draft,
+        draft=args.draft, draft_max=args.draft_max, no_draft=args.no_draft, console_port=args.console,
     )  # fmt: skip
     return run_node(opts, console)
 
@@ -298,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen-all", action="store_true", help="API on all interfaces (then an API key is required)")
     p.add_argument("--api-key", metavar="KEY", help="require this API key (or $MESH_LLM_API_KEY)")
     p.add_argument("--bin-dir", type=Path, metavar="DIR", help="your own ggml-rpc-server and llama-server")
+    p.add_argument("--console", nargs="?", type=int, const=3131, metavar="PORT",
+                   help="web console on 127.0.0.1 (default port 3131)")  # fmt: skip
     p.add_argument("--draft", metavar="PATH|NAME", help="draft model for speculative decoding")
     p.add_argument("--draft-max", type=int, default=8, metavar="N", help="tokens drafted per step (default 8)")
     p.add_argument("--no-draft", action="store_true", help="no draft, not even the catalog's pairing")

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from meshllm.serve.metrics import Counters
+
 log = logging.getLogger("meshllm.api")
 
 RETRY_WAIT_S = 60.0  # how long a failed request waits for the mesh to serve again before its one retry
@@ -40,6 +42,53 @@ class Unavailable:
 Router = Callable[[str | None], Upstream | Unavailable | None]  # None: no such model
 
 
+class _TokenTally:
+    """Counts generated tokens in a response as it passes: SSE content events, or the JSON usage."""
+
+    def __init__(self, sse: bool) -> None:
+        self.sse = sse
+        self.buf = b""
+        self.tokens = 0
+        self.tps = 0.0
+
+    def feed(self, chunk: bytes) -> None:
+        if not self.sse:
+            if len(self.buf) < (1 << 20):
+                self.buf += chunk
+            return
+        self.buf += chunk
+        *lines, self.buf = self.buf.split(b"\n")
+        for line in lines:
+            if line.startswith(b"data: {"):
+                self._event(line[6:])
+
+    def _event(self, raw: bytes) -> None:
+        try:
+            ev = json.loads(raw)
+        except ValueError:
+            return
+        for ch in ev.get("choices") or []:
+            piece = (ch.get("delta") or {}).get("content") or ch.get("text")
+            if piece:
+                self.tokens += 1
+        t = ev.get("timings")
+        if isinstance(t, dict) and t.get("predicted_per_second"):
+            self.tps = float(t["predicted_per_second"])
+
+    def done(self, c: Counters) -> None:
+        if not self.sse:
+            try:
+                obj = json.loads(self.buf)
+                self.tokens = int((obj.get("usage") or {}).get("completion_tokens") or obj.get("tokens_predicted") or 0)
+                t = obj.get("timings") or {}
+                self.tps = float(t.get("predicted_per_second") or 0.0)
+            except (ValueError, AttributeError, TypeError):
+                return
+        c.tokens_generated += self.tokens
+        if self.tps:
+            c.last_tokens_per_second = self.tps
+
+
 def _json(status: int, obj: object, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(status=status, text=json.dumps(obj), content_type="application/json", headers=headers)
 
@@ -55,8 +104,11 @@ class Api:
         models: Callable[[], list[str]],
         status: Callable[[], dict[str, object]],
         api_key: str | None = None,
+        metrics: Callable[[], str] | None = None,
     ) -> None:
         self.router = router
+        self.metrics = metrics
+        self.counters = Counters()
         self.models = models
         self.status = status
         self.api_key = api_key
@@ -67,6 +119,7 @@ class Api:
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/v1/models", self.list_models)
         self.app.router.add_get("/mesh/status", self.mesh_status)
+        self.app.router.add_get("/metrics", self.get_metrics)
         self.app.router.add_route("*", "/v1/{tail:.*}", self.proxy)
 
     async def start(self, host: str, port: int) -> None:
@@ -104,6 +157,11 @@ class Api:
     async def list_models(self, request: web.Request) -> web.Response:
         data = [{"id": m, "object": "model", "owned_by": "mesh-llm"} for m in self.models()]
         return _json(200, {"object": "list", "data": data})
+
+    async def get_metrics(self, request: web.Request) -> web.Response:
+        text = self.metrics() if self.metrics else ""
+        return web.Response(text=text, content_type="text/plain", charset="utf-8",
+                            headers={"X-Content-Type-Options": "nosniff"})  # fmt: skip
 
     async def mesh_status(self, request: web.Request) -> web.Response:
         return _json(200, self.status())
@@ -159,10 +217,13 @@ class Api:
                     if k.lower() not in HOP_HEADERS:
                         resp.headers[k] = v
                 await resp.prepare(request)
+                tally = _TokenTally("event-stream" in r.headers.get("Content-Type", ""))
                 try:
                     async for chunk in r.content.iter_any():
+                        tally.feed(chunk)
                         await resp.write(chunk)
                     await resp.write_eof()
+                    tally.done(self.counters)
                 except (ConnectionResetError, aiohttp.ClientConnectionResetError):
                     # our client went away: leaving the block closes the upstream request, which stops generating
                     log.debug("client of %s went away", request.path)

@@ -61,6 +61,7 @@ class NodeOptions:
     listen_all: bool = False
     api_key: str | None = None
     bins: Binaries | None = None  # None: a lite client
+    console_port: int | None = None  # --console [PORT]
     draft: str | None = None  # --draft PATH|NAME
     draft_max: int = 8
     no_draft: bool = False
@@ -106,6 +107,7 @@ class Node:
         self.draft_path: Path | None = None
         self._reconfig_task: asyncio.Future[None] | None = None
         self._at_load: dict[NodeId, tuple[int, int]] = {}
+        self._elections = 0
         self._server_generations = 0  # llama-server configurations started (a re-plan that changes it: +1)
         self._plan_candidate: Plan | Waiting | None = None
         self._plan_since = 0.0
@@ -205,6 +207,8 @@ class Node:
         if tokens:
             await self._join(tokens)
         self._print_token()
+        if self.o.console_port is not None:
+            await self._start_console(self.o.console_port)
         if self.o.auto_model:
             await self._adopt_model()
         loop = asyncio.get_running_loop()
@@ -221,6 +225,8 @@ class Node:
             await lst.close()
         if self.api:
             await self.api.stop()
+        if getattr(self, "web_console", None) is not None:
+            await self.web_console.stop()
         return 0
 
     # ---------------------------------------------------------------- tunnels
@@ -298,7 +304,8 @@ class Node:
         host = "0.0.0.0" if self.o.listen_all else "127.0.0.1"
         if port_in_use(self.o.port, host):
             raise UserError(f"port {self.o.port} is in use: stop what runs there or pass --port N")
-        self.api = Api(self._route, self._models, lambda: self.status(time.time()), api_key=self.o.api_key)
+        self.api = Api(self._route, self._models, lambda: self.status(time.time()), api_key=self.o.api_key,
+                       metrics=self.metrics_text)  # fmt: skip
         try:
             await self.api.start(host, self.o.port)
         except OSError as e:
@@ -442,6 +449,56 @@ class Node:
                 errors.append(f"{crypto.short(t.issuer)}: {e}")
         raise UserError("could not join: " + "; ".join(errors))
 
+    async def _start_console(self, port: int) -> None:
+        from meshllm.serve.console import Console as WebConsole
+
+        def token() -> str | None:
+            path = self.state / "token"
+            return path.read_text().strip() if path.exists() else None
+
+        self.web_console = WebConsole(lambda: self.status(time.time()), token, f"http://127.0.0.1:{self.o.port}/v1",
+                                      self.o.api_key)  # fmt: skip
+        try:
+            await self.web_console.start(port)
+        except OSError as e:
+            raise UserError(f"--console: cannot listen on 127.0.0.1:{port}: {e.strerror}") from None
+        self.console.print(f"console: http://127.0.0.1:{port}/")
+
+    def metrics_text(self) -> str:
+        from meshllm.serve.metrics import Exposition
+
+        x = Exposition()
+        c = self.api.counters if self.api else None
+        if c is not None:
+            x.metric("mesh_llm_tokens_generated_total", "counter", "tokens generated through this node's API",
+                     c.tokens_generated)  # fmt: skip
+            x.metric("mesh_llm_tokens_per_second", "gauge", "decode speed of the last completion",
+                     c.last_tokens_per_second)  # fmt: skip
+        for code, n in sorted((self.api.requests if self.api else {}).items()):
+            x.metric("mesh_llm_requests_total", "counter", "API requests by status", n, {"status": str(code)})
+        x.metric("mesh_llm_elections_total", "counter", "host changes seen", self._elections)
+        x.metric("mesh_llm_child_restarts_total", "counter", "llama-server restarts after a crash",
+                 self.server.restarts if self.server else 0)  # fmt: skip
+        net = self.net
+        if net is not None and net.core is not None:
+            for r in net.core.alive(time.time()):
+                if r.node == self.me:
+                    continue
+                peer = {"peer": crypto.short(r.node)}
+                conn = net.peers.get(r.node)
+                x.metric("mesh_llm_peer_direct", "gauge", "1 when connected directly, 0 through gossip only",
+                         1 if conn else 0, peer)  # fmt: skip
+                rtt = net.core.rtt_ms.get(r.node)
+                if rtt is not None:
+                    x.metric("mesh_llm_peer_rtt_ms", "gauge", "round-trip time to the peer", rtt, peer)
+                t = self._tunnel_counts(r.node)
+                for kind in ("rpc", "http"):
+                    x.metric("mesh_llm_tunnel_bytes_sent_total", "counter", "tunnel bytes sent to the peer",
+                             t[f"{kind}_sent"], {**peer, "kind": kind})  # fmt: skip
+                    x.metric("mesh_llm_tunnel_bytes_received_total", "counter", "tunnel bytes received from the peer",
+                             t[f"{kind}_received"], {**peer, "kind": kind})  # fmt: skip
+        return x.text()
+
     async def _adopt_model(self) -> None:
         """Joined without --model: find the mesh's model on this machine by fingerprint (any file name) and
         serve it as a worker; otherwise stay a lite client and say why."""
@@ -519,6 +576,7 @@ class Node:
             how = "left" if kind == "left" else "went silent and is declared dead"
             self.console.print(f"[red]-[/] peer {self._name(node)} {how}")
         elif kind == "host":
+            self._elections += 1
             self.console.print(f"[bold]host elected:[/] {self._name(node)}")
         elif kind == "refuted":
             self.console.print(f"[yellow]was declared dead by a peer; back as {detail}[/]")
@@ -635,6 +693,8 @@ class Node:
             "requests": dict(self.api.requests) if self.api else {},
             "llama_starts": self._server_generations + (self.server.restarts if self.server else 0),
             "draft": self.draft_path.name if self.draft_path else None,
+            "served_models": self._models(),
+            "agent_lines": agent_lines(self._models()[0], self.o.port) if self._models() else [],
             "node": self.me.hex(), "mesh": core.mesh_id.hex(), "role": core.record.role,
             "host": self.host.hex() if self.host else None, "peers": peers, "plan": plan_obj,
             "model": self.facts.__dict__ if self.facts else None, "version": __version__,

@@ -1,0 +1,101 @@
+"""The web console: a live view of this node's status object, a chat, the invite token, agent lines.
+
+Served on 127.0.0.1 only (even with --listen-all): it hands out the invite token. Static files ship in the
+package (no CDN). The page gets the status object over SSE whenever it changes, and chats through this server
+(same origin), which forwards to the node's own API — the API itself does not open CORS to every site.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from importlib import resources
+
+import aiohttp
+from aiohttp import web
+
+STATIC = ("console.html", "console.js", "console.css")
+TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
+
+
+class Console:
+    def __init__(self, status: Callable[[], dict[str, object]], token: Callable[[], str | None], api_url: str,
+                 api_key: str | None) -> None:  # fmt: skip
+        self.status = status
+        self.token = token
+        self.api_url = api_url
+        self.api_key = api_key
+        self.app = web.Application()
+        self.app.router.add_get("/", self.index)
+        self.app.router.add_get("/static/{name}", self.static)
+        self.app.router.add_get("/events", self.events)
+        self.app.router.add_get("/token", self.get_token)
+        self.app.router.add_post("/chat", self.chat)
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self, port: int) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        self._runner = web.AppRunner(self.app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", port).start()
+
+    async def stop(self) -> None:
+        if self._runner:
+            await self._runner.cleanup()
+        if self._session:
+            await self._session.close()
+
+    def _file(self, name: str) -> bytes:
+        return resources.files("meshllm.serve").joinpath("static", name).read_bytes()
+
+    async def index(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._file("console.html"), content_type="text/html")
+
+    async def static(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if name not in STATIC:
+            raise web.HTTPNotFound()
+        return web.Response(body=self._file(name), content_type=TYPES["." + name.rsplit(".", 1)[1]])
+
+    async def events(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        last = ""
+        try:
+            while True:
+                text = json.dumps(self.status())
+                if text != last:
+                    await resp.write(f"data: {text}\n\n".encode())
+                    last = text
+                await asyncio.sleep(0.5)
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError):
+            pass
+        return resp
+
+    async def get_token(self, request: web.Request) -> web.Response:
+        t = self.token()
+        if t is None:
+            raise web.HTTPNotFound(text="no invite token yet")
+        return web.json_response({"token": t})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        assert self._session is not None
+        body = await request.json()
+        body = {"messages": body.get("messages", []), "stream": True, "max_tokens": int(body.get("max_tokens", 256))}
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        try:
+            async with self._session.post(f"{self.api_url}/chat/completions", json=body, headers=headers) as r:
+                resp.set_status(r.status)
+                await resp.prepare(request)
+                async for chunk in r.content.iter_any():
+                    await resp.write(chunk)
+        except (aiohttp.ClientError, ConnectionError) as e:
+            if not resp.prepared:
+                return web.json_response({"error": str(e)}, status=502)
+        await resp.write_eof()
+        return resp

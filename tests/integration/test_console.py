@@ -1,0 +1,121 @@
+"""[console] The web console in headless Chromium (Debian's chromium + chromedriver, driven by Selenium), and
+/metrics parsed by prometheus_client."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from meshllm.llama.processes import free_port
+
+from .meshlab import NodeProc, wait_for
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
+
+
+@pytest.fixture
+def browser() -> Iterator[object]:
+    webdriver = pytest.importorskip("selenium.webdriver")
+    if not (shutil.which("chromium") and shutil.which("chromedriver")):
+        pytest.skip("Debian's chromium and chromium-driver are not installed (scripts/setup test installs them)")
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    opts = Options()
+    opts.binary_location = shutil.which("chromium") or ""
+    profile = tempfile.mkdtemp(prefix="mesh-llm-chromium-")
+    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+              "--disable-background-networking", "--disable-component-update", "--disable-sync",
+              "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--window-size=1200,900"):  # fmt: skip
+        opts.add_argument(a)
+    drv = webdriver.Chrome(options=opts, service=Service(shutil.which("chromedriver") or ""))
+    yield drv
+    drv.quit()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+def test_console_shows_the_mesh_and_chats(tmp_path: Path, tiny_model: Path, browser: object) -> None:
+    from selenium.webdriver.common.by import By
+
+    drv = browser
+    cport = free_port()
+    a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024", "--console", str(cport))
+    nodes = [a]
+    try:
+        wait_for(lambda: "ready:" in a.text(), 120, "a to serve")
+        token = (a.state / "token").read_text().strip()
+        b = NodeProc(tmp_path, "b", tiny_model, "--ctx-size", "1024", "--join", token)
+        nodes.append(b)
+        b_short = None
+        wait_for(lambda: len(a.status().get("peers", [])) == 2, 30, "two nodes")  # type: ignore[arg-type]
+        b_short = b_short or next(p["short"] for p in a.status()["peers"] if p["path"] != "self")  # type: ignore[attr-defined, index]
+        drv.get(f"http://127.0.0.1:{cport}/")  # type: ignore[attr-defined]
+
+        def segs() -> dict[str, str]:
+            return {e.get_attribute("data-node"): e.text for e in drv.find_elements(By.CSS_SELECTOR, ".seg")}  # type: ignore[attr-defined]
+
+        wait_for(lambda: len(segs()) == 2, 20, "both nodes on the page")
+        a_short = next(k for k in segs() if k != b_short)
+        assert "layers 0–17" in segs()[a_short] and "host" in segs()[a_short]
+        assert "standby" in segs()[b_short]
+        assert "gemma" in drv.find_element(By.ID, "m-name").text  # type: ignore[attr-defined]
+        assert "pi --provider mesh" in drv.find_element(By.ID, "agents").text  # type: ignore[attr-defined]
+        drv.find_element(By.ID, "show-token").click()  # type: ignore[attr-defined]
+        wait_for(lambda: drv.find_element(By.ID, "token").text.startswith("mesh1."), 10, "the token")  # type: ignore[attr-defined]
+        # chat: the reply streams in
+        drv.find_element(By.ID, "chat-input").send_keys("Name three colors.")  # type: ignore[attr-defined]
+        drv.find_element(By.ID, "chat-send").click()  # type: ignore[attr-defined]
+        reply = lambda: drv.find_element(By.CSS_SELECTOR, ".msg.assistant")  # type: ignore[attr-defined]  # noqa: E731
+        wait_for(lambda: len(reply().text) > 0, 60, "the first tokens")
+        wait_for(lambda: reply().get_attribute("data-done") == "1", 120, "the whole reply")
+        assert "tok/s" in drv.find_element(By.ID, "chat-stats").text  # type: ignore[attr-defined]
+        ARTIFACTS.mkdir(exist_ok=True)
+        drv.execute_script("window.scrollTo(0, 0)")  # type: ignore[attr-defined]
+        drv.save_screenshot(str(ARTIFACTS / "console.png"))  # type: ignore[attr-defined]
+        # a node that leaves disappears
+        b.stop(signal.SIGTERM)
+        wait_for(lambda: list(segs()) == [a_short], 15, "b to vanish from the page")
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def test_metrics_parse_and_move(tmp_path: Path, tiny_model: Path) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024")
+    try:
+        wait_for(lambda: "ready:" in a.text(), 120, "a to serve")
+
+        def scrape() -> dict[str, float]:
+            with urllib.request.urlopen(f"http://127.0.0.1:{a.port}/metrics", timeout=10) as r:
+                text = r.read().decode()
+            out: dict[str, float] = {}
+            for fam in text_string_to_metric_families(text):
+                for s in fam.samples:
+                    key = s.name + (json.dumps(s.labels, sort_keys=True) if s.labels else "")
+                    out[key] = s.value
+            return out
+
+        before = scrape()
+        body = json.dumps({"prompt": "Hello", "max_tokens": 12, "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{a.port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        urllib.request.urlopen(req, timeout=60).read()
+        time.sleep(0.2)
+        after = scrape()
+        assert after["mesh_llm_tokens_generated_total"] >= before.get("mesh_llm_tokens_generated_total", 0) + 12
+        assert after['mesh_llm_requests_total{"status": "200"}'] > before.get(
+            'mesh_llm_requests_total{"status": "200"}', 0
+        )
+        assert after["mesh_llm_tokens_per_second"] > 0
+    finally:
+        a.stop()
