@@ -63,6 +63,10 @@ def serving(nodes: list[NodeProc]) -> bool:
     return True
 
 
+def describe(nodes: list[NodeProc]) -> str:
+    return "; ".join(f"{n.state.name}: {json.dumps(plan_of(n))[:300]}" for n in nodes)
+
+
 def agreed(nodes: list[NodeProc]) -> bool:
     plans = {json.dumps(plan_of(n), sort_keys=True) for n in nodes}
     return len(plans) == 1 and bool(plan_of(nodes[0]).get("assignments"))
@@ -126,7 +130,10 @@ def test_joins_leaves_and_deaths(tmp_path: Path, tiny_model: Path, stock_bins: B
         host, worker = roles(nodes)
         worker.stop(signal.SIGTERM)
         nodes.remove(worker)
-        wait_for(lambda: serving(nodes) and agreed(nodes) and roles(nodes)[1] is not worker, 60, "a new worker")
+        try:
+            wait_for(lambda: serving(nodes) and agreed(nodes) and roles(nodes)[1] is not worker, 60, "a new worker")
+        except AssertionError:
+            raise AssertionError(f"no new worker: serving={serving(nodes)} {describe(nodes)}") from None
         for n in nodes:
             ask(n.port, 4)  # zero failed requests afterwards
 

@@ -60,7 +60,7 @@ def test_workers_take_the_first_layers_the_host_the_last_and_the_output() -> Non
     host_cap = host_fixed_bytes(SHAPE, CTX) + 4 * SHAPE.layer_cost(0, CTX)
     p = plan(SHAPE, Slot(A, host_cap), [Slot(B, _fits(3), rtt_ms=5), Slot(C, _fits(8), rtt_ms=1)], CTX)
     assert isinstance(p, Plan)
-    # C is nearer: it is used first and covers everything the host cannot; B stands by
+    # C holds more: it is used first and covers everything the host cannot; B stands by
     assert [(a.node, a.first, a.count) for a in p.assignments] == [(C, 0, 6), (A, 6, 4)]
     assert p.standby == (B,) and p.tensor_split == (6, 4)
     assert all(a.bytes <= s for a, s in zip(p.assignments, [_fits(8), host_cap], strict=True))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from meshllm.proto.crypto import NodeId
 
 MAX_RTT_MS = 80.0
-RTT_BUCKET_MS = 10.0
+RTT_BUCKET_MS = 25.0
 MiB = 1 << 20
 GB = 1_000_000_000
 COMPUTE_BASE = 48 * MiB  # per device: graph and scratch buffers beyond what scales with the model
@@ -102,13 +102,16 @@ def plan(
     n = shape.n_layer
     keep = prefer or set()
 
-    def order(s: Slot) -> tuple[bool, int, int, bytes]:
-        # the nodes already in the plan first (a change costs a model reload), then RTT in coarse buckets so
-        # jitter does not reorder nodes, then capacity, then id: every node computes the same order
+    def near_order(s: Slot) -> tuple[bool, int, bytes]:
+        # the nodes already in the plan first (a change costs a model reload), then capacity, then id. RTT only
+        # decides near or far: RTTs jitter, and every node must compute the same plan from the same table
+        return (s.node not in keep, -s.capacity, s.node)
+
+    def far_order(s: Slot) -> tuple[bool, int, int, bytes]:
         return (s.node not in keep, int(s.rtt_ms // RTT_BUCKET_MS), -s.capacity, s.node)
 
-    near = sorted((s for s in others if s.rtt_ms <= max_rtt_ms), key=order)
-    far = sorted((s for s in others if s.rtt_ms > max_rtt_ms), key=order)
+    near = sorted((s for s in others if s.rtt_ms <= max_rtt_ms), key=near_order)
+    far = sorted((s for s in others if s.rtt_ms > max_rtt_ms), key=far_order)
     if split is not None:
         return _plan_override(shape, host, near + far, ctx, split)
     host_budget = host.capacity - host_fixed_bytes(shape, ctx)
