@@ -1,5 +1,5 @@
-"""[serve] A host and a worker sized so the plan splits, plus a lite client: the same answers from every node's
-:9337, with no weights and no logits on the wire."""
+"""[serve] Three model nodes sized so the plan splits three ways, plus a lite client: the same answers from every
+node's :9337, with no weights and no logits on the wire."""
 
 from __future__ import annotations
 
@@ -56,15 +56,21 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator
     try:
         wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
         token = (a.state / "token").read_text().strip()
-        nodes["b"] = NodeProc(tmp, "b", tiny_model, "--max-vram", "0.3", "--ctx-size", "1024", "--join", token)
-        nodes["c"] = NodeProc(tmp, "c", None, env={"MESH_LLM_JOIN": token})
-        wait_for(lambda: "ready:" in a.text(), 120, "the host to serve")
+        for name in "bd":  # workers with room for some of the layers each
+            nodes[name] = NodeProc(tmp, name, tiny_model, "--max-vram", "0.07", "--ctx-size", "1024", "--join", token)
+        nodes["c"] = NodeProc(tmp, "c", None, env={"MESH_LLM_JOIN": token})  # the lite client
+        wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 3, 120, "the host to serve a 3-way split")
         for n in nodes.values():
             wait_for(lambda n=n: _health(n.port) == 200, 60, f"{n.state.name}'s :{n.port} to answer")
         yield nodes
     finally:
         for n in nodes.values():
             n.stop()
+
+
+def _assignments(n: NodeProc) -> list[dict[str, object]]:
+    p = n.status().get("plan")
+    return list(p.get("assignments", [])) if isinstance(p, dict) else []
 
 
 def _health(port: int) -> int:
@@ -78,20 +84,20 @@ def _health(port: int) -> int:
 def test_plan_splits_and_every_node_gives_the_hosts_answer(
     mesh: dict[str, NodeProc], stock_bins: Binaries, tiny_model: Path, tmp_path: Path
 ) -> None:
-    a, b, c = mesh["a"], mesh["b"], mesh["c"]
+    a = mesh["a"]
     plan = a.status()["plan"]
-    assert isinstance(plan, dict) and len(plan["assignments"]) == 2, plan
-    worker_hex = plan["assignments"][0]["node"]
+    assert isinstance(plan, dict) and len(plan["assignments"]) == 3, plan
+    workers = [x for x in plan["assignments"][:-1]]
     counts = [x["count"] for x in plan["assignments"]]
     # the host's own llama-server, asked directly
     direct = text_of(complete(llama_server_port(a)))
-    for n in (a, b, c):
+    for n in mesh.values():
         assert text_of(complete(n.port, "/v1/completions")) == direct, f"{n.state.name} differs"
     # the same split loaded the stock way (stock binaries, weights pushed, same layer counts)
     children_: list[Child] = []
     relays: list[CountingRelay] = []
     ref = start_split(
-        tmp_path, stock_bins, [Worker(stock_bins), Worker(stock_bins)], tiny_model, children_, relays, threads=2,
+        tmp_path, stock_bins, [Worker(stock_bins) for _ in counts], tiny_model, children_, relays, threads=2,
         tensor_split=[float(x) for x in counts], extra=["--fit", "off"],
     )  # fmt: skip
     try:
@@ -102,17 +108,24 @@ def test_plan_splits_and_every_node_gives_the_hosts_answer(
             ch.stop()
         for r in relays:
             r.close()
-    # no weights on the wire, and only a hidden state back per token (logits would be 1 MiB)
-    peer = next(p for p in a.status()["peers"] if p["node"] == worker_hex)  # type: ignore[attr-defined]
-    tun = peer["tunnel"]
-    assert tun["rpc_local_loads"] > 0 and tun["load_weight_bytes"] <= 1_000_000, tun
-    print(f"load: {tun['load_weight_bytes']} weight bytes, {tun['load_round_trips']} round trips to the worker")
-    before = tun["rpc_received"]
-    complete(c.port, "/v1/completions")
-    after = next(p for p in a.status()["peers"] if p["node"] == worker_hex)["tunnel"]["rpc_received"]  # type: ignore[attr-defined]
-    per_token = (after - before) / N
-    print(f"bytes back from the worker per token: {per_token:.0f}")
-    assert per_token < 16_000, per_token
+
+    # per worker: no weights on the wire, only a hidden state back per token (logits would be 1 MiB), and the
+    # plan's memory estimate within 15% of what llama-server allocated there
+    def tunnel(hexid: str) -> dict[str, int]:
+        return next(p for p in a.status()["peers"] if p["node"] == hexid)["tunnel"]  # type: ignore[attr-defined, index, no-any-return]
+
+    before = {w["node"]: tunnel(str(w["node"]))["rpc_received"] for w in workers}
+    complete(mesh["c"].port, "/v1/completions")
+    for w in workers:
+        tun = tunnel(str(w["node"]))
+        assert tun["rpc_local_loads"] > 0 and tun["load_weight_bytes"] <= 1_000_000, tun
+        per_token = (tun["rpc_received"] - before[w["node"]]) / N
+        est, got = int(w["bytes"]), tun["load_allocated"]  # type: ignore[call-overload]
+        print(f"worker {str(w['node'])[:8]}: {w['count']} layers, {tun['load_weight_bytes']} weight bytes, "
+              f"{tun['load_round_trips']} load round trips, {per_token:.0f} B back per token, "
+              f"memory planned {est / 1e6:.1f} MB vs allocated {got / 1e6:.1f} MB")  # fmt: skip
+        assert per_token < 16_000, per_token
+        assert abs(est - got) <= 0.15 * got, (est, got)
 
 
 def test_openai_sdk_through_a_worker_and_a_lite_client(mesh: dict[str, NodeProc]) -> None:
@@ -161,7 +174,7 @@ def test_concurrent_requests_from_two_nodes(mesh: dict[str, NodeProc]) -> None:
 
 def test_children_listen_on_loopback_and_go_with_sigterm(mesh: dict[str, NodeProc]) -> None:
     kids = []
-    for n in (mesh["a"], mesh["b"]):
+    for n in (mesh["a"], mesh["b"], mesh["d"]):
         for p in children(n.proc):
             kids.append(p)
             for conn in p.net_connections(kind="tcp"):

@@ -77,6 +77,7 @@ class WireStats:
     payload: Counter[int] = field(default_factory=Counter)  # client->server payload bytes per command
     bytes_up: int = 0  # client -> server, everything
     bytes_down: int = 0  # server -> client, everything
+    allocated: int = 0  # sum of ALLOC_BUFFER sizes: the memory the client asked the server for
 
     @property
     def round_trips(self) -> int:
@@ -90,6 +91,7 @@ class WireStats:
             payload=self.payload - earlier.payload,
             bytes_up=self.bytes_up - earlier.bytes_up,
             bytes_down=self.bytes_down - earlier.bytes_down,
+            allocated=self.allocated - earlier.allocated,
         )
 
 
@@ -102,15 +104,20 @@ class CommandParser:
         self.header = b""
         self.cmd = -1
         self.remaining = 0
+        self.alloc = b""  # the payload of an ALLOC_BUFFER being read: u32 device, u64 size
 
     def feed(self, data: bytes) -> None:
         view = memoryview(data)
         while view:
             if self.remaining > 0:
                 take = min(self.remaining, len(view))
+                if self.cmd == Cmd.ALLOC_BUFFER and len(self.alloc) + take <= 12:
+                    self.alloc += bytes(view[:take])
                 self.remaining -= take
                 with self.lock:
                     self.stats.payload[self.cmd] += take
+                    if self.cmd == Cmd.ALLOC_BUFFER and self.remaining == 0 and len(self.alloc) == 12:
+                        self.stats.allocated += struct.unpack_from("<Q", self.alloc, 4)[0]
                 view = view[take:]
                 continue
             need = HEADER.size - len(self.header)
@@ -119,6 +126,7 @@ class CommandParser:
             if len(self.header) == HEADER.size:
                 self.cmd, self.remaining = HEADER.unpack(self.header)
                 self.header = b""
+                self.alloc = b""
                 with self.lock:
                     self.stats.commands[self.cmd] += 1
 
@@ -145,7 +153,9 @@ class CountingRelay:
     def snapshot(self) -> WireStats:
         with self._lock:
             s = self.stats
-            return WireStats(s.connections, Counter(s.commands), Counter(s.payload), s.bytes_up, s.bytes_down)
+            return WireStats(
+                s.connections, Counter(s.commands), Counter(s.payload), s.bytes_up, s.bytes_down, s.allocated
+            )
 
     def _accept(self) -> None:
         while not self._closed:

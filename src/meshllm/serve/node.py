@@ -106,7 +106,7 @@ class Node:
         self.model_path: Path | None = None
         self.draft_path: Path | None = None
         self._reconfig_task: asyncio.Future[None] | None = None
-        self._at_load: dict[NodeId, tuple[int, int]] = {}
+        self._at_load: dict[NodeId, tuple[int, int, int]] = {}
         self._elections = 0
         self._server_generations = 0  # llama-server configurations started (a re-plan that changes it: +1)
         self._plan_candidate: Plan | Waiting | None = None
@@ -709,7 +709,7 @@ class Node:
         if rpc.rpc is not None:
             out["rpc_local_loads"] = rpc.rpc.commands[Cmd.SET_TENSOR_GGUF]
             if node in self._at_load:
-                out["load_weight_bytes"], out["load_round_trips"] = self._at_load[node]
+                out["load_weight_bytes"], out["load_round_trips"], out["load_allocated"] = self._at_load[node]
         return out
 
     def _layers_of(self, node: NodeId) -> list[int] | None:
@@ -728,9 +728,10 @@ class Node:
             tmp.replace(self.state / STATUS_FILE)
 
 
-def _weights_and_trips(st: TunnelStats) -> tuple[int, int]:
+def _weights_and_trips(st: TunnelStats) -> tuple[int, int, int]:
     assert st.rpc is not None
-    return st.rpc.payload[Cmd.SET_TENSOR] + st.rpc.payload[Cmd.SET_TENSOR_HASH], st.rpc.round_trips
+    return (st.rpc.payload[Cmd.SET_TENSOR] + st.rpc.payload[Cmd.SET_TENSOR_HASH], st.rpc.round_trips,
+            st.rpc.allocated)  # fmt: skip
 
 
 def agent_lines(model: str, port: int) -> list[str]:
