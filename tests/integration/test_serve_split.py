@@ -185,3 +185,23 @@ def test_children_listen_on_loopback_and_go_with_sigterm(mesh: dict[str, NodePro
         n.stop()
     _, alive = psutil.wait_procs(kids, timeout=15)
     assert not alive, [p.pid for p in alive]
+
+
+def test_a_split_with_a_draft_keeps_the_draft_on_the_host(tmp_path: Path, tiny_model: Path) -> None:
+    a = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.5", "--ctx-size", "1024", "--draft", str(tiny_model))
+    nodes = [a]
+    try:
+        wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
+        token = (a.state / "token").read_text().strip()
+        b = NodeProc(tmp_path, "b", tiny_model, "--max-vram", "0.3", "--ctx-size", "1024", "--join", token)
+        nodes.append(b)
+        wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 120, "a split with a draft")
+        assert "--spec-draft-device none" in (a.state / "llama-server.log").read_text()
+        worker = _assignments(a)[0]
+        text_of(complete(a.port, "/v1/completions", max_tokens=32))
+        tun = next(p for p in a.status()["peers"] if p["node"] == worker["node"])["tunnel"]  # type: ignore[attr-defined, index]
+        # a draft model on the worker would have added its ~250 MB of buffers there
+        assert tun["load_allocated"] < 1.15 * int(worker["bytes"]), (tun, worker)  # type: ignore[call-overload]
+    finally:
+        for n in nodes:
+            n.stop()
