@@ -107,3 +107,18 @@ def stop_split(s: Split) -> None:
         w.stop()
     for r in s.relays:
         r.close()
+
+
+def stock_split_text(tmp: Path, stock: Binaries, model: Path, counts: list[float], n: int) -> str:
+    """Greedy text of the same layer split loaded the stock way: stock binaries, one rpc-server per device
+    (the last one plays the host's own), weights pushed over the wire."""
+    children: list[Child] = []
+    relays: list[CountingRelay] = []
+    ref = start_split(tmp, stock, [Worker(stock) for _ in counts], model, children, relays, threads=2,
+                      tensor_split=counts, extra=["--fit", "off"])  # fmt: skip
+    try:
+        return ref.complete(PROMPT, n)
+    finally:
+        stop_split(ref)
+        for ch in children:
+            ch.stop()

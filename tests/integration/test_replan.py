@@ -22,11 +22,9 @@ from pathlib import Path
 import psutil
 
 from meshllm.llama.build import Binaries
-from meshllm.llama.processes import Child
-from meshllm.llama.rpcwire import CountingRelay
 
 from .meshlab import NodeProc, children, wait_for
-from .splitlab import PROMPT, Worker, start_split, stop_split
+from .splitlab import PROMPT, stock_split_text
 
 N = 32
 
@@ -174,16 +172,7 @@ def test_joins_leaves_and_deaths(tmp_path: Path, tiny_model: Path, stock_bins: B
         host, worker = roles(nodes)
         text = ask(host.port, N)
         counts = [float(x["count"]) for x in plan_of(host)["assignments"]]  # type: ignore[index]
-        kids: list[Child] = []
-        relays: list[CountingRelay] = []
-        ref = start_split(tmp_path / "ref", stock_bins, [Worker(stock_bins), Worker(stock_bins)], tiny_model, kids,
-                          relays, threads=2, tensor_split=counts, extra=["--fit", "off"])  # fmt: skip
-        try:
-            assert ref.complete(PROMPT, N) == text
-        finally:
-            stop_split(ref)
-            for r in relays:
-                r.close()
+        assert stock_split_text(tmp_path / "ref", stock_bins, tiny_model, counts, N) == text
         for n in nodes:
             assert ask(n.port, N) == text
 

@@ -13,11 +13,9 @@ import psutil
 import pytest
 
 from meshllm.llama.build import Binaries
-from meshllm.llama.processes import Child
-from meshllm.llama.rpcwire import CountingRelay
 
 from .meshlab import NodeProc, children, wait_for
-from .splitlab import PROMPT, Worker, start_split, stop_split
+from .splitlab import PROMPT, stock_split_text
 
 N = 64
 
@@ -94,20 +92,7 @@ def test_plan_splits_and_every_node_gives_the_hosts_answer(
     for n in mesh.values():
         assert text_of(complete(n.port, "/v1/completions")) == direct, f"{n.state.name} differs"
     # the same split loaded the stock way (stock binaries, weights pushed, same layer counts)
-    children_: list[Child] = []
-    relays: list[CountingRelay] = []
-    ref = start_split(
-        tmp_path, stock_bins, [Worker(stock_bins) for _ in counts], tiny_model, children_, relays, threads=2,
-        tensor_split=[float(x) for x in counts], extra=["--fit", "off"],
-    )  # fmt: skip
-    try:
-        assert ref.complete(PROMPT, N) == direct
-    finally:
-        stop_split(ref)
-        for ch in children_:
-            ch.stop()
-        for r in relays:
-            r.close()
+    assert stock_split_text(tmp_path, stock_bins, tiny_model, [float(x) for x in counts], N) == direct
 
     # per worker: no weights on the wire, only a hidden state back per token (logits would be 1 MiB), and the
     # plan's memory estimate within 15% of what llama-server allocated there
