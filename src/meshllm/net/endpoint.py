@@ -95,6 +95,8 @@ class Stream:
         self.at_eof = False
         self.bytes_in = 0
         self.bytes_out = 0
+        self._fin_in = False
+        self._fin_out = False
 
     async def read(self) -> bytes:
         if self.at_eof and self._rx.empty():
@@ -108,8 +110,10 @@ class Stream:
         if data:
             self.bytes_in += len(data)
             self._rx.put_nowait(data)
-        if end:
+        if end and not self._fin_in:
+            self._fin_in = True
             self._rx.put_nowait(b"")
+            self._forget_if_done()
 
     def write(self, data: bytes, end: bool = False) -> None:
         if self.conn.closed.is_set():
@@ -117,6 +121,14 @@ class Stream:
         self.bytes_out += len(data)
         self.conn.quic.send_stream_data(self.id, data, end_stream=end)
         self.conn.transmit()
+        if end:
+            self._fin_out = True
+            self._forget_if_done()
+
+    def _forget_if_done(self) -> None:
+        """Both directions finished: QUIC delivers nothing more on this id, so the connection can drop it."""
+        if self._fin_in and self._fin_out:
+            self.conn.streams.pop(self.id, None)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -191,7 +203,7 @@ class Conn:
         self.closed.set()
         if not self.handshake.done():
             self.handshake.set_exception(DialError(reason or "connection closed"))
-        for st in self.streams.values():
+        for st in list(self.streams.values()):
             st._feed(b"", True)
         self._incoming.put_nowait(None)
         if self._timer:
