@@ -60,7 +60,11 @@ def test_console_shows_the_mesh_and_chats(tmp_path: Path, tiny_model: Path, brow
         drv.get(f"http://127.0.0.1:{cport}/")  # type: ignore[attr-defined]
 
         def segs() -> dict[str, str]:
-            return {e.get_attribute("data-node"): e.text for e in drv.find_elements(By.CSS_SELECTOR, ".seg")}  # type: ignore[attr-defined]
+            # read in one script: the bar is re-rendered on every status change, so element handles go stale
+            rows = drv.execute_script(  # type: ignore[attr-defined]
+                "return Array.from(document.querySelectorAll('.seg')).map(e => [e.dataset.node, e.innerText])"
+            )
+            return {k: v for k, v in rows}
 
         wait_for(lambda: len(segs()) == 2, 20, "both nodes on the page")
         a_short = next(k for k in segs() if k != b_short)
