@@ -25,7 +25,8 @@ test *pytest_args="":
         "mypy=={{bin}}/mypy --strict src" \
         "unit tests=={{bin}}/pytest -q tests/unit {{pytest_args}}" \
         "simulation=={{bin}}/pytest -q tests/sim {{pytest_args}}" \
-        "integration tests=={{bin}}/pytest -q tests/integration {{pytest_args}}"
+        "integration tests=={{bin}}/pytest -q tests/integration {{pytest_args}}" \
+        "NAT lab=={{bin}}/pytest -q -rs tests/netns {{pytest_args}}"
 
 # Unit tests only (no binaries needed).
 unit *args="":

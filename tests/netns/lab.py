@@ -1,0 +1,115 @@
+"""A NAT lab in network namespaces (root only): hosts behind Linux NAT boxes, a routed public segment between
+them, and a rendezvous host on it. Everything lives in namespaces named with this lab's prefix and is removed by
+``down()``, also when a test fails.
+
+    homeA 192.168.1.2 --lan-- natA (192.168.1.1 | wan 198.51.100.2) --br0-- pub (router) --- rdv 198.51.100.10
+    homeB 192.168.1.2 --lan-- natB (192.168.1.1 | wan 203.0.113.2)  -------- pub 203.0.113.1
+
+Both homes use the same private subnet, as real homes do. NAT modes: ``cone`` (MASQUERADE keeps the source
+port), ``random`` (MASQUERADE --random), each optionally ``+fw`` (drop unsolicited inbound on the wan).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+
+TOOLS = ("ip", "iptables", "conntrack", "ethtool")
+
+
+def why_not() -> str | None:
+    """None when the lab can run here, else the reason (tests skip with it)."""
+    if os.geteuid() != 0:
+        return "the NAT lab needs root (network namespaces, iptables)"
+    missing = [t for t in TOOLS if shutil.which(t) is None]
+    if missing:
+        return f"the NAT lab needs {', '.join(missing)} (scripts/setup test installs them)"
+    return None
+
+
+def sh(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True)
+
+
+@dataclass
+class Lab:
+    prefix: str = field(default_factory=lambda: f"ml{os.getpid() % 100000}-")
+    names: list[str] = field(default_factory=list)
+
+    def ns(self, name: str) -> str:
+        return self.prefix + name
+
+    def n(self, name: str, *argv: str) -> None:
+        sh("ip", "netns", "exec", self.ns(name), *argv)
+
+    def up(self, mode_a: str = "cone", mode_b: str = "cone") -> Lab:
+        for name in ("homeA", "natA", "pub", "rdv", "natB", "homeB"):
+            sh("ip", "netns", "add", self.ns(name))
+            self.names.append(name)
+            self.n(name, "ip", "link", "set", "lo", "up")
+        # public side: router with a bridge for rdv and natA, a routed link to natB
+        self.n("pub", "ip", "link", "add", "br0", "type", "bridge")
+        self.n("pub", "ip", "link", "set", "br0", "up")
+        self.n("pub", "ip", "addr", "add", "198.51.100.1/24", "dev", "br0")
+        self._veth("pub", "pa", "natA", "wan")
+        self._veth("pub", "pr", "rdv", "eth0")
+        self._veth("pub", "pb", "natB", "wan")
+        for i in ("pa", "pr"):
+            self.n("pub", "ip", "link", "set", i, "master", "br0")
+        for i in ("pa", "pr", "pb"):
+            self.n("pub", "ip", "link", "set", i, "up")
+        self.n("pub", "ip", "addr", "add", "203.0.113.1/24", "dev", "pb")
+        self.n("pub", "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        self.n("rdv", "ip", "addr", "add", "198.51.100.10/24", "dev", "eth0")
+        self.n("rdv", "ip", "link", "set", "eth0", "up")
+        self.n("rdv", "ip", "route", "add", "default", "via", "198.51.100.1")
+        for side, wan, gw in (("A", "198.51.100.2/24", "198.51.100.1"), ("B", "203.0.113.2/24", "203.0.113.1")):
+            nat, home = f"nat{side}", f"home{side}"
+            self.n(nat, "ip", "addr", "add", wan, "dev", "wan")
+            self.n(nat, "ip", "link", "set", "wan", "up")
+            self.n(nat, "ip", "route", "add", "default", "via", gw)
+            self._veth(nat, "lan", home, "eth0")
+            self.n(nat, "ip", "addr", "add", "192.168.1.1/24", "dev", "lan")
+            self.n(nat, "ip", "link", "set", "lan", "up")
+            self.n(home, "ip", "addr", "add", "192.168.1.2/24", "dev", "eth0")
+            self.n(home, "ip", "link", "set", "eth0", "up")
+            self.n(home, "ip", "route", "add", "default", "via", "192.168.1.1")
+            self.n(nat, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        self.set_nat("natA", mode_a)
+        self.set_nat("natB", mode_b)
+        return self
+
+    def _veth(self, a: str, ia: str, b: str, ib: str) -> None:
+        tmp_a, tmp_b = f"{self.prefix}{ia}x"[:15], f"{self.prefix}{ib}y"[:15]
+        sh("ip", "link", "add", tmp_a, "type", "veth", "peer", "name", tmp_b)
+        sh("ip", "link", "set", tmp_a, "netns", self.ns(a))
+        sh("ip", "link", "set", tmp_b, "netns", self.ns(b))
+        self.n(a, "ip", "link", "set", tmp_a, "name", ia)
+        self.n(b, "ip", "link", "set", tmp_b, "name", ib)
+
+    def set_nat(self, nat: str, mode: str) -> None:
+        fw = mode.endswith("+fw")
+        mode = mode.removesuffix("+fw")
+        self.n(nat, "iptables", "-t", "nat", "-F", "POSTROUTING")
+        self.n(nat, "iptables", "-F", "INPUT")
+        if fw:
+            self.n(nat, "iptables", "-A", "FORWARD", "-i", "wan", "-m", "conntrack", "--ctstate", "NEW", "-j", "DROP")
+        extra = {"cone": [], "random": ["--random"]}[mode]
+        self.n(nat, "iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "wan", "-j", "MASQUERADE", *extra)
+        subprocess.run(["ip", "netns", "exec", self.ns(nat), "conntrack", "-F"], capture_output=True)
+
+    def exec_argv(self, name: str, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.ns(name), *argv]
+
+    def down(self) -> None:
+        for name in self.names:
+            ns = self.ns(name)
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:  # only what runs inside our own namespaces, by pid
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), 9)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.names.clear()
