@@ -210,10 +210,9 @@ def cmd_download(args: argparse.Namespace) -> int:
 
 
 def _tiny_installed() -> bool:
-    from meshllm.models.tiny import TINY_FILE
-    from meshllm.paths import cache_dir
+    from meshllm.models.tiny import tiny_target
 
-    return (cache_dir() / "models" / TINY_FILE).is_file()
+    return tiny_target().is_file()
 
 
 def check_catalog() -> int:

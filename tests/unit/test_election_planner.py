@@ -94,3 +94,42 @@ def test_shape_of_the_test_model(tiny_model: Path) -> None:
     assert s.n_layer == 18 and s.n_embd == 640 and s.n_vocab == 262_144
     assert s.output_bytes == s.embd_bytes == 178_257_920  # tied: the output is a copy of the embedding
     assert s.total_bytes > tiny_model.stat().st_size  # the copy counts twice
+
+
+def test_plan_debounce_first_at_once_and_urgent_when_broken() -> None:
+    from meshllm.proto.debounce import Debouncer
+    from meshllm.proto.planner import plan_broken
+
+    host_cap = host_fixed_bytes(SHAPE, CTX) + 4 * SHAPE.layer_cost(0, CTX)
+    p1 = plan(SHAPE, Slot(A, host_cap), [Slot(B, _fits(8)), Slot(C, _fits(8))], CTX)
+    p2 = plan(SHAPE, Slot(A, host_cap), [Slot(C, _fits(8))], CTX)
+    assert isinstance(p1, Plan) and isinstance(p2, Plan) and p1 != p2
+    d = Debouncer[Plan | Waiting](2.0, first_at_once=True)
+    assert d.propose(p1, 0.0) == p1  # the first plan needs no wait
+    assert d.propose(p2, 1.0) == p1 and d.propose(p2, 2.9) == p1  # a change waits ...
+    assert d.propose(p2, 3.0) == p2  # ... until it has held for 2 s
+    worker = p2.workers[0].node
+    assert plan_broken(p2, {A}) and not plan_broken(p2, {A, worker})
+    assert d.propose(p1, 3.1, urgent=True) == p1  # a broken plan is replaced at once
+
+
+def test_serving_host_is_a_connected_peer_announcing_the_model() -> None:
+    import time
+
+    from meshllm.proto import crypto
+    from meshllm.proto import token as tok
+    from meshllm.proto.gossip import ModelFacts, PeerRecord
+    from meshllm.proto.meshcore import MeshCore
+
+    founder, other = crypto.new_key(), crypto.new_key()
+    now = time.time()
+    chain = tok.found(founder, now)
+    core = MeshCore(key=founder, mesh_id=chain[0][0], chain=chain, incarnation=1, now=now)
+    facts = ModelFacts("ab" * 32, 1, 1, "tiny")
+    rec = PeerRecord(crypto.node_id(other), 1, 1, role="host", state="serving", model=facts,
+                     chain=tuple(tok.admit(founder, chain, crypto.node_id(other), now)))  # fmt: skip
+    core.table.merge_record(rec.to_wire(other), now)
+    assert core.serving_host("tiny", now) is None  # known, but not connected
+    core.on_connected(crypto.node_id(other), now)
+    assert core.serving_host("tiny", now) == core.serving_host(None, now) == crypto.node_id(other)
+    assert core.serving_host("other-model", now) is None

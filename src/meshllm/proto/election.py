@@ -3,7 +3,8 @@
 Candidates are the non-client nodes serving the same model (same fingerprint). The highest capacity wins, ties
 to the highest NodeId. A sitting host keeps the role unless a challenger's capacity beats it by more than
 MARGIN (no flapping when a node's figure wobbles). Every node computes the same answer from the same table;
-:class:`Debouncer` makes a node act on a new answer only once it has held for DEBOUNCE_S.
+:class:`~meshllm.proto.debounce.Debouncer` makes a node act on a new answer only once it has held for
+DEBOUNCE_S.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshllm.proto.crypto import NodeId
+from meshllm.proto.debounce import Debouncer
+
+__all__ = ["DEBOUNCE_S", "MARGIN", "Candidate", "Debouncer", "elect"]
 
 MARGIN = 1.25
 DEBOUNCE_S = 2.0
@@ -34,20 +38,3 @@ def elect(candidates: list[Candidate], fingerprint: str, sitting: NodeId | None 
         if cur is not None and best.capacity <= cur.capacity * MARGIN:
             return cur.node
     return best.node
-
-
-class Debouncer:
-    """Holds a value until a proposal has been stable for ``hold_s``."""
-
-    def __init__(self, hold_s: float = DEBOUNCE_S) -> None:
-        self.hold_s = hold_s
-        self.current: NodeId | None = None
-        self._proposal: NodeId | None = None
-        self._since = 0.0
-
-    def propose(self, value: NodeId | None, now: float) -> NodeId | None:
-        if value != self._proposal:
-            self._proposal, self._since = value, now
-        if self._proposal != self.current and now - self._since >= self.hold_s:
-            self.current = self._proposal
-        return self.current

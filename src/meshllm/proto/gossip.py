@@ -80,7 +80,8 @@ def _field(d: dict[str, Any], k: str, tp: type | tuple[type, ...]) -> Any:
     return v
 
 
-def _open(raw: bytes) -> tuple[bytes, bytes, dict[str, Any]]:
+def open_record(raw: bytes) -> tuple[bytes, bytes, dict[str, Any]]:
+    """Unpack a record's envelope and body (no checks beyond shape)."""
     if len(raw) > MAX_RECORD:
         raise RemoteProtocolError("record too large")
     outer = unpack(raw, MAX_RECORD)
@@ -95,16 +96,20 @@ def _open(raw: bytes) -> tuple[bytes, bytes, dict[str, Any]]:
     return body, sig, d
 
 
-def record_version(raw: bytes) -> tuple[NodeId, int, int]:
-    """(node, incarnation, seq) without checking signatures: to skip records we already have, cheaply."""
-    _, _, d = _open(raw)
+def record_version(opened: tuple[bytes, bytes, dict[str, Any]]) -> tuple[NodeId, int, int]:
+    """(node, incarnation, seq) of an opened record, before any signature check: to skip what we have."""
+    d = opened[2]
     return _field(d, "node", bytes), _field(d, "inc", int), _field(d, "seq", int)
 
 
-def record_from_wire(raw: bytes, mesh_id: bytes, chains_ok: set[bytes] | None = None) -> PeerRecord:
+def record_from_wire(
+    raw: bytes, mesh_id: bytes, chains_ok: set[bytes] | None = None,
+    opened: tuple[bytes, bytes, dict[str, Any]] | None = None,
+) -> PeerRecord:  # fmt: skip
     """Decode, verify the signature and the admission chain. RemoteProtocolError otherwise. ``chains_ok``
-    caches chains already verified (by their encoding), since a node's chain never changes."""
-    body, sig, d = _open(raw)
+    caches chains already verified (by their encoding), since a node's chain never changes; ``opened`` is the
+    record already unpacked by :func:`open_record`."""
+    body, sig, d = opened or open_record(raw)
     node = _field(d, "node", bytes)
     if not crypto.verify(node, crypto.D_RECORD, body, sig):
         raise RemoteProtocolError(f"record of {crypto.short(node)} has a bad signature")
@@ -235,13 +240,14 @@ class Table:
     def merge_record(self, raw: bytes, now: float, res: MergeResult | None = None) -> MergeResult:
         res = res or MergeResult()
         try:
-            node, inc, seq = record_version(raw)
+            opened = open_record(raw)
+            node, inc, seq = record_version(opened)
             old = self.entries.get(node)
             if node == self.me or self._buried(node, inc):
                 return res
             if old is not None and (inc, seq) <= (old.record.incarnation, old.record.seq):
                 return res  # not newer: skip the signature checks
-            rec = record_from_wire(raw, self.mesh_id, self._chains_ok)
+            rec = record_from_wire(raw, self.mesh_id, self._chains_ok, opened)
         except RemoteProtocolError as e:
             res.dropped.append(str(e))
             return res

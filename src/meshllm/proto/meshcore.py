@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from meshllm.proto import crypto
 from meshllm.proto import token as tok
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.election import Candidate, Debouncer, elect
+from meshllm.proto.election import DEBOUNCE_S, Candidate, Debouncer, elect
 from meshllm.proto.gossip import (
     HEARTBEAT_S,
     GossipPush,
@@ -56,7 +56,7 @@ class MeshCore:
     peers: set[NodeId] = field(default_factory=set)  # connected, authenticated
     rtt_ms: dict[NodeId, float] = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)
-    _election: Debouncer = field(default_factory=Debouncer)
+    _election: Debouncer[NodeId] = field(default_factory=lambda: Debouncer[NodeId](DEBOUNCE_S))
     _last_beat: float = 0.0
     _dialled: dict[NodeId, float] = field(default_factory=dict)
     _heard: dict[NodeId, float] = field(default_factory=dict)  # last message from each connected peer
@@ -177,6 +177,14 @@ class MeshCore:
             self._dialled[r.node] = now
             out.append(r)
         return out
+
+    def serving_host(self, model: str | None, now: float) -> NodeId | None:
+        """A connected peer that announces it serves ``model`` (any model when None), to route requests to."""
+        for r in self.table.alive(now):
+            if (r.role == "host" and r.state == "serving" and r.model is not None
+                    and (model is None or r.model.source == model) and r.node in self.peers):  # fmt: skip
+                return r.node
+        return None
 
     def elected_host(self, now: float) -> NodeId | None:
         """The debounced host for our model (None: no candidate yet, or still settling)."""

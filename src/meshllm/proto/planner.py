@@ -171,3 +171,8 @@ def _plan_override(shape: ModelShape, host: Slot, ordered: list[Slot], ctx: int,
         first += c
     used = {a.node for a in assignments}
     return Plan(host.node, tuple(assignments), tuple(sorted(s.node for s in ordered if s.node not in used)))
+
+
+def plan_broken(current: Plan | Waiting | None, alive: set[NodeId]) -> bool:
+    """The plan names a node that is gone: it cannot run, so its replacement need not wait out the debounce."""
+    return isinstance(current, Plan) and any(a.node not in alive for a in current.assignments)

@@ -25,6 +25,7 @@ from meshllm.llama.build import Binaries
 from meshllm.llama.gguf import model_fingerprint, model_shape, read_header
 from meshllm.llama.processes import Child, free_port, port_in_use, rpc_server_argv, wait_tcp_ready
 from meshllm.llama.rpcwire import Cmd, WireStats
+from meshllm.models.download import resolve
 from meshllm.net.endpoint import STREAM_HTTP, STREAM_RPC, Conn, Stream
 from meshllm.net.meshnet import MeshNet, new_mesh
 from meshllm.net.tunnel import TunnelListener, TunnelStats, connect_and_bridge
@@ -33,8 +34,9 @@ from meshllm.paths import state_dir as default_state_dir
 from meshllm.proto import crypto
 from meshllm.proto import token as tok
 from meshllm.proto.crypto import NodeId
+from meshllm.proto.debounce import Debouncer
 from meshllm.proto.gossip import ModelFacts, PeerRecord
-from meshllm.proto.planner import GB, ModelShape, Plan, Slot, Waiting, plan
+from meshllm.proto.planner import GB, ModelShape, Plan, Slot, Waiting, plan, plan_broken
 from meshllm.serve.api import Api, Unavailable, Upstream
 from meshllm.serve.host import LocalServer, ServerConfig, default_threads
 from meshllm.state import load_membership, load_or_create_key, save_membership, save_token, write_private
@@ -109,8 +111,8 @@ class Node:
         self._at_load: dict[NodeId, tuple[int, int, int]] = {}
         self._elections = 0
         self._server_generations = 0  # llama-server configurations started (a re-plan that changes it: +1)
-        self._plan_candidate: Plan | Waiting | None = None
-        self._plan_since = 0.0
+        # joins come in bursts and a new plan costs a model load: adopt one once it has held for a moment
+        self._plan_debounce = Debouncer[Plan | Waiting](PLAN_DEBOUNCE_S, first_at_once=True)
         self._listener_task: asyncio.Future[TunnelListener] | None = None
         self._rpc_listener_task: asyncio.Future[None] | None = None
         self.rpc_child: Child | None = None  # our own rpc-server (worker, and the host's last device)
@@ -131,7 +133,7 @@ class Node:
         m = load_membership(self.state)
         tokens = parse_tokens(self.o.join, now, m.mesh_id if m else None)  # before anything is written
         if self.o.model is not None:
-            path = resolve_model(self.o.model, self.o.models_dir)
+            path = resolve(str(self.o.model), self.o.models_dir)
             if not path.is_file():
                 raise UserError(f"--model {path}: no such file")
             hdr = read_header(path)
@@ -342,16 +344,8 @@ class Node:
         return Unavailable("starting the model server")
 
     def _serving_host(self, model: str | None) -> NodeId | None:
-        """Another node that serves ``model`` (any model when None) and that we are connected to."""
         net = self.net
-        if net is None or net.core is None:
-            return None
-        now = time.time()
-        for r in net.core.table.alive(now):
-            if (r.role == "host" and r.state == "serving" and r.model is not None
-                    and (model is None or r.model.source == model) and r.node in net.peers):  # fmt: skip
-                return r.node
-        return None
+        return net.core.serving_host(model, time.time()) if net is not None and net.core is not None else None
 
     def _model_of(self, node: NodeId) -> str:
         r = self._record(node)
@@ -587,7 +581,7 @@ class Node:
             return
         now = time.time()
         host = net.core.elected_host(now)
-        self._flush()
+        net.flush_events()
         if host != self.host:
             self.host = host
             self._drop_stale_tunnels()
@@ -600,10 +594,6 @@ class Node:
         if remote is not None and remote not in self._http_listeners:
             self._spawn_listener(remote)  # ready before the first request
         self._write_status(now)
-
-    def _flush(self) -> None:
-        assert self.net is not None
-        self.net.flush_events()
 
     def _replan(self, now: float) -> None:
         assert self.net is not None and self.net.core is not None
@@ -627,8 +617,11 @@ class Node:
         except ValueError as e:
             p = Waiting(0, 0)
             log.warning("plan: %s", e)
-        if p != self.plan and not self._plan_settled(p, now):
+        alive = {r.node for r in self.net.core.alive(now)}
+        settled = self._plan_debounce.propose(p, now, urgent=plan_broken(self.plan, alive))
+        if settled is None:
             return
+        p = settled
         if p != self.plan:
             self.plan = p
             if isinstance(p, Waiting):
@@ -640,20 +633,6 @@ class Node:
                 ]  # fmt: skip
                 standby = f"; standby: {', '.join(self._name(n) for n in p.standby)}" if p.standby else ""
                 self.console.print(f"[bold]plan:[/] {'; '.join(parts)} + output on host{standby}")
-
-    def _plan_settled(self, p: Plan | Waiting, now: float) -> bool:
-        """Adopt a new plan once it has held for PLAN_DEBOUNCE_S (joins come in bursts; a restart costs a model
-        load) — at once when the current plan can no longer run because one of its nodes is gone."""
-        assert self.net is not None and self.net.core is not None
-        if self._plan_candidate != p:
-            self._plan_candidate, self._plan_since = p, now
-        if self.plan is None:
-            return True
-        if isinstance(self.plan, Plan):
-            alive = {r.node for r in self.net.core.alive(now)}
-            if any(a.node not in alive for a in self.plan.assignments):
-                return True
-        return now - self._plan_since >= PLAN_DEBOUNCE_S
 
     # ---------------------------------------------------------------- status
 
@@ -687,14 +666,15 @@ class Node:
         elif isinstance(p, Waiting):
             plan_obj = {"waiting": p.message(), "need": p.need, "have": p.have}
         api_host = "0.0.0.0" if self.o.listen_all else "127.0.0.1"
+        served = self._models()
         return {
             "api": f"http://{api_host}:{self.o.port}/v1",
             "state": self.server.state if self.server else core.record.state,
             "requests": dict(self.api.requests) if self.api else {},
             "llama_starts": self._server_generations + (self.server.restarts if self.server else 0),
             "draft": self.draft_path.name if self.draft_path else None,
-            "served_models": self._models(),
-            "agent_lines": agent_lines(self._models()[0], self.o.port) if self._models() else [],
+            "served_models": served,
+            "agent_lines": agent_lines(served[0], self.o.port) if served else [],
             "node": self.me.hex(), "mesh": core.mesh_id.hex(), "role": core.record.role,
             "host": self.host.hex() if self.host else None, "peers": peers, "plan": plan_obj,
             "model": self.facts.__dict__ if self.facts else None, "version": __version__,
@@ -759,13 +739,6 @@ def find_by_fingerprint(where: Path, fingerprint: str, size: int) -> Path | None
         except (OSError, UserError):
             continue
     return None
-
-
-def resolve_model(arg: Path, where: Path | None = None) -> Path:
-    """Every way to name a model (see models/download.py); downloads it when needed."""
-    from meshllm.models.download import resolve
-
-    return resolve(str(arg), where)
 
 
 def run_node(opts: NodeOptions, console: Console) -> int:
