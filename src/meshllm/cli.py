@@ -85,6 +85,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     opts = NodeOptions(
         model=args.model, client=args.client, join=tokens, state_dir=args.state_dir, bind_host=args.bind_host,
         bind_port=args.bind_port, advertise=args.advertise or [], token_ttl_s=args.token_ttl,
+        relay=args.relay, relay_mode=args.relay_mode,
         max_vram_gb=args.max_vram, ctx_size=args.ctx_size, tensor_split=args.tensor_split, port=args.port,
         listen_all=args.listen_all, api_key=api_key, bins=bins, auto_model=auto, models_dir=args.models_dir,
         draft=args.draft, draft_max=args.draft_max, no_draft=args.no_draft, console_port=args.console,
@@ -289,6 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind-host", default="0.0.0.0", help="UDP address to bind (default all)")
     p.add_argument("--bind-port", type=int, default=0, help="UDP port for the mesh (default ephemeral)")
     p.add_argument("--advertise", action="append", metavar="HOST:PORT", help="address peers should dial")
+    p.add_argument("--relay", metavar="HOST:PORT", help="relay through this member when a peer is unreachable")
+    p.add_argument("--relay-server", dest="relay_mode", action="store_const", const="on", default="auto",
+                   help="relay datagrams for members (default: only when this node is publicly reachable)")
+    p.add_argument("--no-relay-server", dest="relay_mode", action="store_const", const="off",
+                   help="never relay for other members")
     p.add_argument("--token-ttl", type=parse_duration, default=86400.0, metavar="DURATION", help="default 1d")
     p.add_argument("--max-vram", type=float, metavar="GB", help="cap the memory this node offers")
     p.add_argument("--ctx-size", type=int, default=4096, metavar="N", help="context size (default 4096)")

@@ -6,7 +6,11 @@ them, and a rendezvous host on it. Everything lives in namespaces named with thi
     homeB 192.168.1.2 --lan-- natB (192.168.1.1 | wan 203.0.113.2)  -------- pub 203.0.113.1
 
 Both homes use the same private subnet, as real homes do. NAT modes: ``cone`` (MASQUERADE keeps the source
-port), ``random`` (MASQUERADE --random), each optionally ``+fw`` (drop unsolicited inbound on the wan).
+port), ``random`` (MASQUERADE --random), each optionally ``+fw`` (drop unsolicited inbound on the wan), and
+``blocked`` (cone, but UDP leaves only towards the rendezvous/relay host, as in some office networks). A
+"public" node runs in a NAT box's own namespace: its wan address is public and nothing translates it.
+Hops: homeA → natA → pub router → natB → homeB, so a packet sent with TTL 2 opens its own NAT and dies at the
+router (the hole-punching trick depends on that hop).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import subprocess
 from dataclasses import dataclass, field
 
 TOOLS = ("ip", "iptables", "conntrack", "ethtool")
+RDV = "198.51.100.10"
 
 
 def why_not() -> str | None:
@@ -95,9 +100,12 @@ class Lab:
         mode = mode.removesuffix("+fw")
         self.n(nat, "iptables", "-t", "nat", "-F", "POSTROUTING")
         self.n(nat, "iptables", "-F", "INPUT")
+        self.n(nat, "iptables", "-F", "FORWARD")
         if fw:
             self.n(nat, "iptables", "-A", "FORWARD", "-i", "wan", "-m", "conntrack", "--ctstate", "NEW", "-j", "DROP")
-        extra = {"cone": [], "random": ["--random"]}[mode]
+        if mode == "blocked":
+            self.n(nat, "iptables", "-A", "FORWARD", "-o", "wan", "-p", "udp", "!", "-d", RDV, "-j", "DROP")
+        extra = {"cone": [], "random": ["--random"], "blocked": []}[mode]
         self.n(nat, "iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "wan", "-j", "MASQUERADE", *extra)
         subprocess.run(["ip", "netns", "exec", self.ns(nat), "conntrack", "-F"], capture_output=True)
 

@@ -1,6 +1,9 @@
-"""[reach] Cells of the NAT lab that work today: a node behind a NAT joins a public member directly.
+"""[reach] The NAT lab's cells: two members behind NATs (or one public) connect directly when the network allows,
+through a relay when it does not; and a real split completion crosses both kinds of path.
 
-(Hole punching between two NATed nodes and relays are the rest of the [reach] issue.)
+Every cell: a rendezvous node founds the mesh on the public segment (it relays, being publicly reachable); A and
+B join with its token, then must connect to each other. The time printed is from B's start to the A–B
+connection being up on both sides.
 """
 
 from __future__ import annotations
@@ -10,69 +13,201 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from .lab import Lab, why_not
+from meshllm.proto import token as tok
+
+from .lab import RDV, Lab, why_not
 
 REASON = why_not()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+PROMPT = "The lighthouse keeper counted the gulls on the northern rocks"
 
 
 @pytest.fixture
 def lab() -> Iterator[Lab]:
     lb = Lab()
     try:
-        yield lb.up("cone", "cone")
+        yield lb
     finally:
         lb.down()
 
 
-def _node(lab: Lab, where: str, state: Path, log: Path, *args: str) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "meshllm.cli", "--client" if "--join" in args else "--model", *args,
-            "--state-dir", str(state), "--port", "9337"]  # fmt: skip
-    return subprocess.Popen(lab.exec_argv(where, argv), stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            env={**os.environ}, start_new_session=True)  # fmt: skip
+class Node:
+    def __init__(self, lab: Lab, where: str, tmp: Path, name: str, *args: str) -> None:
+        self.name, self.lab, self.where = name, lab, where
+        self.state = tmp / name
+        self.log = tmp / f"{name}.log"
+        argv = [sys.executable, "-m", "meshllm.cli", *args, "--state-dir", str(self.state), "--port", "9337"]
+        self.proc = subprocess.Popen(lab.exec_argv(where, argv), stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
+                                     env={**os.environ}, start_new_session=True)  # fmt: skip
+
+    def status(self) -> dict[str, object]:
+        try:
+            return dict(json.loads((self.state / "status.json").read_text()))
+        except (OSError, ValueError):
+            return {}
+
+    def peer(self, node: str) -> dict[str, object] | None:
+        for p in self.status().get("peers", []):  # type: ignore[attr-defined]
+            if p["node"] == node:
+                return dict(p)
+        return None
+
+    @property
+    def id(self) -> str:
+        return str(self.status().get("node", ""))
+
+    def tail(self) -> str:
+        return f"--- {self.name} ---\n" + self.log.read_text(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
 
 
-def _peers(state: Path) -> list[dict[str, object]]:
-    try:
-        return list(json.loads((state / "status.json").read_text())["peers"])
-    except (OSError, ValueError, KeyError):
-        return []
+def wait(cond: object, timeout: float, what: str, nodes: list[Node]) -> float:
+    t0 = time.monotonic()
+    while not cond():  # type: ignore[operator]
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out waiting for {what}\n" + "\n".join(n.tail() for n in nodes))
+        time.sleep(0.1)
+    return time.monotonic() - t0
 
 
-@pytest.mark.parametrize("mode", ["cone", "random", "cone+fw"])
-def test_a_node_behind_a_nat_joins_a_public_member_directly(
-    lab: Lab, mode: str, tmp_path: Path, tiny_model: Path
+def start_mesh(lab: Lab, tmp: Path, model: Path, mode_a: str, mode_b: str, stagger: float,
+               a_args: tuple[str, ...], b_args: tuple[str, ...]) -> tuple[Node, Node, Node, float]:  # fmt: skip
+    """rdv founds the mesh; A (in natA itself when 'public') and B join with its token."""
+    lab.up("cone" if mode_a == "public" else mode_a, mode_b)
+    rdv = Node(lab, "rdv", tmp, "rdv", "--model", str(model), "--max-vram", "0.01", "--bind-host", RDV,
+               "--bind-port", "7000")  # fmt: skip
+    nodes = [rdv]
+    wait(lambda: (rdv.state / "token").exists(), 30, "rdv's token", nodes)
+    token = (rdv.state / "token").read_text().strip()
+    a = Node(lab, "natA" if mode_a == "public" else "homeA", tmp, "a", "--model", str(model), *a_args, "--join", token)
+    time.sleep(stagger)
+    t_b = time.monotonic()
+    b = Node(lab, "homeB", tmp, "b", "--model", str(model), *b_args, "--join", token)
+    return rdv, a, b, t_b
+
+
+def connected(x: Node, y: Node) -> bool:
+    p = x.peer(y.id) if y.id else None
+    return p is not None and str(p["path"]).startswith(("direct", "relayed"))
+
+
+CELLS = [
+    # A, B, seconds between their starts, acceptable paths
+    ("public", "cone", 0.0, {"direct"}),
+    ("cone", "cone", 0.5, {"direct"}),
+    ("cone+fw", "cone+fw", 0.0, {"direct"}),
+    ("random", "cone", 0.0, {"direct", "relayed"}),
+    ("random", "random", 0.0, {"relayed"}),
+    ("blocked", "cone", 0.0, {"relayed"}),
+]
+
+
+@pytest.mark.parametrize(("mode_a", "mode_b", "stagger", "paths"), CELLS, ids=[f"{c[0]}-{c[1]}" for c in CELLS])
+def test_cell(
+    lab: Lab, tmp_path: Path, tiny_model: Path, mode_a: str, mode_b: str, stagger: float, paths: set[str]
 ) -> None:
-    lab.set_nat("natA", mode)
-    r_state, a_state = tmp_path / "rdv", tmp_path / "a"
-    procs = [_node(lab, "rdv", r_state, tmp_path / "rdv.log", str(tiny_model), "--bind-host", "198.51.100.10",
-                   "--bind-port", "7000")]  # fmt: skip
+    low = ("--max-vram", "0.01")  # too little memory to serve: these nodes only connect
+    nodes: list[Node] = []
     try:
-        t0 = time.monotonic()
-        while not (r_state / "token").exists():
-            assert time.monotonic() - t0 < 30, (tmp_path / "rdv.log").read_text()
-            time.sleep(0.2)
-        token = (r_state / "token").read_text().strip()
-        procs.append(_node(lab, "homeA", a_state, tmp_path / "a.log", "--join", token))
-        t0 = time.monotonic()
-        while len(_peers(a_state)) < 2 or len(_peers(r_state)) < 2:
-            assert time.monotonic() - t0 < 30, (tmp_path / "a.log").read_text()[-2000:]
-            time.sleep(0.2)
-        ttfb = time.monotonic() - t0
-        seen = next(p for p in _peers(r_state) if p["path"] != "self")
-        # the public member sees the NAT's public address, not the home's private one
-        assert str(seen["path"]).startswith("direct 198.51.100.2:"), seen
-        print(f"{mode}: joined through the NAT in {ttfb:.1f} s, seen as {seen['path']}")
+        rdv, a, b, t_b = start_mesh(lab, tmp_path, tiny_model, mode_a, mode_b, stagger, low, low)
+        nodes = [rdv, a, b]
+        wait(lambda: connected(a, b) and connected(b, a), 60, f"A and B to connect ({mode_a}/{mode_b})", nodes)
+        ttfb = time.monotonic() - t_b
+        pa, pb = a.peer(b.id), b.peer(a.id)
+        assert pa is not None and pb is not None
+        kind = str(pa["path"]).split()[0]
+        assert kind in paths, (pa, pb)
+        assert str(pb["path"]).split()[0] == kind, (pa, pb)
+        # whoever dialled pinned the other's TLS key; the listener holds the other's auth proof: never the relay's
+        assert pa["pinned_key"] == b.id and pb["pinned_key"] == a.id, (pa, pb)
+        if kind == "relayed":
+            assert str(pa["path"]).endswith(rdv.id[:8]), pa
+        if mode_a != "public":
+            # A learned its public address from a member; it leads A's addresses and A's tokens carry it
+            addrs = a.status()["reach"]["addrs"]  # type: ignore[index]
+            assert str(addrs[0]).startswith("198.51.100.2:"), addrs
+            assert tok.parse((a.state / "token").read_text().strip()).addrs[0] == addrs[0]
+            seen = rdv.peer(a.id)
+            assert seen is not None and str(seen["path"]).startswith("direct 198.51.100.2:"), seen
+        print(f"\nNAT cell {mode_a}/{mode_b}: {pa['path']} (A) / {pb['path']} (B), connected {ttfb:.1f} s after B "
+              f"started")  # fmt: skip
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        for n in nodes:
+            n.stop()
+
+
+def _complete(lab: Lab, where: str, prompt: str) -> str:
+    """Ask the node's :9337 in its own namespace (it forwards to the host through the mesh)."""
+    body = json.dumps({"model": "x", "prompt": prompt, "max_tokens": 16, "temperature": 0, "seed": 1})
+    code = (
+        "import sys,urllib.request\n"
+        "r=urllib.request.Request('http://127.0.0.1:9337/v1/completions',data=sys.argv[1].encode(),"
+        "headers={'Content-Type':'application/json'})\n"
+        "print(urllib.request.urlopen(r,timeout=120).read().decode())"
+    )
+    out = subprocess.run(lab.exec_argv(where, [sys.executable, "-c", code, body]), capture_output=True, text=True,
+                         timeout=180)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    return str(json.loads(out.stdout)["choices"][0]["text"])
+
+
+@pytest.mark.parametrize(("mode_a", "mode_b", "path"), [("random", "random", "relayed"), ("cone", "cone", "direct")])
+def test_split_completion_across_nats(
+    lab: Lab, tmp_path: Path, tiny_model: Path, mode_a: str, mode_b: str, path: str
+) -> None:
+    """Host behind natA, worker behind natB, a real completion asked at the worker (so the prompt crosses the
+    A–B path); on the relayed path the relay's wire never shows the prompt."""
+    nodes: list[Node] = []
+    capture = tmp_path / "rdv.pcap.raw"
+    cap: subprocess.Popen[bytes] | None = None
+    try:
+        rdv, a, b, _ = start_mesh(lab, tmp_path, tiny_model, mode_a, mode_b, 0.0,
+                                  ("--max-vram", "0.5", "--ctx-size", "1024"),
+                                  ("--max-vram", "0.3", "--ctx-size", "1024"))  # fmt: skip
+        nodes = [rdv, a, b]
+        wait(lambda: connected(a, b) and connected(b, a), 60, "A and B to connect", nodes)
+
+        def serving() -> bool:
+            plan = a.status().get("plan")
+            asg = plan.get("assignments", []) if isinstance(plan, dict) else []
+            return a.status().get("state") == "serving" and any(x["node"] == b.id and x["count"] for x in asg)
+
+        wait(serving, 120, "the host to serve a split with B", nodes)
+        assert str(a.peer(b.id)["path"]).startswith(path)  # type: ignore[index]
+        cap = subprocess.Popen(lab.exec_argv("rdv", [sys.executable, str(Path(__file__).parent / "capture.py"),
+                                                      "eth0", str(capture)]))  # fmt: skip
+        time.sleep(0.5)
+        relayed_before = int(rdv.status()["reach"]["relayed_packets"])  # type: ignore[index]
+        via_b = _complete(lab, "homeB", PROMPT)
+        via_a = _complete(lab, "homeA", PROMPT)
+        assert via_b == via_a and via_b.strip(), (via_a, via_b)
+        cap.terminate()
+        cap.wait(10)
+        relayed = int(rdv.status()["reach"]["relayed_packets"]) - relayed_before  # type: ignore[index]
+        wire = capture.read_bytes()
+        print(f"\n{mode_a}/{mode_b}: completion through {a.peer(b.id)['path']}; relay forwarded {relayed} packets; "  # type: ignore[index]
+              f"{len(wire)} bytes captured at the relay")  # fmt: skip
+        if path == "relayed":
+            assert relayed > 0 and len(wire) > 10_000, (relayed, len(wire))
+            assert PROMPT.encode() not in wire and b"lighthouse keeper" not in wire
+            pa, pb = a.peer(b.id), b.peer(a.id)
+            assert pa and pb and pa["pinned_key"] == b.id and pb["pinned_key"] == a.id, (pa, pb)
+            assert rdv.id not in (pa["pinned_key"], pb["pinned_key"])
+    finally:
+        if cap is not None and cap.poll() is None:
+            cap.kill()
+        for n in nodes:
+            n.stop()

@@ -2,7 +2,10 @@
 
 aioquic's own ``connect()``/``serve()`` each make a socket; here we drive its sans-IO ``QuicConnection``
 ourselves and demultiplex by connection id. A datagram whose first byte has bit 0x40 clear is not QUIC (every
-QUIC v1 packet sets that bit) and goes to ``on_control`` ([reach] uses it for address discovery and punching).
+QUIC v1 packet sets that bit): hole-punch probes go to ``on_control``; RELAY packets are forwarded when this
+node relays (``relay_server``); RELAYED packets are unwrapped and fed to QUIC as coming from a virtual address
+that names the relay and the peer (see proto/reach.py), so a relayed connection is an ordinary QUIC connection,
+end to end, whose datagrams happen to travel through a member.
 
 Identity: each node's TLS certificate is self-signed with its Ed25519 node key. The dialler checks after the
 handshake that the certificate's key is the NodeId it meant to reach (TLS already checked that the peer holds
@@ -18,6 +21,7 @@ import contextlib
 import datetime
 import logging
 import os
+import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -33,7 +37,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.x509.oid import NameOID
 
 from meshllm.errors import MeshError
-from meshllm.proto import crypto
+from meshllm.proto import crypto, reach
 from meshllm.proto.crypto import NodeId
 
 log = logging.getLogger("meshllm.net")
@@ -164,7 +168,23 @@ class Conn:
 
     def __repr__(self) -> str:
         who = crypto.short(self.peer) if self.peer else "?"
-        return f"<Conn {who} {self.addr[0]}:{self.addr[1]} {'out' if self.is_client else 'in'}>"
+        return f"<Conn {who} {self.path} {'out' if self.is_client else 'in'}>"
+
+    @property
+    def relay(self) -> NodeId | None:
+        """The member our datagrams travel through, None on a direct path."""
+        v = reach.parse_relayed_addr(self.addr)
+        return v[0] if v else None
+
+    @property
+    def path(self) -> str:
+        r = self.relay
+        return f"relayed via {crypto.short(r)}" if r else f"direct {self.addr[0]}:{self.addr[1]}"
+
+    @property
+    def pinned_key(self) -> NodeId | None:
+        """The key this connection's peer proved: its TLS certificate's (we dialled) or its auth proof's."""
+        return _peer_key(self.quic) if self.is_client else (self.peer if self.authenticated else None)
 
     # -- streams
 
@@ -291,6 +311,9 @@ class EndpointStats:
     datagrams_in: int = 0
     datagrams_out: int = 0
     control_in: int = 0
+    relayed_packets: int = 0  # forwarded for others (we are their relay)
+    relayed_bytes: int = 0
+    relay_refused: int = 0
 
 
 class Endpoint(asyncio.DatagramProtocol):
@@ -310,6 +333,7 @@ class Endpoint(asyncio.DatagramProtocol):
         self._cids: dict[bytes, Conn] = {}
         self.conns: set[Conn] = set()
         self.stats = EndpointStats()
+        self.relay_server = False  # forward RELAY packets between members we hold authenticated connections with
         cert = make_certificate(key)
         self._server_cfg = QuicConfiguration(
             is_client=False, alpn_protocols=[ALPN], idle_timeout=IDLE_TIMEOUT_S, connection_id_length=CID_LEN,
@@ -343,14 +367,67 @@ class Endpoint(asyncio.DatagramProtocol):
             self.transport.close()
 
     def _sendto(self, data: bytes, addr: Addr) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.stats.datagrams_out += 1
-            self.transport.sendto(data, addr)
+        if self.transport is None or self.transport.is_closing():
+            return
+        via = reach.parse_relayed_addr(addr)
+        if via is not None:
+            relay = self.direct_member(via[0])
+            if relay is None:
+                return  # the relay is gone: QUIC sees loss, and the connection times out
+            data, addr = reach.relay_packet(reach.RELAY, via[1], data), relay.addr
+        self.stats.datagrams_out += 1
+        self.transport.sendto(data, addr)
 
-    def send_control(self, data: bytes, addr: Addr) -> None:
+    def send_control(self, data: bytes, addr: Addr, ttl: int | None = None) -> None:
+        """A non-QUIC packet; ``ttl`` (hole punching) sets the IP TTL of this one packet."""
         if not data or data[0] & 0x40:
             raise ValueError("control packets must have bit 0x40 of the first byte clear")
-        self._sendto(data, addr)
+        if ttl is None or self.transport is None:
+            self._sendto(data, addr)
+            return
+        sock = self.transport.get_extra_info("socket")
+        default = sock.getsockopt(socket.IPPROTO_IP, socket.IP_TTL)
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, ttl)
+        try:
+            self._sendto(data, addr)  # an idle UDP transport sends at once, under this TTL
+        finally:
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, default)
+
+    def direct_member(self, node: NodeId) -> Conn | None:
+        """Our authenticated direct (not relayed) connection to ``node``."""
+        for c in self.conns:
+            if c.peer == node and c.authenticated and not c.closed.is_set() and c.relay is None:
+                return c
+        return None
+
+    def _members(self) -> tuple[dict[Addr, NodeId], dict[NodeId, Addr]]:
+        at: dict[Addr, NodeId] = {}
+        of: dict[NodeId, Addr] = {}
+        for c in self.conns:
+            if c.peer is not None and c.authenticated and not c.closed.is_set() and c.relay is None:
+                at[c.addr] = c.peer
+                of[c.peer] = c.addr
+        return at, of
+
+    def _control(self, data: bytes, addr: Addr) -> None:
+        if data[0] == reach.RELAY:
+            fwd = reach.relay_forward(data, addr, *self._members()) if self.relay_server else None
+            if fwd is None:
+                self.stats.relay_refused += 1
+                return
+            self.stats.relayed_packets += 1
+            self.stats.relayed_bytes += len(fwd[0])
+            self._sendto(*fwd)
+            return
+        if data[0] == reach.RELAYED:
+            p = reach.parse_relay(data)
+            relay = self._members()[0].get(addr)
+            if p is None or relay is None:  # only a member we are connected to relays to us
+                return
+            self.datagram_received(p[2], reach.relayed_addr(relay, p[1]))
+            return
+        if self.on_control:
+            self.on_control(data, addr)
 
     def _forget(self, conn: Conn) -> None:
         self.conns.discard(conn)
@@ -363,8 +440,7 @@ class Endpoint(asyncio.DatagramProtocol):
             return
         if not data[0] & 0x40:
             self.stats.control_in += 1
-            if self.on_control:
-                self.on_control(data, addr)
+            self._control(data, addr)
             return
         try:
             header = pull_quic_header(Buffer(data=data), host_cid_length=CID_LEN)
@@ -409,6 +485,9 @@ class Endpoint(asyncio.DatagramProtocol):
         conn.transmit()
         try:
             await asyncio.wait_for(asyncio.shield(conn.handshake), timeout=timeout)
+        except asyncio.CancelledError:
+            conn.close("dial cancelled")
+            raise
         except TimeoutError:
             conn.close("handshake timed out")
             raise DialError(f"no answer from {addr[0]}:{addr[1]} within {timeout:.0f} s") from None

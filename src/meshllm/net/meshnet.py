@@ -1,8 +1,14 @@
 """The control plane's asyncio shell: QUIC endpoint + auth + MeshCore. It carries bytes and makes no decisions.
 
 Per connection: the dialler opens an auth stream (see proto/auth.py); once the listener accepts, the dialler
-opens one gossip stream that both sides use for GossipPush / Ping / Pong frames. Further stream kinds (RPC and
-HTTP tunnels) go to handlers registered in ``stream_handlers``.
+opens one gossip stream that both sides use for GossipPush / Ping / Pong frames, and for the reach messages
+(proto/reach.py): each side tells the other the address it sees it at (how a node behind a NAT learns its public
+address), and members pass hole-punch requests on. Further stream kinds (RPC and HTTP tunnels) go to handlers
+registered in ``stream_handlers``.
+
+Reaching a member (``_reach``): dial every advertised address at once; if none answers, punch a hole through
+both NATs, coordinated through a member both sides are connected to; if that fails too, dial through a relay
+(a member that forwards datagrams). The QUIC connection is end to end in all three cases.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshllm.errors import MeshError, RemoteProtocolError, UserError
 from meshllm.net.endpoint import STREAM_AUTH, STREAM_GOSSIP, Addr, Conn, DialError, Endpoint, Stream
-from meshllm.proto import crypto
+from meshllm.proto import crypto, reach
 from meshllm.proto import token as tok
 from meshllm.proto.auth import (
     AUTH_MAX_FRAME,
@@ -33,6 +39,7 @@ from meshllm.proto.auth import (
 )
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.meshcore import MeshCore, Out
+from meshllm.proto.reach import Observed, Puncher, PunchRequest
 from meshllm.proto.wire import FrameDecoder, Message, encode
 from meshllm.state import Membership, save_membership
 
@@ -41,6 +48,9 @@ log = logging.getLogger("meshllm.mesh")
 AUTH_TIMEOUT_S = 5.0
 TICK_S = 0.5
 GOSSIP_MAX_FRAME = 1 << 20
+DIRECT_DIAL_S = 2.0
+PUNCH_DIAL_S = 2.0
+RELAY_DIAL_S = 4.0
 
 StreamHandler = Callable[[Conn, Stream], Awaitable[None]]
 
@@ -54,6 +64,10 @@ def local_addresses(port: int) -> list[str]:
                 ips.append(a.address)
     ips.sort(key=lambda ip: (ip.startswith("127."), ip))
     return [f"{ip}:{port}" for ip in ips] or [f"127.0.0.1:{port}"]
+
+
+def local_ips() -> set[str]:
+    return {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family.name == "AF_INET"}
 
 
 def parse_addr(text: str) -> Addr:
@@ -92,6 +106,8 @@ class MeshNet:
         bind: tuple[str, int] = ("0.0.0.0", 0),
         advertise: list[str] | None = None,
         on_event: Callable[[str, NodeId, str], None] | None = None,
+        relay: str = "auto",
+        relay_hint: str | None = None,
     ) -> None:
         self.key = key
         self.me = crypto.node_id(key)
@@ -99,7 +115,16 @@ class MeshNet:
         self.state_dir = state_dir
         self.bind = bind
         self.advertise = advertise
-        self.ep = Endpoint(key, on_accept=self._on_accept)
+        self.ep = Endpoint(key, on_accept=self._on_accept, on_control=self._on_control)
+        self.relay_mode = relay  # auto (relay when publicly reachable) | on (--relay-server) | off
+        self.relay_hint = relay_hint  # --relay HOST:PORT: the member to relay through, when one is needed
+        self.reflexive: list[str] = []  # our address as members see it, newest last
+        self.public = False
+        self.on_addrs: Callable[[list[str]], None] = lambda addrs: None
+        self.on_connect: Callable[[NodeId, str], None] = lambda node, path: None
+        self.puncher = Puncher(self.me)
+        self._punch_found: dict[NodeId, asyncio.Queue[Addr]] = {}
+        self._punch_task: asyncio.Task[None] | None = None
         self.core: MeshCore | None = None
         self.peers: dict[NodeId, Conn] = {}
         self._gossip: dict[NodeId, Stream] = {}
@@ -127,6 +152,8 @@ class MeshNet:
             self.addrs = [f"{host}:{port}"]
         else:
             self.addrs = local_addresses(port)
+        self.ep.relay_server = self.relay_mode == "on"
+        self._pending_fields["relay"] = self.ep.relay_server
         if self.m is not None:
             self._make_core(self.m)
         self._spawn(self._tick_loop())
@@ -134,7 +161,7 @@ class MeshNet:
 
     def _make_core(self, m: Membership) -> MeshCore:
         self.core = MeshCore(key=self.key, mesh_id=m.mesh_id, chain=m.chain, incarnation=m.incarnation, now=self.now)
-        self.core.update(self.now, addrs=tuple(self.addrs), **self._pending_fields)
+        self.core.update(self.now, **{"addrs": tuple(self.all_addrs), **self._pending_fields})
         return self.core
 
     def _spawn(self, coro: Awaitable[None]) -> None:
@@ -197,13 +224,183 @@ class MeshNet:
     # ---------------------------------------------------------------- dialling
 
     async def _dial_any(self, node: NodeId, addrs: list[str], timeout: float = 3.0) -> Conn:
+        """Dial every address at once (a private address of another network would cost a timeout each); the
+        first that proves to be ``node`` wins."""
         errors: list[str] = []
+        targets: list[Addr] = []
         for a in addrs:
             try:
-                return await self.ep.dial(parse_addr(a), node, timeout=timeout)
-            except (DialError, ValueError, OSError) as e:
+                t = parse_addr(a)
+            except ValueError as e:
                 errors.append(str(e))
+                continue
+            if t not in targets:
+                targets.append(t)
+        tasks = [asyncio.ensure_future(self.ep.dial(t, node, timeout=timeout)) for t in targets]
+        won: Conn | None = None
+        try:
+            for fut in asyncio.as_completed(tasks):
+                try:
+                    won = await fut
+                    return won
+                except (DialError, OSError) as e:
+                    errors.append(str(e))
+        finally:
+            for task in tasks:
+                if not task.done():
+                    task.cancel()
+                elif not task.cancelled() and task.exception() is None and task.result() is not won:
+                    task.result().close("another address answered first")
         raise DialError("; ".join(errors) or "no address")
+
+    async def _reach(self, node: NodeId, addrs: list[str]) -> Conn:
+        """A connection to a member: direct, else through a punched hole, else through a relay."""
+        errors: list[str] = []
+        e = self.core.table.entries.get(node) if self.core else None
+        nat = set(e.record.reflexive) if e else set()
+        # a NATed peer's public address gets no full-TTL packet before the punch: arriving before the peer has
+        # sent anything, it would make the peer's NAT remap its port for good (DESIGN.md)
+        # (its private addresses are among the punch's targets: a peer on our LAN answers those probes)
+        via = self._rendezvous_for(node)
+        if not (nat and via):
+            try:
+                return await self._dial_any(node, [a for a in addrs if not (via and a in nat)], DIRECT_DIAL_S)
+            except DialError as err:
+                errors.append(f"direct: {err}")
+        if via:
+            try:
+                return await self._punch(node, addrs, via)
+            except DialError as err:
+                errors.append(f"punch: {err}")
+        for relay in self._relays_for(node):
+            try:
+                return await self.ep.dial(reach.relayed_addr(relay, node), node, timeout=RELAY_DIAL_S)
+            except DialError as err:
+                errors.append(f"relay {crypto.short(relay)}: {err}")
+        raise DialError("; ".join(errors))
+
+    # ---------------------------------------------------------------- hole punching and relays
+
+    def _connected_to(self, member: NodeId, node: NodeId) -> bool:
+        """Does ``member``'s record say it has a connection to ``node``?"""
+        e = self.core.table.entries.get(member) if self.core else None
+        return e is not None and crypto.short(node) in {*e.record.links, *e.record.rtt_ms}
+
+    def _rendezvous_for(self, node: NodeId) -> list[NodeId]:
+        """Members that can pass a punch request to ``node``: those that say they are connected to it first."""
+        others = [p for p in self._gossip if p != node]
+        return ([p for p in others if self._connected_to(p, node)] or others)[:3]
+
+    async def _punch(self, node: NodeId, addrs: list[str], via: list[NodeId]) -> Conn:
+        targets = [t for t in (_try_addr(a) for a in addrs) if t is not None]
+        loop = asyncio.get_running_loop()
+        attempt = self.puncher.start(node, targets, loop.time(), dialler=True)
+        found: asyncio.Queue[Addr] = asyncio.Queue()
+        self._punch_found[node] = found
+        req = PunchRequest(src=self.me, dst=node, nonce=attempt.nonce, addrs=self.all_addrs[:8])
+        self._send([(p, req) for p in via])
+        self._kick_puncher()
+        deadline = loop.time() + reach.PUNCH_S
+        try:
+            while (left := deadline - loop.time()) > 0:
+                try:
+                    addr = await asyncio.wait_for(found.get(), left)
+                except TimeoutError:
+                    break
+                try:
+                    return await self.ep.dial(addr, node, timeout=PUNCH_DIAL_S)
+                except DialError as e:
+                    log.debug("punched dial to %s failed: %s", addr, e)
+            raise DialError(f"no probe came back within {reach.PUNCH_S:.0f} s")
+        finally:
+            self.puncher.done(node)
+            self._punch_found.pop(node, None)
+
+    def _on_punch_request(self, sender: NodeId, conn: Conn, msg: PunchRequest) -> None:
+        if msg.dst == self.me:
+            src = msg.src
+            if src in self.peers or self.core is None or src not in self.core.table.entries:
+                return
+            targets = [t for t in (_try_addr(a) for a in msg.addrs) if t is not None]
+            self.puncher.start(src, targets, asyncio.get_running_loop().time(), dialler=False, nonce=msg.nonce)
+            self._kick_puncher()
+        elif msg.dst in self._gossip and msg.dst != sender and len(msg.nonce) == reach.NONCE_LEN:
+            # we are the rendezvous: vouch for who asks, and add the address we see them at
+            seen = [f"{conn.addr[0]}:{conn.addr[1]}"] if conn.relay is None else []
+            fwd = PunchRequest(src=sender, dst=msg.dst, nonce=msg.nonce, addrs=[*seen, *msg.addrs][:8])
+            self._send([(msg.dst, fwd)])
+
+    def _kick_puncher(self) -> None:
+        if self._punch_task is None or self._punch_task.done():
+            self._punch_task = asyncio.ensure_future(self._puncher_loop())
+
+    async def _puncher_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.puncher.attempts:
+            for s in self.puncher.tick(loop.time()):
+                self._send_control(s)
+            for node in [n for n in self.puncher.attempts if n in self.peers]:
+                self.puncher.done(node)
+            await asyncio.sleep(reach.PROBE_EVERY_S)
+
+    def _send_control(self, s: reach.Send) -> None:
+        try:
+            self.ep.send_control(s.data, s.addr, ttl=s.ttl)
+        except OSError as e:
+            log.debug("probe to %s: %s", s.addr, e)
+
+    def _on_control(self, data: bytes, addr: Addr) -> None:
+        sends, dial = self.puncher.on_probe(data, addr, asyncio.get_running_loop().time())
+        for s in sends:
+            self._send_control(s)
+        p = reach.parse_probe(data)
+        if dial is not None and p is not None and p[1] in self._punch_found:
+            self._punch_found[p[1]].put_nowait(dial)
+
+    def _relays_for(self, node: NodeId) -> list[NodeId]:
+        """Members that may relay to ``node``: connected directly to us, relaying, and connected to ``node``; the
+        one --relay names first, then by RTT."""
+        if self.core is None:
+            return []
+        out: list[tuple[bool, bool, float, NodeId]] = []
+        for p in self._gossip:
+            e = self.core.table.entries.get(p)
+            conn = self.peers.get(p)
+            if e is None or p == node or conn is None or conn.relay is not None:
+                continue
+            named = self.relay_hint is not None and self.relay_hint in e.record.addrs
+            if e.record.relay or named:
+                out.append((not named, not self._connected_to(p, node), self.core.rtt_ms.get(p, 1e9), p))
+        return [p for *_, p in sorted(out)]
+
+    def _on_observed(self, sender: NodeId, conn: Conn, msg: Observed) -> None:
+        """A member tells us where our packets come from: our public address when we sit behind a NAT."""
+        try:
+            host, port = parse_addr(msg.addr)
+        except ValueError:
+            return
+        if conn.relay is not None:
+            return  # a relayed connection says nothing about our address
+        public = host in local_ips() and port == self.ep.local_addr[1]
+        if public and not self.public and self.relay_mode == "auto":
+            self.public = True
+            self.ep.relay_server = True
+            log.info("reachable without NAT at %s: relaying for members that need it", msg.addr)
+            self.update(relay=True)
+        if msg.addr in self.addrs or msg.addr in self.reflexive:
+            return
+        self.reflexive = [*self.reflexive, msg.addr][-2:]
+        log.info("%s sees us at %s", crypto.short(sender), msg.addr)
+        self._set_addrs()
+
+    def _set_addrs(self) -> None:
+        self.update(addrs=tuple(self.all_addrs), reflexive=tuple(self.reflexive))
+        self.on_addrs(self.all_addrs)
+
+    @property
+    def all_addrs(self) -> list[str]:
+        """Every address we know for ourselves, the ones members saw first (they are what others can reach)."""
+        return [*self.reflexive[::-1], *(a for a in self.addrs if a not in self.reflexive)][: tok.MAX_ADDRS]
 
     async def _auth_as_dialler(self, conn: Conn, node: NodeId, token: tok.Token | None) -> list[tok.Link]:
         st = conn.open_stream(STREAM_AUTH)
@@ -252,7 +449,7 @@ class MeshNet:
     async def _dial_member(self, node: NodeId, addrs: list[str]) -> None:
         self._dialling.add(node)
         try:
-            conn = await self._dial_any(node, addrs, timeout=2.0)
+            conn = await self._reach(node, addrs)
             try:
                 await asyncio.wait_for(self._auth_as_dialler(conn, node, None), AUTH_TIMEOUT_S * 2)
             except BaseException:
@@ -334,6 +531,9 @@ class MeshNet:
         conn.peer = node
         conn.set_authenticated()
         self.peers[node] = conn
+        if self.core is not None:
+            self.core.links[node] = f"relay {crypto.short(conn.relay)}" if conn.relay else "direct"
+        self.on_connect(node, conn.path)
         if not listener:
             st = conn.open_stream(STREAM_GOSSIP)
             self._start_gossip(conn, node, st)
@@ -344,6 +544,8 @@ class MeshNet:
         assert self.core is not None
         self._gossip[node] = st
         self._send(self.core.on_connected(node, self.now))
+        if conn.relay is None:
+            self._send([(node, Observed(addr=f"{conn.addr[0]}:{conn.addr[1]}"))])
         self._spawn(self._read_gossip(conn, node, st))
 
     async def _serve_streams(self, conn: Conn) -> None:
@@ -367,6 +569,10 @@ class MeshNet:
                 if not data:
                     break
                 for msg in dec.feed(data):
+                    if isinstance(msg, Observed):
+                        self._on_observed(node, conn, msg)
+                    elif isinstance(msg, PunchRequest):
+                        self._on_punch_request(node, conn, msg)
                     self._send(self.core.on_message(node, msg, self.now))
                 self.flush_events()
         except RemoteProtocolError as e:
@@ -385,7 +591,14 @@ class MeshNet:
 
     def mint_token(self, ttl_s: float) -> tok.Token:
         assert self.m is not None
-        return tok.mint(self.key, self.m.mesh_id, self.m.secret, list(self.addrs), self.now, ttl_s)
+        return tok.mint(self.key, self.m.mesh_id, self.m.secret, self.all_addrs, self.now, ttl_s)
+
+
+def _try_addr(text: str) -> Addr | None:
+    try:
+        return parse_addr(text)
+    except ValueError:
+        return None
 
 
 def new_mesh(key: Ed25519PrivateKey, now: float) -> Membership:

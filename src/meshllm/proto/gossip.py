@@ -56,6 +56,9 @@ class PeerRecord:
     state: str = "starting"
     version: str = ""
     rtt_ms: dict[str, float] = field(default_factory=dict)  # short node id -> RTT
+    links: dict[str, str] = field(default_factory=dict)  # short node id -> "direct" or "relay <short id>"
+    relay: bool = False  # relays datagrams between members (publicly reachable, or --relay-server)
+    reflexive: tuple[str, ...] = ()  # of addrs, those members see this node at behind a NAT (dial only after punching)
     host: NodeId | None = None  # who this node believes hosts its model
     chain: tuple[tok.Link, ...] = ()
     left: bool = False  # a clean leave: this record is the node's own tombstone
@@ -66,7 +69,8 @@ class PeerRecord:
                 "node": self.node, "inc": self.incarnation, "seq": self.seq, "role": self.role,
                 "addrs": list(self.addrs), "cap": self.capacity, "dev": self.device,
                 "model": dataclasses.asdict(self.model) if self.model else None, "state": self.state,
-                "ver": self.version, "rtt": self.rtt_ms, "host": self.host,
+                "ver": self.version, "rtt": self.rtt_ms, "links": self.links, "relay": self.relay,
+                "nat": list(self.reflexive), "host": self.host,
                 "chain": tok.chain_to_wire(list(self.chain)), "left": self.left,
             }
         )  # fmt: skip
@@ -138,6 +142,8 @@ def record_from_wire(
         addrs=tuple(str(a) for a in _field(d, "addrs", list)[:16]), capacity=_field(d, "cap", int),
         device=_field(d, "dev", str), model=model, state=_field(d, "state", str), version=_field(d, "ver", str),
         rtt_ms={str(k): float(v) for k, v in list(rtt.items())[:64] if isinstance(v, int | float)},
+        links={str(k): str(v)[:40] for k, v in list(_field(d, "links", dict).items())[:64]},
+        relay=_field(d, "relay", bool), reflexive=tuple(str(a) for a in _field(d, "nat", list)[:4]),
         host=host, chain=tuple(chain), left=_field(d, "left", bool),
     )  # fmt: skip
 

@@ -55,6 +55,7 @@ class MeshCore:
     record: PeerRecord = field(init=False)
     peers: set[NodeId] = field(default_factory=set)  # connected, authenticated
     rtt_ms: dict[NodeId, float] = field(default_factory=dict)
+    links: dict[NodeId, str] = field(default_factory=dict)  # how each connected peer is reached (the shell says)
     events: list[Event] = field(default_factory=list)
     _election: Debouncer[NodeId] = field(default_factory=lambda: Debouncer[NodeId](DEBOUNCE_S))
     _last_beat: float = 0.0
@@ -96,6 +97,7 @@ class MeshCore:
     def on_disconnected(self, peer: NodeId, now: float) -> None:
         self.peers.discard(peer)
         self.rtt_ms.pop(peer, None)
+        self.links.pop(peer, None)
         self._heard.pop(peer, None)
 
     def on_message(self, peer: NodeId, msg: Message, now: float) -> Out:
@@ -141,7 +143,8 @@ class MeshCore:
         out: Out = []
         if now - self._last_beat >= HEARTBEAT_S:
             rtt = {crypto.short(p): round(v, 2) for p, v in self.rtt_ms.items()}
-            out += self.update(now, rtt_ms=rtt)
+            links = {crypto.short(p): v for p, v in self.links.items() if p in self.peers}
+            out += self.update(now, rtt_ms=rtt, links=links)
             out += [(p, Ping(t=now)) for p in sorted(self.peers)]
         before = set(self.table.entries)
         res = self.table.expire(self.key, now)

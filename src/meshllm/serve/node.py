@@ -55,6 +55,8 @@ class NodeOptions:
     bind_host: str = "0.0.0.0"
     bind_port: int = 0
     advertise: list[str] = field(default_factory=list)
+    relay: str | None = None  # --relay HOST:PORT
+    relay_mode: str = "auto"  # auto | on (--relay-server) | off (--no-relay-server)
     token_ttl_s: float = 86400.0
     max_vram_gb: float | None = None
     ctx_size: int = 4096
@@ -155,9 +157,12 @@ class Node:
             save_membership(self.state, m)
         self.net = MeshNet(
             self.key, m, self.state, bind=(self.o.bind_host, self.o.bind_port),
-            advertise=self.o.advertise or None, on_event=self._on_event,
+            advertise=self.o.advertise or None, on_event=self._on_event, relay=self.o.relay_mode,
+            relay_hint=self.o.relay,
         )  # fmt: skip
         self.net.on_change = self._on_change
+        self.net.on_addrs = self._on_addrs
+        self.net.on_connect = self._on_connect
         return tokens
 
     def _choose_draft(self, model: Path, hdr: object) -> Path | None:
@@ -560,7 +565,7 @@ class Node:
         if kind == "joined":
             r = self._record(node)
             conn = self.net.peers.get(node)
-            path = f"direct {conn.addr[0]}:{conn.addr[1]}" if conn else "via gossip"
+            path = conn.path if conn else "not connected yet"
             rtt = self.net.core.rtt_ms.get(node)
             role = r.role if r else "?"
             cap = f"{r.capacity / GB:.1f} GB" if r and r.capacity else "no capacity"
@@ -574,6 +579,16 @@ class Node:
             self.console.print(f"[bold]host elected:[/] {self._name(node)}")
         elif kind == "refuted":
             self.console.print(f"[yellow]was declared dead by a peer; back as {detail}[/]")
+
+    def _on_connect(self, node: NodeId, path: str) -> None:
+        self.console.print(f"[cyan]~[/] connected to {self._name(node)}: {path}")
+
+    def _on_addrs(self, addrs: list[str]) -> None:
+        """Members told us our public address: later tokens carry it."""
+        write_private(self.state / "node.json", json.dumps({"addrs": addrs}).encode())
+        self.console.print(f"addresses as members see them: {', '.join(addrs[:3])}")
+        if self.net is not None and self.net.m is not None and (self.state / "token").exists():
+            save_token(self.state, self.net.mint_token(self.o.token_ttl_s).encode())
 
     def _on_change(self) -> None:
         net = self.net
@@ -647,8 +662,9 @@ class Node:
                 "device": r.device, "state": r.state, "incarnation": r.incarnation,
                 "liveness": core.liveness(r.node, now).value,
                 "model": r.model.fingerprint if r.model else None,
-                "path": "self" if r.node == self.me else (f"direct {conn.addr[0]}:{conn.addr[1]}" if conn
-                                                          else "gossip"),
+                "path": "self" if r.node == self.me else (conn.path if conn else "not connected"),
+                "pinned_key": (k.hex() if (k := conn.pinned_key) else None) if conn else None,
+                "links": r.links, "relay": r.relay,
                 "rtt_ms": core.rtt_ms.get(r.node),
                 "tunnel": self._tunnel_counts(r.node),
                 "layers": self._layers_of(r.node),
@@ -677,6 +693,11 @@ class Node:
             "agent_lines": agent_lines(served[0], self.o.port) if served else [],
             "node": self.me.hex(), "mesh": core.mesh_id.hex(), "role": core.record.role,
             "host": self.host.hex() if self.host else None, "peers": peers, "plan": plan_obj,
+            "reach": {
+                "addrs": self.net.all_addrs, "public": self.net.public, "relay_server": self.net.ep.relay_server,
+                "relayed_packets": self.net.ep.stats.relayed_packets, "relayed_bytes": self.net.ep.stats.relayed_bytes,
+                "relay_refused": self.net.ep.stats.relay_refused,
+            },
             "model": self.facts.__dict__ if self.facts else None, "version": __version__,
         }  # fmt: skip
 

@@ -1,0 +1,204 @@
+"""Reaching peers behind NATs, without I/O: control-packet layouts, the hole-punch schedule and the relay rule.
+
+Control packets share the node's UDP socket with QUIC; their first byte has bit 0x40 clear (every QUIC v1 packet
+sets it). Layouts (node ids are the 32-byte Ed25519 public keys)::
+
+    PROBE      0x01 | from node (32) | nonce (8)          hole punching: "I am trying to reach you"
+    PROBE_ACK  0x02 | from node (32) | nonce (8)          the answer, sent to where the probe came from
+    RELAY      0x10 | to node (32)   | QUIC datagram      to a relay: please pass this on
+    RELAYED    0x11 | from node (32) | QUIC datagram      from a relay: this came from that member
+
+A relay fills in RELAYED's sender from its own authenticated connection on which the RELAY packet's source
+address sits, never from the packet, and forwards only from and to members it has authenticated connections with,
+so it is never an open reflector; the payload is a QUIC packet encrypted end to end, and it holds no keys for it.
+
+Hole punching (facts measured on Linux NATs, see DESIGN.md): a packet that reaches the other side's NAT before
+that side has sent anything creates a conntrack entry that makes the other NAT remap its port for good. So each
+side first sends probes with TTL 2 (they open our own NAT's mapping and die at the first router beyond it), and
+only after ``LOW_TTL_S`` sends probes that go all the way. The dialling side (the smaller node id, or a client)
+dials QUIC to the address a probe or ack arrived from.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from meshllm.proto.crypto import NodeId
+from meshllm.proto.wire import Message, message
+
+PROBE = 0x01
+PROBE_ACK = 0x02
+RELAY = 0x10
+RELAYED = 0x11
+ID_LEN = 32
+NONCE_LEN = 8
+
+LOW_TTL = 2
+LOW_TTL_S = 1.0  # long enough for the punch request to reach the other side through the rendezvous
+PROBE_EVERY_S = 0.1
+PUNCH_S = 5.0  # give up (and fall back to a relay) after this
+
+Addr = tuple[str, int]
+
+
+# ------------------------------------------------------------------ control packets
+
+
+def probe(kind: int, me: NodeId, nonce: bytes) -> bytes:
+    assert kind in (PROBE, PROBE_ACK) and len(me) == ID_LEN and len(nonce) == NONCE_LEN
+    return bytes([kind]) + me + nonce
+
+
+def parse_probe(data: bytes) -> tuple[int, NodeId, bytes] | None:
+    if len(data) != 1 + ID_LEN + NONCE_LEN or data[0] not in (PROBE, PROBE_ACK):
+        return None
+    return data[0], data[1 : 1 + ID_LEN], data[1 + ID_LEN :]
+
+
+def relay_packet(kind: int, node: NodeId, payload: bytes) -> bytes:
+    assert kind in (RELAY, RELAYED) and len(node) == ID_LEN
+    return bytes([kind]) + node + payload
+
+
+def parse_relay(data: bytes) -> tuple[int, NodeId, bytes] | None:
+    """(kind, node, payload) of a RELAY/RELAYED packet whose payload is a QUIC packet, else None."""
+    if len(data) < 2 + ID_LEN or data[0] not in (RELAY, RELAYED) or not data[1 + ID_LEN] & 0x40:
+        return None
+    return data[0], data[1 : 1 + ID_LEN], data[1 + ID_LEN :]
+
+
+def relay_forward(
+    data: bytes, src: Addr, member_at: dict[Addr, NodeId], addr_of: dict[NodeId, Addr]
+) -> tuple[bytes, Addr] | None:
+    """What a relay sends for a RELAY packet from ``src``: (RELAYED packet, destination), or None to drop it.
+    ``member_at``/``addr_of`` describe the relay's authenticated connections to members only."""
+    p = parse_relay(data)
+    if p is None or p[0] != RELAY:
+        return None
+    sender = member_at.get(src)
+    dst = addr_of.get(p[1])
+    if sender is None or dst is None or p[1] == sender:
+        return None
+    return relay_packet(RELAYED, sender, p[2]), dst
+
+
+# ------------------------------------------------------------------ virtual addresses of relayed paths
+
+
+def relayed_addr(relay: NodeId, peer: NodeId) -> Addr:
+    """The address a relayed QUIC connection to ``peer`` through ``relay`` goes by inside this node."""
+    return (f"relay:{relay.hex()}:{peer.hex()}", 0)
+
+
+def parse_relayed_addr(addr: Addr) -> tuple[NodeId, NodeId] | None:
+    parts = addr[0].split(":") if isinstance(addr[0], str) else []
+    if len(parts) != 3 or parts[0] != "relay":
+        return None
+    try:
+        return bytes.fromhex(parts[1]), bytes.fromhex(parts[2])
+    except ValueError:
+        return None
+
+
+# ------------------------------------------------------------------ gossip-stream messages
+
+
+@message
+@dataclass(frozen=True)
+class Observed(Message):
+    """Sent once on every new connection: the address this connection's packets arrive from (the peer's reflexive
+    address when it sits behind a NAT)."""
+
+    TYPE = "reach.observed"
+    addr: str
+
+
+@message
+@dataclass(frozen=True)
+class PunchRequest(Message):
+    """``src`` asks ``dst`` (through a member both are connected to) to send probes to ``addrs`` now. The
+    rendezvous overwrites ``src`` with the authenticated sender and adds the address it sees the sender at."""
+
+    TYPE = "reach.punch"
+    src: bytes
+    dst: bytes
+    nonce: bytes
+    addrs: list[str] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------ the punch schedule
+
+
+@dataclass
+class Attempt:
+    peer: NodeId
+    nonce: bytes
+    targets: list[Addr]
+    started: float
+    dialler: bool
+    next_probe: float = 0.0
+    found: Addr | None = None  # where the peer's probe or ack came from
+
+
+@dataclass
+class Send:
+    data: bytes
+    addr: Addr
+    ttl: int | None  # None: the socket's default
+
+
+@dataclass
+class Puncher:
+    """Every attempt in progress. The shell calls ``tick`` every PROBE_EVERY_S and sends what it returns."""
+
+    me: NodeId
+    attempts: dict[NodeId, Attempt] = field(default_factory=dict)
+
+    def start(
+        self, peer: NodeId, targets: list[Addr], now: float, dialler: bool, nonce: bytes | None = None
+    ) -> Attempt:
+        old = self.attempts.get(peer)
+        if old is not None and old.nonce == nonce:
+            old.targets = _merge(old.targets, targets)  # the same attempt heard of twice
+            return old
+        a = Attempt(peer, nonce or os.urandom(NONCE_LEN), _merge([], targets), now, dialler, next_probe=now)
+        self.attempts[peer] = a
+        return a
+
+    def tick(self, now: float) -> list[Send]:
+        out: list[Send] = []
+        for peer, a in list(self.attempts.items()):
+            if now - a.started > PUNCH_S:
+                del self.attempts[peer]
+                continue
+            if now < a.next_probe:
+                continue
+            a.next_probe = now + PROBE_EVERY_S
+            ttl = LOW_TTL if now - a.started < LOW_TTL_S else None
+            out += [Send(probe(PROBE, self.me, a.nonce), t, ttl) for t in a.targets]
+        return out
+
+    def on_probe(self, data: bytes, src: Addr, now: float) -> tuple[list[Send], Addr | None]:
+        """A control packet that may be a probe: what to answer, and an address to dial now (dialler only)."""
+        p = parse_probe(data)
+        if p is None:
+            return [], None
+        kind, peer, nonce = p
+        a = self.attempts.get(peer)
+        if a is None or a.nonce != nonce:
+            return [], None
+        a.found = src
+        out = [Send(probe(PROBE_ACK, self.me, nonce), src, None)] if kind == PROBE else []
+        return out, (src if a.dialler else None)
+
+    def done(self, peer: NodeId) -> None:
+        self.attempts.pop(peer, None)
+
+
+def _merge(old: list[Addr], new: list[Addr]) -> list[Addr]:
+    out = list(old)
+    for a in new:
+        if a not in out:
+            out.append(a)
+    return out[:8]
