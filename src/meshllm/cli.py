@@ -291,10 +291,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind-port", type=int, default=0, help="UDP port for the mesh (default ephemeral)")
     p.add_argument("--advertise", action="append", metavar="HOST:PORT", help="address peers should dial")
     p.add_argument("--relay", metavar="HOST:PORT", help="relay through this member when a peer is unreachable")
-    p.add_argument("--relay-server", dest="relay_mode", action="store_const", const="on", default="auto",
-                   help="relay datagrams for members (default: only when this node is publicly reachable)")
-    p.add_argument("--no-relay-server", dest="relay_mode", action="store_const", const="off",
-                   help="never relay for other members")
+    p.add_argument(
+        "--relay-server",
+        dest="relay_mode",
+        action="store_const",
+        const="on",
+        default="auto",
+        help="relay datagrams for members (default: only when this node is publicly reachable)",
+    )
+    p.add_argument(
+        "--no-relay-server", dest="relay_mode", action="store_const", const="off", help="never relay for other members"
+    )
     p.add_argument("--token-ttl", type=parse_duration, default=86400.0, metavar="DURATION", help="default 1d")
     p.add_argument("--max-vram", type=float, metavar="GB", help="cap the memory this node offers")
     p.add_argument("--ctx-size", type=int, default=4096, metavar="N", help="context size (default 4096)")
