@@ -150,7 +150,7 @@ def test_cell(
 
 def _complete(lab: Lab, where: str, prompt: str) -> str:
     """Ask the node's :9337 in its own namespace (it forwards to the host through the mesh)."""
-    body = json.dumps({"model": "x", "prompt": prompt, "max_tokens": 16, "temperature": 0, "seed": 1})
+    body = json.dumps({"prompt": prompt, "max_tokens": 16, "temperature": 0, "seed": 1, "cache_prompt": False})
     code = (
         "import sys,urllib.request\n"
         "r=urllib.request.Request('http://127.0.0.1:9337/v1/completions',data=sys.argv[1].encode(),"
@@ -205,6 +205,8 @@ def test_split_completion_across_nats(
             pa, pb = a.peer(b.id), b.peer(a.id)
             assert pa and pb and pa["pinned_key"] == b.id and pb["pinned_key"] == a.id, (pa, pb)
             assert rdv.id not in (pa["pinned_key"], pb["pinned_key"])
+        else:
+            assert relayed == 0, relayed
     finally:
         if cap is not None and cap.poll() is None:
             cap.kill()
