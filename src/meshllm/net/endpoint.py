@@ -37,6 +37,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.x509.oid import NameOID
 
 from meshllm.errors import MeshError
+from meshllm.net.netem import LinkShape, Shaper
 from meshllm.proto import crypto, reach
 from meshllm.proto.crypto import NodeId
 
@@ -334,6 +335,8 @@ class Endpoint(asyncio.DatagramProtocol):
         self.conns: set[Conn] = set()
         self.stats = EndpointStats()
         self.relay_server = False  # forward RELAY packets between members we hold authenticated connections with
+        shape = LinkShape.from_env()  # benchmarks only: added latency / rate limit on every datagram we send
+        self.shaper = Shaper(shape, self._raw_send) if shape else None
         cert = make_certificate(key)
         self._server_cfg = QuicConfiguration(
             is_client=False, alpn_protocols=[ALPN], idle_timeout=IDLE_TIMEOUT_S, connection_id_length=CID_LEN,
@@ -376,7 +379,14 @@ class Endpoint(asyncio.DatagramProtocol):
                 return  # the relay is gone: QUIC sees loss, and the connection times out
             data, addr = reach.relay_packet(reach.RELAY, via[1], data), relay.addr
         self.stats.datagrams_out += 1
-        self.transport.sendto(data, addr)
+        if self.shaper is not None:
+            self.shaper.send(data, addr)
+        else:
+            self.transport.sendto(data, addr)
+
+    def _raw_send(self, data: bytes, addr: Addr) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.sendto(data, addr)
 
     def send_control(self, data: bytes, addr: Addr, ttl: int | None = None) -> None:
         """A non-QUIC packet; ``ttl`` (hole punching) sets the IP TTL of this one packet."""
@@ -389,7 +399,8 @@ class Endpoint(asyncio.DatagramProtocol):
         default = sock.getsockopt(socket.IPPROTO_IP, socket.IP_TTL)
         sock.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, ttl)
         try:
-            self._sendto(data, addr)  # an idle UDP transport sends at once, under this TTL
+            self.stats.datagrams_out += 1
+            self._raw_send(data, addr)  # an idle UDP transport sends at once, under this TTL
         finally:
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, default)
 

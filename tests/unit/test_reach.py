@@ -1,0 +1,83 @@
+"""The reach core: control-packet layouts, the relay rule (never an open reflector) and the punch schedule."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from meshllm.proto import reach
+from meshllm.proto.reach import LOW_TTL, LOW_TTL_S, PROBE, PROBE_ACK, PUNCH_S, RELAY, RELAYED, Puncher
+
+A, B, C, X = (bytes([i]) * 32 for i in (1, 2, 3, 9))
+QUIC = b"\xc0" + b"q" * 100  # any datagram whose first byte has bit 0x40 set
+AT_A, AT_B, AT_X = ("198.51.100.2", 4000), ("203.0.113.2", 5000), ("192.0.2.66", 6666)
+MEMBERS = {AT_A: A, AT_B: B}
+ADDR_OF = {A: AT_A, B: AT_B}
+
+
+def test_relay_forwards_between_members_and_names_the_sender_itself() -> None:
+    out = reach.relay_forward(reach.relay_packet(RELAY, B, QUIC), AT_A, MEMBERS, ADDR_OF)
+    assert out == (reach.relay_packet(RELAYED, A, QUIC), AT_B)
+
+
+def test_relay_is_never_an_open_reflector() -> None:
+    pkt = reach.relay_packet(RELAY, B, QUIC)
+    assert reach.relay_forward(pkt, AT_X, MEMBERS, ADDR_OF) is None  # sender is no member we are connected to
+    assert reach.relay_forward(reach.relay_packet(RELAY, C, QUIC), AT_A, MEMBERS, ADDR_OF) is None  # unknown dst
+    assert reach.relay_forward(reach.relay_packet(RELAY, A, QUIC), AT_A, MEMBERS, ADDR_OF) is None  # to itself
+    assert reach.relay_forward(reach.relay_packet(RELAYED, B, QUIC), AT_A, MEMBERS, ADDR_OF) is None  # wrong kind
+    assert reach.relay_forward(bytes([RELAY]) + B + b"\x01probe", AT_A, MEMBERS, ADDR_OF) is None  # not QUIC
+
+
+@given(st.binary(max_size=200), st.sampled_from([AT_A, AT_B, AT_X]))
+def test_relay_rule_on_any_bytes_forwards_only_member_to_member_without_growth(
+    data: bytes, src: tuple[str, int]
+) -> None:
+    out = reach.relay_forward(data, src, MEMBERS, ADDR_OF)
+    if out is not None:
+        pkt, dst = out
+        assert src in MEMBERS and dst in MEMBERS and dst != src
+        assert len(pkt) == len(data)  # no amplification
+        assert pkt[1:33] == MEMBERS[src]
+
+
+def test_virtual_address_round_trip() -> None:
+    v = reach.relayed_addr(C, B)
+    assert reach.parse_relayed_addr(v) == (C, B)
+    assert reach.parse_relayed_addr(("127.0.0.1", 4)) is None
+    assert reach.parse_relayed_addr(("relay:zz:00", 0)) is None
+
+
+def test_punch_schedule_low_ttl_first_then_full_then_gives_up() -> None:
+    p = Puncher(A)
+    p.start(B, [AT_B], now=0.0, dialler=True)
+    first = p.tick(0.0)
+    assert [s.ttl for s in first] == [LOW_TTL] and first[0].addr == AT_B
+    assert p.tick(0.05) == []  # not before the next probe is due
+    later = p.tick(LOW_TTL_S + 0.01)
+    assert [s.ttl for s in later] == [None]
+    assert reach.parse_probe(later[0].data) == (PROBE, A, p.attempts[B].nonce)
+    assert p.tick(PUNCH_S + 0.01) == [] and B not in p.attempts
+
+
+def test_probe_answered_and_dialler_told_where_to_dial() -> None:
+    a, b = Puncher(A), Puncher(B)
+    att = a.start(B, [AT_B], now=0.0, dialler=True)
+    b.start(A, [AT_A], now=0.1, dialler=False, nonce=att.nonce)
+    # B's probe reaches A from B's (possibly remapped) public address: A answers there and dials it
+    probe_b = b.tick(0.1)[0]
+    sends, dial = a.on_probe(probe_b.data, ("203.0.113.2", 5999), 0.2)
+    assert dial == ("203.0.113.2", 5999)
+    assert [(reach.parse_probe(s.data), s.addr) for s in sends] == [((PROBE_ACK, A, att.nonce), ("203.0.113.2", 5999))]
+    # the listener answers but never dials; acks are not answered
+    sends, dial = b.on_probe(a.tick(0.2)[0].data, AT_A, 0.3)
+    assert dial is None and len(sends) == 1
+    assert b.on_probe(sends[0].data, AT_B, 0.3) == ([], None)
+
+
+def test_probes_with_a_wrong_nonce_or_from_strangers_are_ignored() -> None:
+    a = Puncher(A)
+    a.start(B, [AT_B], now=0.0, dialler=True)
+    assert a.on_probe(reach.probe(PROBE, B, b"\x00" * 8), AT_B, 0.1) == ([], None)
+    assert a.on_probe(reach.probe(PROBE, C, a.attempts[B].nonce), AT_B, 0.1) == ([], None)
+    assert a.on_probe(b"\x01short", AT_B, 0.1) == ([], None)
