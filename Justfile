@@ -26,7 +26,7 @@ test *pytest_args="":
         "unit tests=={{bin}}/pytest -q tests/unit {{pytest_args}}" \
         "simulation=={{bin}}/pytest -q tests/sim {{pytest_args}}" \
         "integration tests=={{bin}}/pytest -q tests/integration {{pytest_args}}" \
-        "NAT lab=={{bin}}/pytest -q -rs tests/netns {{pytest_args}}"
+        "NAT lab=={{bin}}/pytest -q -s -rs tests/netns {{pytest_args}}"
 
 # Unit tests only (no binaries needed).
 unit *args="":
