@@ -109,6 +109,10 @@ class Lab:
         self.n(nat, "iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "wan", "-j", "MASQUERADE", *extra)
         subprocess.run(["ip", "netns", "exec", self.ns(nat), "conntrack", "-F"], capture_output=True)
 
+    def unblock(self, nat: str) -> None:
+        """A ``blocked`` NAT box lets UDP out to anywhere from now on (connections it carries are untouched)."""
+        self.n(nat, "iptables", "-D", "FORWARD", "-o", "wan", "-p", "udp", "!", "-d", RDV, "-j", "DROP")
+
     def exec_argv(self, name: str, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.ns(name), *argv]
 

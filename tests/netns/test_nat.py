@@ -157,8 +157,12 @@ def _complete(lab: Lab, where: str, prompt: str) -> str:
         "headers={'Content-Type':'application/json'})\n"
         "print(urllib.request.urlopen(r,timeout=120).read().decode())"
     )
-    out = subprocess.run(lab.exec_argv(where, [sys.executable, "-c", code, body]), capture_output=True, text=True,
-                         timeout=180)  # fmt: skip
+    for _ in range(30):  # a node learns that the host serves from gossip, a moment after the host does
+        out = subprocess.run(lab.exec_argv(where, [sys.executable, "-c", code, body]), capture_output=True, text=True,
+                             timeout=180)  # fmt: skip
+        if "503" not in out.stderr:
+            break
+        time.sleep(1)
     assert out.returncode == 0, out.stderr[-2000:]
     return str(json.loads(out.stdout)["choices"][0]["text"])
 
@@ -210,5 +214,36 @@ def test_split_completion_across_nats(
     finally:
         if cap is not None and cap.poll() is None:
             cap.kill()
+        for n in nodes:
+            n.stop()
+
+
+def test_a_relayed_split_moves_to_a_punched_path_without_a_reload(lab: Lab, tmp_path: Path, tiny_model: Path) -> None:
+    """A starts where UDP may only reach the relay, so A and B meet through it and serve a split that way; then
+    the network opens up: the relayed connection moves onto a punched direct path under the running split (the
+    same QUIC connection: no reconnect, no re-plan, no llama-server restart)."""
+    nodes: list[Node] = []
+    try:
+        rdv, a, b, _ = start_mesh(lab, tmp_path, tiny_model, "blocked", "cone", 0.0,
+                                  ("--max-vram", "0.5", "--ctx-size", "1024"),
+                                  ("--max-vram", "0.3", "--ctx-size", "1024"))  # fmt: skip
+        nodes = [rdv, a, b]
+        wait(lambda: connected(a, b) and connected(b, a), 60, "A and B to connect", nodes)
+        assert str(a.peer(b.id)["path"]).startswith("relayed"), a.peer(b.id)  # type: ignore[index]
+        wait(lambda: a.status().get("state") == "serving", 120, "the host to serve", nodes)
+        before = _complete(lab, "homeB", PROMPT)
+        starts = a.status()["llama_starts"]
+        lab.unblock("natA")
+        t0 = time.monotonic()
+        wait(lambda: all(str((x.peer(y.id) or {}).get("path", "")).startswith("direct") for x, y in ((a, b), (b, a))),
+             100, "the relayed connection to go direct", nodes)  # fmt: skip
+        print(f"\nblocked→cone: {a.peer(b.id)['path']} {time.monotonic() - t0:.1f} s after the network opened")  # type: ignore[index]
+        relayed = int(rdv.status()["reach"]["relayed_packets"])  # type: ignore[index]
+        assert _complete(lab, "homeB", PROMPT) == before
+        assert a.status()["llama_starts"] == starts
+        assert int(rdv.status()["reach"]["relayed_packets"]) - relayed < 10  # type: ignore[index]
+        for x in (a, b):
+            assert "died" not in x.log.read_text() and "went silent" not in x.log.read_text()
+    finally:
         for n in nodes:
             n.stop()

@@ -64,20 +64,32 @@ def test_probe_answered_and_dialler_told_where_to_dial() -> None:
     a, b = Puncher(A), Puncher(B)
     att = a.start(B, [AT_B], now=0.0, dialler=True)
     b.start(A, [AT_A], now=0.1, dialler=False, nonce=att.nonce)
-    # B's probe reaches A from B's (possibly remapped) public address: A answers there and dials it
-    probe_b = b.tick(0.1)[0]
-    sends, dial = a.on_probe(probe_b.data, ("203.0.113.2", 5999), 0.2)
-    assert dial == ("203.0.113.2", 5999)
-    assert [(reach.parse_probe(s.data), s.addr) for s in sends] == [((PROBE_ACK, A, att.nonce), ("203.0.113.2", 5999))]
-    # the listener answers but never dials; acks are not answered
-    sends, dial = b.on_probe(a.tick(0.2)[0].data, AT_A, 0.3)
-    assert dial is None and len(sends) == 1
-    assert b.on_probe(sends[0].data, AT_B, 0.3) == ([], None)
+    # B's probe reaches A from B's (possibly remapped) public address: A answers there and may dial it
+    h = a.on_probe(b.tick(0.1)[0].data, ("203.0.113.2", 5999), 0.2)
+    assert h.peer == B and h.dial == ("203.0.113.2", 5999) and h.confirmed is None
+    assert [(reach.parse_probe(s.data), s.addr) for s in h.sends] == [
+        ((PROBE_ACK, A, att.nonce), ("203.0.113.2", 5999))
+    ]
+    # B answers A's probe but never dials; A's ack proves the path both ways to B
+    h = b.on_probe(a.tick(0.2)[0].data, AT_A, 0.3)
+    assert h.dial is None and len(h.sends) == 1 and h.confirmed is None
+    ack = a.on_probe(reach.probe(PROBE, B, att.nonce), AT_B, 0.3).sends[0]
+    h = b.on_probe(ack.data, AT_A, 0.4)
+    assert h.sends == [] and h.dial is None and h.confirmed == AT_A
 
 
 def test_probes_with_a_wrong_nonce_or_from_strangers_are_ignored() -> None:
     a = Puncher(A)
     a.start(B, [AT_B], now=0.0, dialler=True)
-    assert a.on_probe(reach.probe(PROBE, B, b"\x00" * 8), AT_B, 0.1) == ([], None)
-    assert a.on_probe(reach.probe(PROBE, C, a.attempts[B].nonce), AT_B, 0.1) == ([], None)
-    assert a.on_probe(b"\x01short", AT_B, 0.1) == ([], None)
+    nothing = reach.Heard()
+    assert a.on_probe(reach.probe(PROBE, B, b"\x00" * 8), AT_B, 0.1) == nothing
+    assert a.on_probe(reach.probe(PROBE, C, a.attempts[B].nonce), AT_B, 0.1) == nothing
+    assert a.on_probe(b"\x01short", AT_B, 0.1) == nothing
+
+
+def test_a_quiet_attempt_stops_probing_but_still_answers() -> None:
+    a = Puncher(A)
+    att = a.start(B, [AT_B], now=0.0, dialler=True)
+    a.quiet(B)
+    assert a.tick(2.0) == []
+    assert len(a.on_probe(reach.probe(PROBE, B, att.nonce), AT_B, 2.0).sends) == 1

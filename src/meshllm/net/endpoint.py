@@ -173,14 +173,33 @@ class Conn:
 
     @property
     def relay(self) -> NodeId | None:
-        """The member our datagrams travel through, None on a direct path."""
+        """The member this connection was made through (None: made directly). See ``shortcut``."""
         v = reach.parse_relayed_addr(self.addr)
         return v[0] if v else None
 
     @property
+    def shortcut(self) -> Addr | None:
+        """A relayed connection's punched direct path, once found: its datagrams go there instead."""
+        return self.ep.shortcuts.get(self.addr)
+
+    @property
+    def is_direct(self) -> bool:
+        return self.relay is None or self.shortcut is not None
+
+    def go_direct(self, addr: Addr) -> None:
+        """Send this relayed connection's datagrams straight to ``addr`` from now on (QUIC does not notice: it
+        keeps seeing the virtual address)."""
+        if self.relay is not None:
+            self.ep.shortcuts[self.addr] = addr
+
+    @property
     def path(self) -> str:
-        r = self.relay
-        return f"relayed via {crypto.short(r)}" if r else f"direct {self.addr[0]}:{self.addr[1]}"
+        r, d = self.relay, self.shortcut
+        if r is None:
+            return f"direct {self.addr[0]}:{self.addr[1]}"
+        if d is not None:
+            return f"direct {d[0]}:{d[1]} (punched, first relayed via {crypto.short(r)})"
+        return f"relayed via {crypto.short(r)}"
 
     @property
     def pinned_key(self) -> NodeId | None:
@@ -259,6 +278,8 @@ class Conn:
         self.transmit()
 
     def datagram_received(self, data: bytes, addr: Addr) -> None:
+        if self.relay is not None:
+            addr = self.addr  # relayed or on its shortcut: QUIC always sees the one virtual address
         self.quic.receive_datagram(data, addr, now=asyncio.get_running_loop().time())
         self.transmit()
 
@@ -333,6 +354,7 @@ class Endpoint(asyncio.DatagramProtocol):
         self.transport: asyncio.DatagramTransport | None = None
         self._cids: dict[bytes, Conn] = {}
         self.conns: set[Conn] = set()
+        self.shortcuts: dict[Addr, Addr] = {}  # virtual address of a relayed connection -> its punched path
         self.stats = EndpointStats()
         self.relay_server = False  # forward RELAY packets between members we hold authenticated connections with
         shape = LinkShape.from_env()  # benchmarks only: added latency / rate limit on every datagram we send
@@ -373,7 +395,9 @@ class Endpoint(asyncio.DatagramProtocol):
         if self.transport is None or self.transport.is_closing():
             return
         via = reach.parse_relayed_addr(addr)
-        if via is not None:
+        if via is not None and addr in self.shortcuts:
+            addr = self.shortcuts[addr]
+        elif via is not None:
             relay = self.direct_member(via[0])
             if relay is None:
                 return  # the relay is gone: QUIC sees loss, and the connection times out
@@ -442,6 +466,8 @@ class Endpoint(asyncio.DatagramProtocol):
 
     def _forget(self, conn: Conn) -> None:
         self.conns.discard(conn)
+        if not any(c.addr == conn.addr for c in self.conns):
+            self.shortcuts.pop(conn.addr, None)
         for cid in [c for c, v in self._cids.items() if v is conn]:
             del self._cids[cid]
 

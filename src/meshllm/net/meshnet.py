@@ -49,6 +49,10 @@ AUTH_TIMEOUT_S = 5.0
 TICK_S = 0.5
 GOSSIP_MAX_FRAME = 1 << 20
 DIRECT_DIAL_S = 2.0
+# a relayed connection tries to punch a direct path this often: more than the 30 s a Linux NAT keeps an unanswered
+# UDP entry after an attempt's last probe, so a failed attempt's full-TTL probes (which may have made the other
+# NAT remap its port) are forgotten before the next one starts with its TTL-2 probes
+UPGRADE_EVERY_S = 40.0
 PUNCH_DIAL_S = 2.0
 RELAY_DIAL_S = 4.0
 
@@ -125,6 +129,7 @@ class MeshNet:
         self.puncher = Puncher(self.me)
         self._punch_found: dict[NodeId, asyncio.Queue[Addr]] = {}
         self._punch_task: asyncio.Task[None] | None = None
+        self._upgrade_tried: dict[NodeId, float] = {}
         self.core: MeshCore | None = None
         self.peers: dict[NodeId, Conn] = {}
         self._gossip: dict[NodeId, Stream] = {}
@@ -208,6 +213,7 @@ class MeshNet:
             for rec in self.core.wants_to_dial(now):
                 if rec.node not in self._dialling:
                     self._spawn(self._dial_member(rec.node, list(rec.addrs)))
+            self._try_upgrades()
             self.flush_events()
             self.on_change()
             await asyncio.sleep(TICK_S)
@@ -316,13 +322,33 @@ class MeshNet:
             self.puncher.done(node)
             self._punch_found.pop(node, None)
 
+    def _try_upgrades(self) -> None:
+        """Relayed connections we dialled: now and then, try to punch a direct path under them."""
+        loop = asyncio.get_running_loop()
+        for node, conn in list(self.peers.items()):
+            e = self.core.table.entries.get(node) if self.core else None
+            if conn.is_direct or not conn.is_client or e is None or node in self.puncher.attempts:
+                continue
+            last = self._upgrade_tried.setdefault(node, loop.time())  # the first try one period after connecting
+            if loop.time() - last < UPGRADE_EVERY_S:
+                continue
+            self._upgrade_tried[node] = loop.time()
+            log.info("looking for a direct path to %s under its relayed connection", crypto.short(node))
+            targets = [t for t in (_try_addr(a) for a in e.record.addrs) if t is not None]
+            attempt = self.puncher.start(node, targets, loop.time(), dialler=True)
+            req = PunchRequest(src=self.me, dst=node, nonce=attempt.nonce, addrs=self.all_addrs[:8])
+            self._send([(p, req) for p in self._rendezvous_for(node)])
+            self._kick_puncher()
+
     def _on_punch_request(self, sender: NodeId, conn: Conn, msg: PunchRequest) -> None:
         if msg.dst == self.me:
             src = msg.src
-            if src in self.peers or self.core is None or src not in self.core.table.entries:
+            have = self.peers.get(src)
+            if (have is not None and have.is_direct) or self.core is None or src not in self.core.table.entries:
                 return
             targets = [t for t in (_try_addr(a) for a in msg.addrs) if t is not None]
             self.puncher.start(src, targets, asyncio.get_running_loop().time(), dialler=False, nonce=msg.nonce)
+            log.debug("punching towards %s at %s", crypto.short(src), ", ".join(msg.addrs))
             self._kick_puncher()
         elif msg.dst in self._gossip and msg.dst != sender and len(msg.nonce) == reach.NONCE_LEN:
             # we are the rendezvous: vouch for who asks, and add the address we see them at
@@ -339,7 +365,8 @@ class MeshNet:
         while self.puncher.attempts:
             for s in self.puncher.tick(loop.time()):
                 self._send_control(s)
-            for node in [n for n in self.puncher.attempts if n in self.peers]:
+            # connected directly: the attempt is over (a relayed connection's upgrade runs its course instead)
+            for node in [n for n in self.puncher.attempts if n in self.peers and self.peers[n].relay is None]:
                 self.puncher.done(node)
             await asyncio.sleep(reach.PROBE_EVERY_S)
 
@@ -350,12 +377,20 @@ class MeshNet:
             log.debug("probe to %s: %s", s.addr, e)
 
     def _on_control(self, data: bytes, addr: Addr) -> None:
-        sends, dial = self.puncher.on_probe(data, addr, asyncio.get_running_loop().time())
-        for s in sends:
+        h = self.puncher.on_probe(data, addr, asyncio.get_running_loop().time())
+        for s in h.sends:
             self._send_control(s)
-        p = reach.parse_probe(data)
-        if dial is not None and p is not None and p[1] in self._punch_found:
-            self._punch_found[p[1]].put_nowait(dial)
+        if h.peer is None:
+            return
+        conn = self.peers.get(h.peer)
+        if h.confirmed is not None and conn is not None and not conn.is_direct:
+            conn.go_direct(h.confirmed)  # the relayed connection moves onto the punched path
+            self.puncher.quiet(h.peer)
+            if self.core is not None:
+                self.core.links[h.peer] = "direct"
+            self.on_connect(h.peer, conn.path)
+        elif h.dial is not None and h.peer in self._punch_found:
+            self._punch_found[h.peer].put_nowait(h.dial)
 
     def _relays_for(self, node: NodeId) -> list[NodeId]:
         """Members that may relay to ``node``: connected directly to us, relaying, and connected to ``node``; the

@@ -16,7 +16,8 @@ Hole punching (facts measured on Linux NATs, see DESIGN.md): a packet that reach
 that side has sent anything creates a conntrack entry that makes the other NAT remap its port for good. So each
 side first sends probes with TTL 2 (they open our own NAT's mapping and die at the first router beyond it), and
 only after ``LOW_TTL_S`` sends probes that go all the way. The dialling side (the smaller node id, or a client)
-dials QUIC to the address a probe or ack arrived from.
+dials QUIC to the address a probe or ack arrived from. An ack proves a path both ways: that is when a relayed
+connection moves onto the punched path (its QUIC connection carries on; only where its datagrams go changes).
 """
 
 from __future__ import annotations
@@ -139,6 +140,8 @@ class Attempt:
     dialler: bool
     next_probe: float = 0.0
     found: Addr | None = None  # where the peer's probe or ack came from
+    quiet: bool = False  # our path is proven: stop probing, keep answering until the attempt ends (the peer may
+    # still be waiting for an ack of its own)
 
 
 @dataclass
@@ -146,6 +149,16 @@ class Send:
     data: bytes
     addr: Addr
     ttl: int | None  # None: the socket's default
+
+
+@dataclass
+class Heard:
+    """What a probe or ack means: answers to send; where the dialler may dial now; a path proven both ways."""
+
+    peer: NodeId | None = None
+    sends: list[Send] = field(default_factory=list)
+    dial: Addr | None = None
+    confirmed: Addr | None = None
 
 
 @dataclass
@@ -172,28 +185,35 @@ class Puncher:
             if now - a.started > PUNCH_S:
                 del self.attempts[peer]
                 continue
-            if now < a.next_probe:
+            if now < a.next_probe or a.quiet:
                 continue
             a.next_probe = now + PROBE_EVERY_S
             ttl = LOW_TTL if now - a.started < LOW_TTL_S else None
             out += [Send(probe(PROBE, self.me, a.nonce), t, ttl) for t in a.targets]
         return out
 
-    def on_probe(self, data: bytes, src: Addr, now: float) -> tuple[list[Send], Addr | None]:
-        """A control packet that may be a probe: what to answer, and an address to dial now (dialler only)."""
+    def on_probe(self, data: bytes, src: Addr, now: float) -> Heard:
+        """A control packet that may be a probe or an ack of ours."""
         p = parse_probe(data)
         if p is None:
-            return [], None
+            return Heard()
         kind, peer, nonce = p
         a = self.attempts.get(peer)
         if a is None or a.nonce != nonce:
-            return [], None
+            return Heard()
         a.found = src
-        out = [Send(probe(PROBE_ACK, self.me, nonce), src, None)] if kind == PROBE else []
-        return out, (src if a.dialler else None)
+        if kind == PROBE:
+            return Heard(peer, [Send(probe(PROBE_ACK, self.me, nonce), src, None)], src if a.dialler else None)
+        # an ack: our probe reached the peer and its answer reached us, so ``src`` works both ways
+        return Heard(peer, [], src if a.dialler else None, confirmed=src)
 
     def done(self, peer: NodeId) -> None:
         self.attempts.pop(peer, None)
+
+    def quiet(self, peer: NodeId) -> None:
+        a = self.attempts.get(peer)
+        if a is not None:
+            a.quiet = True
 
 
 def _merge(old: list[Addr], new: list[Addr]) -> list[Addr]:
