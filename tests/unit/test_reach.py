@@ -93,3 +93,13 @@ def test_a_quiet_attempt_stops_probing_but_still_answers() -> None:
     a.quiet(B)
     assert a.tick(2.0) == []
     assert len(a.on_probe(reach.probe(PROBE, B, att.nonce), AT_B, 2.0).sends) == 1
+
+
+def test_relay_order_named_first_then_connected_to_the_target_then_rtt() -> None:
+    def c(node: bytes, relays: bool, reaches: bool, rtt: float | None, addr: str = "1.2.3.4:5") -> reach.RelayCandidate:
+        return reach.RelayCandidate(node, relays, (addr,), reaches, rtt)
+
+    cands = [c(A, True, False, 1.0), c(B, True, True, 50.0), c(C, True, True, 5.0), c(X, False, True, 1.0)]
+    assert reach.order_relays(cands, None) == [C, B, A]  # X does not relay
+    named = [*cands, c(bytes(32), False, False, None, "9.9.9.9:7000")]
+    assert reach.order_relays(named, "9.9.9.9:7000")[0] == bytes(32)

@@ -393,20 +393,18 @@ class MeshNet:
             self._punch_found[h.peer].put_nowait(h.dial)
 
     def _relays_for(self, node: NodeId) -> list[NodeId]:
-        """Members that may relay to ``node``: connected directly to us, relaying, and connected to ``node``; the
-        one --relay names first, then by RTT."""
+        """Members that may relay to ``node``: those we hold a direct connection to, in reach.order_relays order."""
         if self.core is None:
             return []
-        out: list[tuple[bool, bool, float, NodeId]] = []
+        cands = []
         for p in self._gossip:
             e = self.core.table.entries.get(p)
             conn = self.peers.get(p)
             if e is None or p == node or conn is None or conn.relay is not None:
                 continue
-            named = self.relay_hint is not None and self.relay_hint in e.record.addrs
-            if e.record.relay or named:
-                out.append((not named, not self._connected_to(p, node), self.core.rtt_ms.get(p, 1e9), p))
-        return [p for *_, p in sorted(out)]
+            cands.append(reach.RelayCandidate(p, e.record.relay, e.record.addrs, self._connected_to(p, node),
+                                              self.core.rtt_ms.get(p)))  # fmt: skip
+        return reach.order_relays(cands, self.relay_hint)
 
     def _on_observed(self, sender: NodeId, conn: Conn, msg: Observed) -> None:
         """A member tells us where our packets come from: our public address when we sit behind a NAT."""

@@ -84,6 +84,28 @@ def relay_forward(
     return relay_packet(RELAYED, sender, p[2]), dst
 
 
+@dataclass(frozen=True)
+class RelayCandidate:
+    node: NodeId
+    relays: bool  # its record says it relays
+    addrs: tuple[str, ...]
+    reaches_target: bool  # its record says it is connected to the node we want
+    rtt_ms: float | None
+
+
+def order_relays(cands: list[RelayCandidate], hint: str | None) -> list[NodeId]:
+    """Which members to try as relays, best first: the one ``--relay HOST:PORT`` names (even if it does not
+    advertise relaying: the user says it will), then relaying members connected to the target, by RTT."""
+
+    def named(c: RelayCandidate) -> bool:
+        return hint is not None and hint in c.addrs
+
+    def key(c: RelayCandidate) -> tuple[bool, bool, float, bytes]:
+        return (not named(c), not c.reaches_target, c.rtt_ms if c.rtt_ms is not None else 1e9, c.node)
+
+    return [c.node for c in sorted((c for c in cands if c.relays or named(c)), key=key)]
+
+
 # ------------------------------------------------------------------ virtual addresses of relayed paths
 
 
