@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from meshllm.proto import crypto
 from meshllm.proto import token as tok
+from meshllm.state import write_private
 
 from .lab import RDV, Lab, why_not
 
@@ -244,6 +246,40 @@ def test_a_relayed_split_moves_to_a_punched_path_without_a_reload(lab: Lab, tmp_
         assert int(rdv.status()["reach"]["relayed_packets"]) - relayed < 10  # type: ignore[index]
         for x in (a, b):
             assert "died" not in x.log.read_text() and "went silent" not in x.log.read_text()
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def test_members_find_each_other_again_after_a_nat_reboot(lab: Lab, tmp_path: Path, tiny_model: Path) -> None:
+    """natA forgets every mapping (a router reboot): A's packets leave from new ports, and packets from peers that
+    arrive first are dropped. A must end up connected to the rendezvous and to B again."""
+    low = ("--max-vram", "0.01")
+    # keys chosen so that the public rendezvous is the designated dialler towards A: it cannot dial into natA, and
+    # once A has lost every connection nobody is left to coordinate a punch, so A itself must dial
+    keys = sorted((crypto.new_key() for _ in range(3)), key=crypto.node_id)
+    for name, key in zip(("rdv", "a", "b"), keys, strict=True):
+        write_private(tmp_path / name / "key", crypto.key_to_bytes(key))
+    nodes: list[Node] = []
+    try:
+        rdv, a, b, _ = start_mesh(lab, tmp_path, tiny_model, "cone", "cone", 0.0, low, low)
+        nodes = [rdv, a, b]
+        wait(lambda: connected(a, b) and connected(b, a) and connected(a, rdv), 60, "the mesh to connect", nodes)
+        assert rdv.id < a.id < b.id
+        # A's packets are held back while natA forgets, so the peers' packets arrive first and take A's old
+        # public port: when A's packets flow again they leave from a new one (the case that strands a node)
+        hold = ["iptables", "FORWARD", "-i", "lan", "-p", "udp", "-j", "DROP"]
+        lab.n("natA", *hold[:1], "-I", *hold[1:])
+        subprocess.run(lab.exec_argv("natA", ["conntrack", "-F"]), capture_output=True, check=True)
+        time.sleep(4)
+        lab.n("natA", *hold[:1], "-D", *hold[1:])
+        t0 = time.monotonic()
+        time.sleep(1)
+        every = [(x, y) for x in nodes for y in nodes if x is not y]
+        took = wait(lambda: all(connected(x, y) for x, y in every), 90, "everyone to be connected again", nodes)
+        print(f"\nNAT reboot: every pair connected again {time.monotonic() - t0:.1f} s after natA forgot its "
+              f"mappings (A–B {a.peer(b.id)['path']})")  # type: ignore[index]  # fmt: skip
+        assert took >= 0
     finally:
         for n in nodes:
             n.stop()

@@ -555,8 +555,12 @@ class MeshNet:
     def _register(self, conn: Conn, node: NodeId, listener: bool = False) -> None:
         old = self.peers.get(node)
         if old is not None and not old.closed.is_set():
-            # two connections for one pair: keep the one dialled by the smaller NodeId
-            keep_old = (old.is_client and self.me < node) or (not old.is_client and node < self.me)
+            # two connections for one pair: keep a direct one over a relayed one, else the one dialled by the
+            # smaller NodeId (both sides decide alike)
+            if old.is_direct != conn.is_direct:
+                keep_old = old.is_direct
+            else:
+                keep_old = (old.is_client and self.me < node) or (not old.is_client and node < self.me)
             if keep_old:
                 conn.close("duplicate connection")
                 return

@@ -31,6 +31,9 @@ from meshllm.proto.wire import Message
 
 Out = list[tuple[NodeId, Message]]
 DIAL_RETRY_S = 3.0
+# the other side of a pair dials too once they have been apart this long: the designated dialler may be unable to
+# (a public node cannot dial into a NAT, and with nobody left to coordinate a punch it would never reconnect)
+DIAL_FALLBACK_S = 8.0
 # a directly connected peer answers our pings every HEARTBEAT_S: silence this long means it is gone (faster than
 # waiting for its record to age out; a false alarm costs the peer one refutation)
 DIRECT_DEAD_S = 6.0
@@ -60,6 +63,7 @@ class MeshCore:
     _election: Debouncer[NodeId] = field(default_factory=lambda: Debouncer[NodeId](DEBOUNCE_S))
     _last_beat: float = 0.0
     _dialled: dict[NodeId, float] = field(default_factory=dict)
+    _apart: dict[NodeId, float] = field(default_factory=dict)  # known, not connected, since
     _heard: dict[NodeId, float] = field(default_factory=dict)  # last message from each connected peer
     _raw_self: bytes = b""
 
@@ -167,13 +171,17 @@ class MeshCore:
 
     def wants_to_dial(self, now: float) -> list[PeerRecord]:
         """Live nodes we should connect to: one connection per pair, dialled by the smaller NodeId (a client
-        dials everyone: nobody dials a client)."""
+        dials everyone: nobody dials a client), or by either once they have been apart DIAL_FALLBACK_S."""
         i_dial = self.record.role == "client"
         # nodes declared dead are retried too: after a partition heals, that is how the sides find each other
         known = self.table.alive(now) + list(self.table.graveyard.values())
         out = []
         for r in known:
-            if r.node in self.peers or not r.addrs or r.role == "client" or not (i_dial or self.me < r.node):
+            if r.node in self.peers or not r.addrs or r.role == "client":
+                self._apart.pop(r.node, None)
+                continue
+            apart = now - self._apart.setdefault(r.node, now)
+            if not (i_dial or self.me < r.node or apart >= DIAL_FALLBACK_S):
                 continue
             if now - self._dialled.get(r.node, -1e18) < DIAL_RETRY_S:
                 continue
