@@ -264,6 +264,10 @@ class Conn:
         loop = asyncio.get_running_loop()
         for data, addr in self.quic.datagrams_to_send(now=loop.time()):
             self.ep._sendto(data, addr)
+        if self.relay is None:
+            peer = self.quic.get_peer_address()
+            if peer is not None and peer != self.addr:
+                self.addr = peer  # QUIC moved to a validated new path (the peer's NAT rebound): the peer is there now
         self._process_events()
         if self._timer:
             self._timer.cancel()
