@@ -39,13 +39,15 @@ def lab() -> Iterator[Lab]:
 
 
 class Node:
-    def __init__(self, lab: Lab, where: str, tmp: Path, name: str, *args: str) -> None:
+    def __init__(
+        self, lab: Lab, where: str, tmp: Path, name: str, *args: str, env: dict[str, str] | None = None
+    ) -> None:
         self.name, self.lab, self.where = name, lab, where
         self.state = tmp / name
         self.log = tmp / f"{name}.log"
         argv = [sys.executable, "-m", "meshllm.cli", *args, "--state-dir", str(self.state), "--port", "9337"]
         self.proc = subprocess.Popen(lab.exec_argv(where, argv), stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
-                                     env={**os.environ}, start_new_session=True)  # fmt: skip
+                                     env={**os.environ, **(env or {})}, start_new_session=True)  # fmt: skip
 
     def status(self) -> dict[str, object]:
         try:
@@ -85,7 +87,8 @@ def wait(cond: object, timeout: float, what: str, nodes: list[Node]) -> float:
 
 
 def start_mesh(lab: Lab, tmp: Path, model: Path, mode_a: str, mode_b: str, stagger: float,
-               a_args: tuple[str, ...], b_args: tuple[str, ...]) -> tuple[Node, Node, Node, float]:  # fmt: skip
+               a_args: tuple[str, ...], b_args: tuple[str, ...], env: dict[str, str] | None = None,
+               ) -> tuple[Node, Node, Node, float]:  # fmt: skip
     """rdv founds the mesh; A (in natA itself when 'public') and B join with its token."""
     lab.up("cone" if mode_a == "public" else mode_a, mode_b)
     rdv = Node(lab, "rdv", tmp, "rdv", "--model", str(model), "--max-vram", "0.01", "--bind-host", RDV,
@@ -93,10 +96,11 @@ def start_mesh(lab: Lab, tmp: Path, model: Path, mode_a: str, mode_b: str, stagg
     nodes = [rdv]
     wait(lambda: (rdv.state / "token").exists(), 30, "rdv's token", nodes)
     token = (rdv.state / "token").read_text().strip()
-    a = Node(lab, "natA" if mode_a == "public" else "homeA", tmp, "a", "--model", str(model), *a_args, "--join", token)
+    a = Node(lab, "natA" if mode_a == "public" else "homeA", tmp, "a", "--model", str(model), *a_args, "--join", token,
+             env=env)  # fmt: skip
     time.sleep(stagger)
     t_b = time.monotonic()
-    b = Node(lab, "homeB", tmp, "b", "--model", str(model), *b_args, "--join", token)
+    b = Node(lab, "homeB", tmp, "b", "--model", str(model), *b_args, "--join", token, env=env)
     return rdv, a, b, t_b
 
 
@@ -106,24 +110,28 @@ def connected(x: Node, y: Node) -> bool:
 
 
 CELLS = [
-    # A, B, seconds between their starts, acceptable paths
-    ("public", "cone", 0.0, {"direct"}),
-    ("cone", "cone", 0.5, {"direct"}),
-    ("cone+fw", "cone+fw", 0.0, {"direct"}),
-    ("random", "cone", 0.0, {"direct", "relayed"}),
-    ("random", "random", 0.0, {"relayed"}),
-    ("blocked", "cone", 0.0, {"relayed"}),
+    # A, B, seconds between their starts, RTT A and B add to every link (user-space delay: MESH_LLM_NETEM),
+    # acceptable paths
+    ("public", "cone", 0.0, 0, {"direct"}),
+    ("cone", "cone", 0.5, 0, {"direct"}),
+    ("cone", "cone", 0.5, 60, {"direct"}),  # the punch request takes 30+ ms to arrive: TTL 2 keeps it safe
+    ("cone+fw", "cone+fw", 0.0, 0, {"direct"}),
+    ("random", "cone", 0.0, 0, {"direct", "relayed"}),
+    ("random", "random", 0.0, 0, {"relayed"}),
+    ("blocked", "cone", 0.0, 0, {"relayed"}),
 ]
 
 
-@pytest.mark.parametrize(("mode_a", "mode_b", "stagger", "paths"), CELLS, ids=[f"{c[0]}-{c[1]}" for c in CELLS])
+@pytest.mark.parametrize(("mode_a", "mode_b", "stagger", "rtt", "paths"), CELLS,
+                         ids=[f"{c[0]}-{c[1]}" + (f"-{c[3]}ms" if c[3] else "") for c in CELLS])  # fmt: skip
 def test_cell(
-    lab: Lab, tmp_path: Path, tiny_model: Path, mode_a: str, mode_b: str, stagger: float, paths: set[str]
+    lab: Lab, tmp_path: Path, tiny_model: Path, mode_a: str, mode_b: str, stagger: float, rtt: int, paths: set[str]
 ) -> None:
     low = ("--max-vram", "0.01")  # too little memory to serve: these nodes only connect
+    env = {"MESH_LLM_NETEM": f"rtt={rtt}"} if rtt else None
     nodes: list[Node] = []
     try:
-        rdv, a, b, t_b = start_mesh(lab, tmp_path, tiny_model, mode_a, mode_b, stagger, low, low)
+        rdv, a, b, t_b = start_mesh(lab, tmp_path, tiny_model, mode_a, mode_b, stagger, low, low, env)
         nodes = [rdv, a, b]
         wait(lambda: connected(a, b) and connected(b, a), 60, f"A and B to connect ({mode_a}/{mode_b})", nodes)
         ttfb = time.monotonic() - t_b
@@ -143,8 +151,8 @@ def test_cell(
             assert tok.parse((a.state / "token").read_text().strip()).addrs[0] == addrs[0]
             seen = rdv.peer(a.id)
             assert seen is not None and str(seen["path"]).startswith("direct 198.51.100.2:"), seen
-        print(f"\nNAT cell {mode_a}/{mode_b}: {pa['path']} (A) / {pb['path']} (B), connected {ttfb:.1f} s after B "
-              f"started")  # fmt: skip
+        cell = f"{mode_a}/{mode_b}" + (f" +{rtt} ms RTT" if rtt else "")
+        print(f"\nNAT cell {cell}: {pa['path']} (A) / {pb['path']} (B), connected {ttfb:.1f} s after B started")
     finally:
         for n in nodes:
             n.stop()
