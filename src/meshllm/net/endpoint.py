@@ -63,6 +63,20 @@ class DialError(MeshError):
     pass
 
 
+def parse_addr(text: str) -> Addr:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"bad address {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def try_addr(text: str) -> Addr | None:
+    try:
+        return parse_addr(text)
+    except ValueError:
+        return None
+
+
 def make_certificate(key: Ed25519PrivateKey) -> x509.Certificate:
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, crypto.node_id(key).hex())])
     now = datetime.datetime.now(datetime.UTC)

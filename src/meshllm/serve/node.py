@@ -694,7 +694,7 @@ class Node:
             "node": self.me.hex(), "mesh": core.mesh_id.hex(), "role": core.record.role,
             "host": self.host.hex() if self.host else None, "peers": peers, "plan": plan_obj,
             "reach": {
-                "addrs": self.net.all_addrs, "public": self.net.public, "relay_server": self.net.ep.relay_server,
+                "addrs": self.net.all_addrs, "public": self.net.nat.public, "relay_server": self.net.ep.relay_server,
                 "relayed_packets": self.net.ep.stats.relayed_packets, "relayed_bytes": self.net.ep.stats.relayed_bytes,
                 "relay_refused": self.net.ep.stats.relay_refused,
             },

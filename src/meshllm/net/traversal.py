@@ -1,0 +1,236 @@
+"""NAT traversal for one node (the asyncio shell around proto/reach.py): our public address as members see it,
+hole punching coordinated through a member, relays, and moving relayed connections onto punched paths.
+
+Reaching a member (``reach``): dial every advertised address at once; if the peer sits behind a NAT, punch a
+hole through both NATs instead, coordinated through a member both sides are connected to; if that fails, dial
+through a relay (a member that forwards datagrams). The QUIC connection is end to end in all three cases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+import psutil
+
+from meshllm.net.endpoint import Addr, Conn, DialError, parse_addr, try_addr
+from meshllm.proto import crypto
+from meshllm.proto import token as tok
+from meshllm.proto.crypto import NodeId
+from meshllm.proto.reach import (
+    NONCE_LEN,
+    PROBE_EVERY_S,
+    PUNCH_S,
+    Observed,
+    Puncher,
+    PunchRequest,
+    RelayCandidate,
+    Send,
+    order_relays,
+    relayed_addr,
+)
+
+if TYPE_CHECKING:
+    from meshllm.net.meshnet import MeshNet
+
+log = logging.getLogger("meshllm.mesh")
+
+DIRECT_DIAL_S = 2.0
+PUNCH_DIAL_S = 2.0
+RELAY_DIAL_S = 4.0
+# a relayed connection tries to punch a direct path this often: more than the 30 s a Linux NAT keeps an unanswered
+# UDP entry after an attempt's last probe, so a failed attempt's full-TTL probes (which may have made the other
+# NAT remap its port) are forgotten before the next one starts with its TTL-2 probes
+UPGRADE_EVERY_S = 40.0
+
+
+def local_ips() -> set[str]:
+    return {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family.name == "AF_INET"}
+
+
+class Traversal:
+    def __init__(self, net: MeshNet, relay_mode: str = "auto", relay_hint: str | None = None) -> None:
+        self.net = net
+        self.relay_mode = relay_mode  # auto (relay when publicly reachable) | on (--relay-server) | off
+        self.relay_hint = relay_hint  # --relay HOST:PORT: the member to relay through, when one is needed
+        self.reflexive: list[str] = []  # our address as members see it, newest last
+        self.public = False
+        self.puncher = Puncher(net.me)
+        self._punch_found: dict[NodeId, asyncio.Queue[Addr]] = {}
+        self._punch_task: asyncio.Task[None] | None = None
+        self._upgrade_tried: dict[NodeId, float] = {}
+
+    async def reach(self, node: NodeId, addrs: list[str]) -> Conn:
+        """A connection to a member: direct, else through a punched hole, else through a relay."""
+        errors: list[str] = []
+        e = self.net.core.table.entries.get(node) if self.net.core else None
+        nat = set(e.record.reflexive) if e else set()
+        # a NATed peer's public address gets no full-TTL packet before the punch: arriving before the peer has
+        # sent anything, it would make the peer's NAT remap its port for good (DESIGN.md)
+        # (its private addresses are among the punch's targets: a peer on our LAN answers those probes)
+        via = self._rendezvous_for(node)
+        if not (nat and via):
+            try:
+                return await self.net.dial_any(node, [a for a in addrs if not (via and a in nat)], DIRECT_DIAL_S)
+            except DialError as err:
+                errors.append(f"direct: {err}")
+        if via:
+            try:
+                return await self._punch(node, addrs, via)
+            except DialError as err:
+                errors.append(f"punch: {err}")
+        for relay in self._relays_for(node):
+            try:
+                return await self.net.ep.dial(relayed_addr(relay, node), node, timeout=RELAY_DIAL_S)
+            except DialError as err:
+                errors.append(f"relay {crypto.short(relay)}: {err}")
+        raise DialError("; ".join(errors))
+
+    def _connected_to(self, member: NodeId, node: NodeId) -> bool:
+        """Does ``member``'s record say it has a connection to ``node``?"""
+        e = self.net.core.table.entries.get(member) if self.net.core else None
+        return e is not None and crypto.short(node) in {*e.record.links, *e.record.rtt_ms}
+
+    def _rendezvous_for(self, node: NodeId) -> list[NodeId]:
+        """Members that can pass a punch request to ``node``: those that say they are connected to it first."""
+        others = [p for p in self.net.gossip if p != node]
+        return ([p for p in others if self._connected_to(p, node)] or others)[:3]
+
+    async def _punch(self, node: NodeId, addrs: list[str], via: list[NodeId]) -> Conn:
+        targets = [t for t in (try_addr(a) for a in addrs) if t is not None]
+        loop = asyncio.get_running_loop()
+        attempt = self.puncher.start(node, targets, loop.time(), dialler=True)
+        found: asyncio.Queue[Addr] = asyncio.Queue()
+        self._punch_found[node] = found
+        req = PunchRequest(src=self.net.me, dst=node, nonce=attempt.nonce, addrs=self.all_addrs[:8])
+        self.net.send([(p, req) for p in via])
+        self._kick_puncher()
+        deadline = loop.time() + PUNCH_S
+        try:
+            while (left := deadline - loop.time()) > 0:
+                try:
+                    addr = await asyncio.wait_for(found.get(), left)
+                except TimeoutError:
+                    break
+                try:
+                    return await self.net.ep.dial(addr, node, timeout=PUNCH_DIAL_S)
+                except DialError as e:
+                    log.debug("punched dial to %s failed: %s", addr, e)
+            raise DialError(f"no probe came back within {PUNCH_S:.0f} s")
+        finally:
+            self.puncher.done(node)
+            self._punch_found.pop(node, None)
+
+    def try_upgrades(self) -> None:
+        """Relayed connections we dialled: now and then, try to punch a direct path under them."""
+        loop = asyncio.get_running_loop()
+        for node, conn in list(self.net.peers.items()):
+            e = self.net.core.table.entries.get(node) if self.net.core else None
+            if conn.is_direct or not conn.is_client or e is None or node in self.puncher.attempts:
+                continue
+            last = self._upgrade_tried.setdefault(node, loop.time())  # the first try one period after connecting
+            if loop.time() - last < UPGRADE_EVERY_S:
+                continue
+            self._upgrade_tried[node] = loop.time()
+            log.info("looking for a direct path to %s under its relayed connection", crypto.short(node))
+            targets = [t for t in (try_addr(a) for a in e.record.addrs) if t is not None]
+            attempt = self.puncher.start(node, targets, loop.time(), dialler=True)
+            req = PunchRequest(src=self.net.me, dst=node, nonce=attempt.nonce, addrs=self.all_addrs[:8])
+            self.net.send([(p, req) for p in self._rendezvous_for(node)])
+            self._kick_puncher()
+
+    def on_punch_request(self, sender: NodeId, conn: Conn, msg: PunchRequest) -> None:
+        if msg.dst == self.net.me:
+            src = msg.src
+            have = self.net.peers.get(src)
+            if (have is not None and have.is_direct) or self.net.core is None or src not in self.net.core.table.entries:
+                return
+            targets = [t for t in (try_addr(a) for a in msg.addrs) if t is not None]
+            self.puncher.start(src, targets, asyncio.get_running_loop().time(), dialler=False, nonce=msg.nonce)
+            log.debug("punching towards %s at %s", crypto.short(src), ", ".join(msg.addrs))
+            self._kick_puncher()
+        elif msg.dst in self.net.gossip and msg.dst != sender and len(msg.nonce) == NONCE_LEN:
+            # we are the rendezvous: vouch for who asks, and add the address we see them at
+            seen = [f"{conn.addr[0]}:{conn.addr[1]}"] if conn.relay is None else []
+            fwd = PunchRequest(src=sender, dst=msg.dst, nonce=msg.nonce, addrs=[*seen, *msg.addrs][:8])
+            self.net.send([(msg.dst, fwd)])
+
+    def _kick_puncher(self) -> None:
+        if self._punch_task is None or self._punch_task.done():
+            self._punch_task = asyncio.ensure_future(self._puncher_loop())
+
+    async def _puncher_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.puncher.attempts:
+            for s in self.puncher.tick(loop.time()):
+                self._send_control(s)
+            # connected directly: the attempt is over (a relayed connection's upgrade runs its course instead)
+            for node in [n for n in self.puncher.attempts if n in self.net.peers and self.net.peers[n].relay is None]:
+                self.puncher.done(node)
+            await asyncio.sleep(PROBE_EVERY_S)
+
+    def _send_control(self, s: Send) -> None:
+        try:
+            self.net.ep.send_control(s.data, s.addr, ttl=s.ttl)
+        except OSError as e:
+            log.debug("probe to %s: %s", s.addr, e)
+
+    def on_control(self, data: bytes, addr: Addr) -> None:
+        h = self.puncher.on_probe(data, addr, asyncio.get_running_loop().time())
+        for s in h.sends:
+            self._send_control(s)
+        if h.peer is None:
+            return
+        conn = self.net.peers.get(h.peer)
+        if h.confirmed is not None and conn is not None and not conn.is_direct:
+            conn.go_direct(h.confirmed)  # the relayed connection moves onto the punched path
+            self.puncher.quiet(h.peer)
+            if self.net.core is not None:
+                self.net.core.links[h.peer] = "direct"
+            self.net.on_connect(h.peer, conn.path)
+        elif h.dial is not None and h.peer in self._punch_found:
+            self._punch_found[h.peer].put_nowait(h.dial)
+
+    def _relays_for(self, node: NodeId) -> list[NodeId]:
+        """Members that may relay to ``node``: those we hold a direct connection to, in order_relays order."""
+        if self.net.core is None:
+            return []
+        cands = []
+        for p in self.net.gossip:
+            e = self.net.core.table.entries.get(p)
+            conn = self.net.peers.get(p)
+            if e is None or p == node or conn is None or conn.relay is not None:
+                continue
+            cands.append(RelayCandidate(p, e.record.relay, e.record.addrs, self._connected_to(p, node),
+                                              self.net.core.rtt_ms.get(p)))  # fmt: skip
+        return order_relays(cands, self.relay_hint)
+
+    def on_observed(self, sender: NodeId, conn: Conn, msg: Observed) -> None:
+        """A member tells us where our packets come from: our public address when we sit behind a NAT."""
+        try:
+            host, port = parse_addr(msg.addr)
+        except ValueError:
+            return
+        if conn.relay is not None:
+            return  # a relayed connection says nothing about our address
+        public = host in local_ips() and port == self.net.ep.local_addr[1]
+        if public and not self.public and self.relay_mode == "auto":
+            self.public = True
+            self.net.ep.relay_server = True
+            log.info("reachable without NAT at %s: relaying for members that need it", msg.addr)
+            self.net.update(relay=True)
+        if msg.addr in self.net.addrs or msg.addr in self.reflexive:
+            return
+        self.reflexive = [*self.reflexive, msg.addr][-2:]
+        log.info("%s sees us at %s", crypto.short(sender), msg.addr)
+        self._set_addrs()
+
+    def _set_addrs(self) -> None:
+        self.net.update(addrs=tuple(self.all_addrs), reflexive=tuple(self.reflexive))
+        self.net.on_addrs(self.all_addrs)
+
+    @property
+    def all_addrs(self) -> list[str]:
+        """Every address we know for ourselves, the ones members saw first (they are what others can reach)."""
+        return [*self.reflexive[::-1], *(a for a in self.net.addrs if a not in self.reflexive)][: tok.MAX_ADDRS]
