@@ -93,3 +93,25 @@ def test_cli_bin_dir_with_binaries(tmp_path: Path, capsys: pytest.CaptureFixture
         (tmp_path / n).write_text("#!/bin/sh\n")
     assert main(["build", "--bin-dir", str(tmp_path), "--print-dir"]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path)
+
+
+def test_a_new_build_prunes_older_ones_of_its_kind_but_the_newest(tmp_path: Path) -> None:
+    import fcntl
+    import os
+
+    cache = tmp_path / "cache"
+    plan = b.plan_build(patch_dir=_patch_dir(tmp_path), backend="cpu", cache=cache)
+    builds = plan.dir.parent
+    for i, name in enumerate(
+        ["patched-cpu-old1", "patched-cpu-old2", "patched-cpu-old3", "stock-cpu-x", "patched-cuda-y"]
+    ):
+        (builds / name / "bin").mkdir(parents=True)
+        (builds / name / "manifest.json").write_text("{}")
+        os.utime(builds / name / "manifest.json", (1000 + i, 1000 + i))
+    plan.dir.mkdir(parents=True)
+    with (builds / "patched-cpu-old1.lock").open("w") as held:  # somebody is building old1 right now
+        fcntl.flock(held, fcntl.LOCK_EX)
+        removed = b.prune_builds(plan)
+    assert sorted(p.name for p in removed) == ["patched-cpu-old2"]  # old3 is the newest kept; old1 is busy
+    left = sorted(p.name for p in builds.iterdir() if p.is_dir())
+    assert left == sorted(["patched-cpu-old1", "patched-cpu-old3", plan.dir.name, "patched-cuda-y", "stock-cpu-x"])

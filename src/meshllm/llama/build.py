@@ -493,7 +493,33 @@ def build(
         tmpm = plan.manifest.with_suffix(".tmp")
         tmpm.write_text(json.dumps(manifest, indent=2) + "\n")
         tmpm.replace(plan.manifest)
+    for old in prune_builds(plan):
+        say(f"removed an older {plan.flavour} build: {old}")
     return BuildResult(plan.binaries(), True, time.monotonic() - t0, plan)
+
+
+def prune_builds(plan: BuildPlan, keep: int = 1) -> list[Path]:
+    """After a new build: remove older builds of the same flavour and backend (other sources or patches), all but
+    the ``keep`` newest, so patch iterations do not fill the disk (~170 MB each). A build another process holds
+    the lock of is left alone; running binaries are unaffected (Linux keeps an unlinked file open)."""
+    others = []
+    for d in plan.dir.parent.glob(f"{plan.flavour}-{plan.backend}-*"):
+        if d == plan.dir or not d.is_dir():
+            continue
+        m = d / "manifest.json"
+        others.append((m.stat().st_mtime if m.is_file() else 0.0, d))
+    removed = []
+    for _, d in sorted(others, reverse=True)[keep:]:
+        lock = d.with_suffix(".lock")
+        with lock.open("w") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # being built right now
+            shutil.rmtree(d, ignore_errors=True)
+        lock.unlink(missing_ok=True)
+        removed.append(d)
+    return removed
 
 
 # --------------------------------------------------------------------------------------------- lookup
