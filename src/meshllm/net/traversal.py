@@ -151,10 +151,13 @@ class Traversal:
             log.debug("punching towards %s at %s", crypto.short(src), ", ".join(msg.addrs))
             self._kick_puncher()
         elif msg.dst in self.net.gossip and msg.dst != sender and len(msg.nonce) == NONCE_LEN:
-            # we are the rendezvous: vouch for who asks, and add the address we see them at
-            seen = [f"{conn.addr[0]}:{conn.addr[1]}"] if conn.relay is None else []
-            fwd = PunchRequest(src=sender, dst=msg.dst, nonce=msg.nonce, addrs=[*seen, *msg.addrs][:8])
-            self.net.send([(msg.dst, fwd)])
+            # we are the rendezvous: vouch for who asks and add the address we see them at; and tell the asker
+            # where we see the target (the asker may not have the target's public address yet: it is in the
+            # target's record only once a member has told the target, and that record may still be on its way)
+            fwd = PunchRequest(src=sender, dst=msg.dst, nonce=msg.nonce, addrs=[*_seen(conn), *msg.addrs][:8])
+            target = self.net.peers.get(msg.dst)
+            back = PunchRequest(src=msg.dst, dst=sender, nonce=msg.nonce, addrs=_seen(target) if target else [])
+            self.net.send([(msg.dst, fwd), (sender, back)])
 
     def _kick_puncher(self) -> None:
         if self._punch_task is None or self._punch_task.done():
@@ -234,3 +237,8 @@ class Traversal:
     def all_addrs(self) -> list[str]:
         """Every address we know for ourselves, the ones members saw first (they are what others can reach)."""
         return [*self.reflexive[::-1], *(a for a in self.net.addrs if a not in self.reflexive)][: tok.MAX_ADDRS]
+
+
+def _seen(conn: Conn) -> list[str]:
+    """Where a direct connection's packets come from (what a NAT maps the peer to), as a candidate address."""
+    return [f"{conn.addr[0]}:{conn.addr[1]}"] if conn.relay is None else []
