@@ -103,3 +103,32 @@ def test_relay_order_named_first_then_connected_to_the_target_then_rtt() -> None
     assert reach.order_relays(cands, None) == [C, B, A]  # X does not relay
     named = [*cands, c(bytes(32), False, False, None, "9.9.9.9:7000")]
     assert reach.order_relays(named, "9.9.9.9:7000")[0] == bytes(32)
+
+
+def test_observe_keeps_the_two_newest_reflexive_addresses_and_spots_no_nat() -> None:
+    own = ["192.168.1.2:4000", "127.0.0.1:4000"]
+    local = {"192.168.1.2", "127.0.0.1"}
+    r, public = reach.observe([], own, "198.51.100.2:4000", local, 4000)
+    assert r == ["198.51.100.2:4000"] and not public
+    assert reach.observe(r, own, "198.51.100.2:4000", local, 4000) == (r, False)  # seen again: nothing new
+    r2, _ = reach.observe(r, own, "198.51.100.2:5111", local, 4000)
+    r3, _ = reach.observe(r2, own, "198.51.100.2:6222", local, 4000)
+    assert r3 == ["198.51.100.2:5111", "198.51.100.2:6222"]
+    assert reach.observe(r, own, "192.168.1.2:4000", local, 4000) == (r, True)  # a LAN member: no NAT between us
+    assert reach.advertised(r3, own, 16) == ["198.51.100.2:6222", "198.51.100.2:5111", *own]
+
+
+def test_direct_dial_skips_a_natted_peers_public_address_when_a_punch_is_possible() -> None:
+    addrs = ["203.0.113.2:5000", "192.168.1.2:5000"]
+    assert reach.direct_targets(addrs, set(), can_punch=True) == addrs  # public (or not known yet)
+    assert reach.direct_targets(addrs, {"203.0.113.2:5000"}, can_punch=True) is None  # punch first
+    assert reach.direct_targets(addrs, {"203.0.113.2:5000"}, can_punch=False) == addrs  # nobody to coordinate
+
+
+def test_rendezvous_vouches_for_the_sender_and_tells_it_where_the_target_is() -> None:
+    req = reach.PunchRequest(src=C, dst=B, nonce=b"n" * 8, addrs=["192.168.1.2:4000"])  # claims to be C
+    fwd, back = reach.rendezvous(A, ["198.51.100.2:4000"], ["203.0.113.2:5000"], req)
+    assert (fwd.src, fwd.dst, fwd.addrs) == (A, B, ["198.51.100.2:4000", "192.168.1.2:4000"])
+    assert (back.src, back.dst, back.addrs, back.nonce) == (B, A, ["203.0.113.2:5000"], req.nonce)
+    assert reach.rendezvous(B, [], [], req) == []  # to itself
+    assert reach.rendezvous(A, [], [], reach.PunchRequest(src=A, dst=B, nonce=b"short")) == []

@@ -168,6 +168,9 @@ class Conn:
         self.quic = quic
         self.addr = addr
         self.is_client = is_client
+        via = reach.parse_relayed_addr(addr)
+        # the member this connection was made through (None: made directly); see ``shortcut``
+        self.relay: NodeId | None = via[0] if via else None
         self.peer: NodeId | None = expect  # pinned when dialling; learned from auth when accepted
         self.authenticated = False
         self.handshake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -184,12 +187,6 @@ class Conn:
     def __repr__(self) -> str:
         who = crypto.short(self.peer) if self.peer else "?"
         return f"<Conn {who} {self.path} {'out' if self.is_client else 'in'}>"
-
-    @property
-    def relay(self) -> NodeId | None:
-        """The member this connection was made through (None: made directly). See ``shortcut``."""
-        v = reach.parse_relayed_addr(self.addr)
-        return v[0] if v else None
 
     @property
     def shortcut(self) -> Addr | None:

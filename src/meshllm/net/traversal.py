@@ -14,12 +14,11 @@ from typing import TYPE_CHECKING
 
 import psutil
 
-from meshllm.net.endpoint import Addr, Conn, DialError, parse_addr, try_addr
+from meshllm.net.endpoint import Addr, Conn, DialError, try_addr
 from meshllm.proto import crypto
 from meshllm.proto import token as tok
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.reach import (
-    NONCE_LEN,
     PROBE_EVERY_S,
     PUNCH_S,
     Observed,
@@ -27,8 +26,12 @@ from meshllm.proto.reach import (
     PunchRequest,
     RelayCandidate,
     Send,
+    advertised,
+    direct_targets,
+    observe,
     order_relays,
     relayed_addr,
+    rendezvous,
 )
 
 if TYPE_CHECKING:
@@ -65,14 +68,11 @@ class Traversal:
         """A connection to a member: direct, else through a punched hole, else through a relay."""
         errors: list[str] = []
         e = self.net.core.table.entries.get(node) if self.net.core else None
-        nat = set(e.record.reflexive) if e else set()
-        # a NATed peer's public address gets no full-TTL packet before the punch: arriving before the peer has
-        # sent anything, it would make the peer's NAT remap its port for good (DESIGN.md)
-        # (its private addresses are among the punch's targets: a peer on our LAN answers those probes)
         via = self._rendezvous_for(node)
-        if not (nat and via):
+        direct = direct_targets(addrs, set(e.record.reflexive) if e else set(), bool(via))
+        if direct is not None:
             try:
-                return await self.net.dial_any(node, [a for a in addrs if not (via and a in nat)], DIRECT_DIAL_S)
+                return await self.net.dial_any(node, direct, DIRECT_DIAL_S)
             except DialError as err:
                 errors.append(f"direct: {err}")
         if via:
@@ -97,15 +97,19 @@ class Traversal:
         others = [p for p in self.net.gossip if p != node]
         return ([p for p in others if self._connected_to(p, node)] or others)[:3]
 
-    async def _punch(self, node: NodeId, addrs: list[str], via: list[NodeId]) -> Conn:
+    def _start_punch(self, node: NodeId, addrs: tuple[str, ...] | list[str], via: list[NodeId]) -> None:
+        """Probe ``node`` as the dialler, and ask the members ``via`` to have it probe us."""
         targets = [t for t in (try_addr(a) for a in addrs) if t is not None]
-        loop = asyncio.get_running_loop()
-        attempt = self.puncher.start(node, targets, loop.time(), dialler=True)
-        found: asyncio.Queue[Addr] = asyncio.Queue()
-        self._punch_found[node] = found
+        attempt = self.puncher.start(node, targets, asyncio.get_running_loop().time(), dialler=True)
         req = PunchRequest(src=self.net.me, dst=node, nonce=attempt.nonce, addrs=self.all_addrs[:8])
         self.net.send([(p, req) for p in via])
         self._kick_puncher()
+
+    async def _punch(self, node: NodeId, addrs: list[str], via: list[NodeId]) -> Conn:
+        loop = asyncio.get_running_loop()
+        found: asyncio.Queue[Addr] = asyncio.Queue()
+        self._punch_found[node] = found
+        self._start_punch(node, addrs, via)
         deadline = loop.time() + PUNCH_S
         try:
             while (left := deadline - loop.time()) > 0:
@@ -134,11 +138,7 @@ class Traversal:
                 continue
             self._upgrade_tried[node] = loop.time()
             log.info("looking for a direct path to %s under its relayed connection", crypto.short(node))
-            targets = [t for t in (try_addr(a) for a in e.record.addrs) if t is not None]
-            attempt = self.puncher.start(node, targets, loop.time(), dialler=True)
-            req = PunchRequest(src=self.net.me, dst=node, nonce=attempt.nonce, addrs=self.all_addrs[:8])
-            self.net.send([(p, req) for p in self._rendezvous_for(node)])
-            self._kick_puncher()
+            self._start_punch(node, e.record.addrs, self._rendezvous_for(node))
 
     def on_punch_request(self, sender: NodeId, conn: Conn, msg: PunchRequest) -> None:
         if msg.dst == self.net.me:
@@ -150,14 +150,10 @@ class Traversal:
             self.puncher.start(src, targets, asyncio.get_running_loop().time(), dialler=False, nonce=msg.nonce)
             log.debug("punching towards %s at %s", crypto.short(src), ", ".join(msg.addrs))
             self._kick_puncher()
-        elif msg.dst in self.net.gossip and msg.dst != sender and len(msg.nonce) == NONCE_LEN:
-            # we are the rendezvous: vouch for who asks and add the address we see them at; and tell the asker
-            # where we see the target (the asker may not have the target's public address yet: it is in the
-            # target's record only once a member has told the target, and that record may still be on its way)
-            fwd = PunchRequest(src=sender, dst=msg.dst, nonce=msg.nonce, addrs=[*_seen(conn), *msg.addrs][:8])
+        elif msg.dst in self.net.gossip:  # we are the rendezvous
             target = self.net.peers.get(msg.dst)
-            back = PunchRequest(src=msg.dst, dst=sender, nonce=msg.nonce, addrs=_seen(target) if target else [])
-            self.net.send([(msg.dst, fwd), (sender, back)])
+            out = rendezvous(sender, _seen(conn), _seen(target) if target else [], msg)
+            self.net.send([(m.dst, m) for m in out])
 
     def _kick_puncher(self) -> None:
         if self._punch_task is None or self._punch_task.done():
@@ -211,32 +207,23 @@ class Traversal:
 
     def on_observed(self, sender: NodeId, conn: Conn, msg: Observed) -> None:
         """A member tells us where our packets come from: our public address when we sit behind a NAT."""
-        try:
-            host, port = parse_addr(msg.addr)
-        except ValueError:
-            return
-        if conn.relay is not None:
+        if conn.relay is not None or try_addr(msg.addr) is None:
             return  # a relayed connection says nothing about our address
-        public = host in local_ips() and port == self.net.ep.local_addr[1]
+        reflexive, public = observe(self.reflexive, self.net.addrs, msg.addr, local_ips(), self.net.ep.local_addr[1])
         if public and not self.public and self.relay_mode == "auto":
             self.public = True
             self.net.ep.relay_server = True
             log.info("reachable without NAT at %s: relaying for members that need it", msg.addr)
             self.net.update(relay=True)
-        if msg.addr in self.net.addrs or msg.addr in self.reflexive:
-            return
-        self.reflexive = [*self.reflexive, msg.addr][-2:]
-        log.info("%s sees us at %s", crypto.short(sender), msg.addr)
-        self._set_addrs()
-
-    def _set_addrs(self) -> None:
-        self.net.update(addrs=tuple(self.all_addrs), reflexive=tuple(self.reflexive))
-        self.net.on_addrs(self.all_addrs)
+        if reflexive != self.reflexive:
+            self.reflexive = reflexive
+            log.info("%s sees us at %s", crypto.short(sender), msg.addr)
+            self.net.update(addrs=tuple(self.all_addrs), reflexive=tuple(self.reflexive))
+            self.net.on_addrs(self.all_addrs)
 
     @property
     def all_addrs(self) -> list[str]:
-        """Every address we know for ourselves, the ones members saw first (they are what others can reach)."""
-        return [*self.reflexive[::-1], *(a for a in self.net.addrs if a not in self.reflexive)][: tok.MAX_ADDRS]
+        return advertised(self.reflexive, self.net.addrs, tok.MAX_ADDRS)
 
 
 def _seen(conn: Conn) -> list[str]:

@@ -187,6 +187,8 @@ class MeshCore:
                 continue
             self._dialled[r.node] = now
             out.append(r)
+        for gone in set(self._apart) - {r.node for r in known}:
+            del self._apart[gone]
         return out
 
     def serving_host(self, model: str | None, now: float) -> NodeId | None:

@@ -115,13 +115,43 @@ def relayed_addr(relay: NodeId, peer: NodeId) -> Addr:
 
 
 def parse_relayed_addr(addr: Addr) -> tuple[NodeId, NodeId] | None:
-    parts = addr[0].split(":") if isinstance(addr[0], str) else []
-    if len(parts) != 3 or parts[0] != "relay":
+    if addr[1] != 0 or not addr[0].startswith("relay:"):  # every datagram sent asks: answer the common case fast
+        return None
+    parts = addr[0].split(":")
+    if len(parts) != 3:
         return None
     try:
         return bytes.fromhex(parts[1]), bytes.fromhex(parts[2])
     except ValueError:
         return None
+
+
+# ------------------------------------------------------------------ our own addresses
+
+
+def observe(reflexive: list[str], own: list[str], seen: str, local: set[str], port: int) -> tuple[list[str], bool]:
+    """A member saw our packets come from ``seen``: (our reflexive addresses now, newest last; whether ``seen`` is
+    one of our own addresses, i.e. that member reaches us without a NAT in between)."""
+    host, _, p = seen.rpartition(":")
+    public = host in local and p == str(port)
+    if public or seen in own or seen in reflexive:
+        return reflexive, public
+    return [*reflexive, seen][-2:], False
+
+
+def advertised(reflexive: list[str], own: list[str], limit: int) -> list[str]:
+    """Our addresses for gossip and tokens: the ones members saw first (they are what others can reach)."""
+    return [*reflexive[::-1], *(a for a in own if a not in reflexive)][:limit]
+
+
+def direct_targets(addrs: list[str], nat: set[str], can_punch: bool) -> list[str] | None:
+    """Which of a member's addresses to dial straight away (None: none, punch first). A NATed peer's public
+    address gets no full-TTL packet before the punch: arriving before the peer has sent anything, it would make
+    the peer's NAT remap its port for good. Its private addresses are among the punch's targets anyway (a peer on
+    our LAN answers those probes). With nobody to coordinate a punch, dial everything."""
+    if not can_punch:
+        return addrs
+    return None if nat else addrs
 
 
 # ------------------------------------------------------------------ gossip-stream messages
@@ -244,3 +274,15 @@ def _merge(old: list[Addr], new: list[Addr]) -> list[Addr]:
         if a not in out:
             out.append(a)
     return out[:8]
+
+
+def rendezvous(sender: NodeId, sender_seen: list[str], target_seen: list[str], req: PunchRequest) -> list[PunchRequest]:
+    """What a member passes on for a punch request from ``sender`` (authenticated): to the target, the request
+    vouched for (sender from the connection, not the message) with the address we see the sender at first; back
+    to the sender, the address we see the target at (its public address may not have reached the sender's table
+    yet: it is in the target's record only once a member has told the target). Nothing for a malformed request."""
+    if req.dst == sender or len(req.nonce) != NONCE_LEN:
+        return []
+    fwd = PunchRequest(src=sender, dst=req.dst, nonce=req.nonce, addrs=[*sender_seen, *req.addrs][:8])
+    back = PunchRequest(src=req.dst, dst=sender, nonce=req.nonce, addrs=target_seen[:8])
+    return [fwd, back]
