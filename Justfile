@@ -11,6 +11,10 @@ build:
     {{bin}}/mesh-llm build
     {{bin}}/mesh-llm build --stock
 
+# Pack portable binaries, every wheel and an install script for machines with no compiler or package index.
+bundle out="mesh-llm-bundle.tar.gz" *args="":
+    {{bin}}/mesh-llm bundle {{out}} {{args}}
+
 # Serve a model on :9337 (default: the tiny Gemma-3 270M).
 serve model="gemma3-270m" *args="":
     {{bin}}/mesh-llm --model {{model}} {{args}}
@@ -20,6 +24,7 @@ test *pytest_args="":
     {{bin}}/python scripts/timed.py \
         "build patched=={{bin}}/mesh-llm build" \
         "build stock=={{bin}}/mesh-llm build --stock" \
+        "build portable=={{bin}}/mesh-llm build --cpu portable" \
         "tiny model=={{bin}}/python -c 'from meshllm.models.tiny import tiny_model_path as p; print(p())'" \
         "lint=={{bin}}/ruff check src tests benchmarks scripts" \
         "mypy=={{bin}}/mypy --strict src" \

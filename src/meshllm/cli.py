@@ -15,25 +15,107 @@ import os
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from meshllm import __version__
 from meshllm.errors import UserError
-from meshllm.llama.build import Binaries
+from meshllm.llama.build import Binaries, BuildPlan
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad value is one line (no usage block) and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def parse_duration(text: str) -> float:
-    """'1d', '12h', '30m', '45s' or plain seconds."""
+    """'1d', '12h', '30m', '45s' or plain seconds; more than zero."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([dhms]?)\s*", text)
     if not m:
         raise argparse.ArgumentTypeError(f"bad duration {text!r}: use e.g. 1d, 12h, 30m or seconds")
-    return float(m.group(1)) * {"d": 86400, "h": 3600, "m": 60, "s": 1, "": 1}[m.group(2)]
+    seconds = float(m.group(1)) * {"d": 86400, "h": 3600, "m": 60, "s": 1, "": 1}[m.group(2)]
+    if not 0 < seconds <= 10 * 365 * 86400:
+        raise argparse.ArgumentTypeError(f"duration {text!r} must be more than 0 and at most 10 years")
+    return seconds
+
+
+def _int_in(text: str, lo: int, hi: int, what: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not lo <= value <= hi:
+        raise argparse.ArgumentTypeError(f"{what} must be {lo}-{hi}, got {value}")
+    return value
+
+
+def tcp_port(text: str) -> int:
+    return _int_in(text, 1, 65535, "a port")
+
+
+def udp_port_or_zero(text: str) -> int:
+    return _int_in(text, 0, 65535, "a port (0: any free one)")
+
+
+def positive_int(text: str) -> int:
+    return _int_in(text, 1, 1 << 20, "the number")
+
+
+def ctx_size(text: str) -> int:
+    return _int_in(text, 64, 1 << 24, "the context size")
+
+
+def draft_max(text: str) -> int:
+    return _int_in(text, 1, 64, "--draft-max")
+
+
+def gigabytes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GB") from None
+    if not 0 < value < 1e6:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"must be more than 0 GB, got {text}")
+    return value
+
+
+def ip_address(text: str) -> str:
+    import ipaddress
+
+    try:
+        return str(ipaddress.ip_address(text.strip("[]")))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an IP address (e.g. 0.0.0.0 or ::)") from None
+
+
+def host_port(text: str) -> str:
+    """HOST:PORT or [IPv6]:PORT with a port of 1-65535."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536 or " " in host:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (port 1-65535)")
+    return text
+
+
+def python_versions(text: str) -> tuple[str, ...]:
+    out = tuple(v.strip() for v in text.split(",") if v.strip())
+    bad = [v for v in out if not re.fullmatch(r"3\.(1[1-9]|[2-9][0-9])", v)]
+    if not out or bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: give Python versions >= 3.11 like 3.11,3.12")
+    return out
+
+
+def nonempty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def parse_split(text: str) -> list[float]:
@@ -41,7 +123,7 @@ def parse_split(text: str) -> list[float]:
         parts = [float(x) for x in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"bad --tensor-split {text!r}: use proportions like 1,1,2") from None
-    if not parts or any(p < 0 for p in parts) or sum(parts) <= 0:
+    if not parts or any(not 0 <= p < 1e6 for p in parts) or sum(parts) <= 0:
         raise argparse.ArgumentTypeError("--tensor-split needs non-negative proportions with a positive sum")
     return parts
 
@@ -66,6 +148,8 @@ def cmd_node(args: argparse.Namespace) -> int:
     tokens = gather_tokens(args)
     if args.client and not tokens:
         raise UserError("--client needs --join TOKEN (or --join-file / MESH_LLM_JOIN)")
+    if args.client and args.model is not None:
+        raise UserError("--client serves no model: drop --model, or drop --client to serve it")
     if not args.client and args.model is None and not tokens:
         raise UserError("give --model PATH (or --join TOKEN to serve the mesh's model, or --client)")
     auto = not args.client and args.model is None
@@ -99,11 +183,13 @@ def ensure_binaries(bin_dir: Path | None) -> Binaries:
 
     if bin_dir is not None:
         return b.user_binaries(bin_dir)
+    if os.environ.get("MESH_LLM_BIN_DIR") or b.bundled_binaries():
+        return b.find_binaries()
     plan = b.plan_build()
     if not plan.is_built():
         console.print("llama.cpp is not built yet: building it now (about 10 minutes on 2 cores, once)")
         cmd_build(argparse.Namespace(stock=False, llama_src=None, backend=None, bin_dir=None, jobs=None,
-                                     print_dir=False))  # fmt: skip
+                                     print_dir=False, cpu_level=None))  # fmt: skip
     return b.find_binaries()
 
 
@@ -137,8 +223,38 @@ def _add_build_args(p: argparse.ArgumentParser) -> None:
         "--backend", choices=("cpu", "cuda", "metal"), help="default: CUDA if nvcc and a GPU, Metal on macOS, else CPU"
     )
     p.add_argument("--bin-dir", type=Path, metavar="DIR", help="use your own ggml-rpc-server and llama-server from DIR")
-    p.add_argument("-j", "--jobs", type=int, help="parallel compile jobs (default: all cores)")
+    p.add_argument(
+        "--cpu", choices=("native", "portable", "generic"), dest="cpu_level",
+        help="CPU instructions to compile for: native (this CPU's, the default), portable (x86-64-v3: any x86 CPU "
+        "since 2013), generic (the compiler's baseline)",
+    )  # fmt: skip
+    p.add_argument("-j", "--jobs", type=positive_int, help="parallel compile jobs (default: all cores)")
     p.add_argument("--print-dir", action="store_true", help="print the directory holding the binaries and exit")
+
+
+def _build(plan: BuildPlan, replan: Callable[[str], BuildPlan], jobs: int | None) -> BuildPlan:
+    """Build ``plan`` with a progress bar; it must pass its self-test (retried once with safer CPU flags)."""
+    from meshllm.llama import build as b
+    from meshllm.llama.selftest import build_verified
+
+    if plan.is_built():
+        return plan
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=True,
+    ) as progress:  # fmt: skip
+        task = progress.add_task(f"{plan.flavour} build", total=None)
+
+        def on_progress(step: str, done: int, total: int) -> None:
+            progress.update(task, description=f"{plan.flavour}: {step}", completed=done, total=total)
+
+        result = build_verified(plan, replan, jobs=jobs, say=lambda m: progress.console.print(m), progress=on_progress)
+    done = result.plan
+    console.print(
+        f"[green]built[/] {done.flavour} {done.backend} build {done.key} ({done.cpu_level} CPU: "
+        f"{b.describe_cpu_flags(done.cmake_flags)}) in {result.seconds:.0f} s: {done.bin_dir}"
+    )
+    return done
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -150,28 +266,35 @@ def cmd_build(args: argparse.Namespace) -> int:
         if args.print_dir:
             print(bins.rpc_server.parent)
         return 0
-    plan = b.plan_build(stock=args.stock, llama_src=args.llama_src, backend=args.backend)
+
+    def replan(level: str | None) -> BuildPlan:
+        return b.plan_build(stock=args.stock, llama_src=args.llama_src, backend=args.backend, cpu_level=level)
+
+    plan = replan(args.cpu_level)
     if args.print_dir:
         if not plan.is_built():
             raise UserError(f"not built yet: run mesh-llm build{' --stock' if args.stock else ''}")
         print(plan.bin_dir)
         return 0
     if plan.is_built():
-        console.print(f"[green]up to date[/]: {plan.flavour} {plan.backend} build {plan.key} in {plan.bin_dir}")
+        console.print(
+            f"[green]up to date[/]: {plan.flavour} {plan.backend} build {plan.key} ({plan.cpu_level} CPU) "
+            f"in {plan.bin_dir}"
+        )
         return 0
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=True,
-    ) as progress:  # fmt: skip
-        task = progress.add_task(f"{plan.flavour} build", total=None)
+    _build(plan, replan, args.jobs)
+    return 0
 
-        def on_progress(step: str, done: int, total: int) -> None:
-            progress.update(task, description=f"{plan.flavour}: {step}", completed=done, total=total)
 
-        result = b.build(plan, jobs=args.jobs, say=lambda m: progress.console.print(m), progress=on_progress)
-    console.print(
-        f"[green]built[/] {plan.flavour} {plan.backend} build {plan.key} in {result.seconds:.0f} s: {plan.bin_dir}"
-    )
+def cmd_bundle(args: argparse.Namespace) -> int:
+    from meshllm.bundle import make_bundle
+    from meshllm.llama import build as b
+
+    def replan(level: str) -> BuildPlan:
+        return b.plan_build(backend=args.backend, cpu_level=level)
+
+    plan = _build(replan("portable"), replan, args.jobs)
+    make_bundle(args.out, plan.binaries(), plan, pythons=args.python, say=console.print)
     return 0
 
 
@@ -280,17 +403,21 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mesh-llm", description="Run one LLM across several machines.")
+    p = Parser(prog="mesh-llm", description="Run one LLM across several machines.")
     p.add_argument("--version", action="version", version=f"mesh-llm {__version__}")
     p.add_argument("--model", type=Path, metavar="PATH", help="GGUF model file (first part of a split model)")
     p.add_argument("--client", action="store_true", help="lite client: no model, no GPU")
-    p.add_argument("--join", action="append", metavar="TOKEN", help="invite token (repeatable)")
+    p.add_argument("--join", type=nonempty, action="append", metavar="TOKEN", help="invite token (repeatable)")
     p.add_argument("--join-file", action="append", metavar="PATH", help="file holding invite token(s)")
     p.add_argument("--state-dir", type=Path, metavar="DIR", help="node state (default $MESH_LLM_HOME or ~/.mesh-llm)")
-    p.add_argument("--bind-host", default="0.0.0.0", help="UDP address to bind (default all)")
-    p.add_argument("--bind-port", type=int, default=0, help="UDP port for the mesh (default ephemeral)")
-    p.add_argument("--advertise", action="append", metavar="HOST:PORT", help="address peers should dial")
-    p.add_argument("--relay", metavar="HOST:PORT", help="relay through this member when a peer is unreachable")
+    p.add_argument("--bind-host", type=ip_address, default="0.0.0.0", help="UDP address to bind (default all)")
+    p.add_argument("--bind-port", type=udp_port_or_zero, default=0, help="UDP port for the mesh (default ephemeral)")
+    p.add_argument(
+        "--advertise", type=host_port, action="append", metavar="HOST:PORT", help="address peers should dial"
+    )
+    p.add_argument(
+        "--relay", type=host_port, metavar="HOST:PORT", help="relay through this member when a peer is unreachable"
+    )
     p.add_argument(
         "--relay-server",
         dest="relay_mode",
@@ -303,17 +430,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-relay-server", dest="relay_mode", action="store_const", const="off", help="never relay for other members"
     )
     p.add_argument("--token-ttl", type=parse_duration, default=86400.0, metavar="DURATION", help="default 1d")
-    p.add_argument("--max-vram", type=float, metavar="GB", help="cap the memory this node offers")
-    p.add_argument("--ctx-size", type=int, default=4096, metavar="N", help="context size (default 4096)")
+    p.add_argument("--max-vram", type=gigabytes, metavar="GB", help="cap the memory this node offers")
+    p.add_argument("--ctx-size", type=ctx_size, default=4096, metavar="N", help="context size (default 4096)")
     p.add_argument("--tensor-split", type=parse_split, metavar="P,P,...", help="override the split plan")
-    p.add_argument("--port", type=int, default=9337, help="API port (default 9337)")
+    p.add_argument("--port", type=tcp_port, default=9337, help="API port (default 9337)")
     p.add_argument("--listen-all", action="store_true", help="API on all interfaces (then an API key is required)")
-    p.add_argument("--api-key", metavar="KEY", help="require this API key (or $MESH_LLM_API_KEY)")
+    p.add_argument("--api-key", type=nonempty, metavar="KEY", help="require this API key (or $MESH_LLM_API_KEY)")
     p.add_argument("--bin-dir", type=Path, metavar="DIR", help="your own ggml-rpc-server and llama-server")
-    p.add_argument("--console", nargs="?", type=int, const=3131, metavar="PORT",
+    p.add_argument("--console", nargs="?", type=tcp_port, const=3131, metavar="PORT",
                    help="web console on 127.0.0.1 (default port 3131)")  # fmt: skip
-    p.add_argument("--draft", metavar="PATH|NAME", help="draft model for speculative decoding")
-    p.add_argument("--draft-max", type=int, default=8, metavar="N", help="tokens drafted per step (default 8)")
+    p.add_argument("--draft", type=nonempty, metavar="PATH|NAME", help="draft model for speculative decoding")
+    p.add_argument("--draft-max", type=draft_max, default=8, metavar="N", help="tokens drafted per step (default 8)")
     p.add_argument("--no-draft", action="store_true", help="no draft, not even the catalog's pairing")
     p.add_argument(
         "--models-dir", type=Path, metavar="DIR", help="where models live (default $MESH_LLM_MODELS or ~/.models)"
@@ -329,13 +456,22 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("--ttl", type=parse_duration, default=86400.0, metavar="DURATION", help="default 1d")
     pt.set_defaults(func=cmd_token)
     pd = sub.add_parser("download", help="list the model catalog, or download a model")
-    pd.add_argument("name", nargs="?", help="catalog name (e.g. 32b, qwen3-32b)")
+    pd.add_argument("name", nargs="?", type=nonempty, help="catalog name (e.g. 32b, qwen3-32b)")
     pd.add_argument("--draft", action="store_true", help="also fetch its paired draft model")
     pd.add_argument("--models-dir", type=Path, metavar="DIR")
     pd.add_argument("--check", action="store_true", help="verify every catalog entry against the live hub")
     pd.set_defaults(func=cmd_download)
+    pk = sub.add_parser("bundle", help="pack binaries, wheels and an install script for machines with no compiler")
+    pk.add_argument("out", nargs="?", type=Path, default=Path("mesh-llm-bundle.tar.gz"), metavar="OUT.tar.gz")
+    pk.add_argument(
+        "--python", type=python_versions, default=("3.11", "3.12", "3.13"), metavar="3.X,...",
+        help="Python versions to carry wheels for (default 3.11,3.12,3.13, plus this one)",
+    )  # fmt: skip
+    pk.add_argument("--backend", choices=("cpu", "cuda", "metal"), help="default: as mesh-llm build")
+    pk.add_argument("-j", "--jobs", type=positive_int, help="parallel compile jobs (default: all cores)")
+    pk.set_defaults(func=cmd_bundle)
     ps = sub.add_parser("status", help="show the running node's view of the mesh")
-    ps.add_argument("--port", type=int, default=9337)
+    ps.add_argument("--port", type=tcp_port, default=9337, help="the node's API port (default 9337)")
     ps.add_argument("--api-key", default=os.environ.get("MESH_LLM_API_KEY"))
     ps.add_argument("--json", action="store_true")
     ps.set_defaults(func=cmd_status)
@@ -365,6 +501,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         console.print("interrupted")
         return 130
+    except Exception as e:  # a bug of ours: one line, the traceback only with -v
+        if getattr(args, "verbose", False):
+            raise
+        console.print(
+            f"[red]internal error:[/] {type(e).__name__}: {e} (rerun with -v for the traceback and report it)"
+        )
+        return 1
 
 
 if __name__ == "__main__":

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import struct
 import subprocess
 import sys
 import urllib.request
@@ -23,25 +21,7 @@ from meshllm.llama.processes import (
     wait_http_ready,
     wait_tcp_ready,
 )
-
-RPC_CMD_HELLO = 14
-HELLO_CAPS = 24
-
-
-def rpc_hello(port: int) -> tuple[int, int, int]:
-    """Send the RPC HELLO (`| cmd u8 | size u64 | caps[24] |`) and return the server's (major, minor, patch)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(struct.pack("<BQ", RPC_CMD_HELLO, HELLO_CAPS) + bytes(HELLO_CAPS))
-        buf = b""
-        while len(buf) < 8 + 28:
-            chunk = s.recv(64)
-            if not chunk:
-                break
-            buf += chunk
-    (size,) = struct.unpack_from("<Q", buf)
-    assert size == 28, f"HELLO reply size {size}"
-    major, minor, patch = buf[8], buf[9], buf[10]
-    return major, minor, patch
+from meshllm.llama.rpcwire import hello
 
 
 @pytest.mark.parametrize("stock", [False, True], ids=["patched", "stock"])
@@ -68,9 +48,9 @@ def test_rpc_server_answers_hello(
     child = Child.start(f"rpc-{which}", rpc_server_argv(bins, port, threads=1), tmp_path / "rpc.log")
     children.append(child)
     wait_tcp_ready(child, port)
-    assert rpc_hello(port) == (7, 0, 0)
+    assert hello(port) == (7, 0, 0)
     # it serves one client at a time and goes on to the next
-    assert rpc_hello(port)[0] == 7
+    assert hello(port)[0] == 7
     assert child.alive()
 
 

@@ -102,16 +102,17 @@ def test_a_new_build_prunes_older_ones_of_its_kind_but_the_newest(tmp_path: Path
     cache = tmp_path / "cache"
     plan = b.plan_build(patch_dir=_patch_dir(tmp_path), backend="cpu", cache=cache)
     builds = plan.dir.parent
-    for i, name in enumerate(
-        ["patched-cpu-old1", "patched-cpu-old2", "patched-cpu-old3", "stock-cpu-x", "patched-cuda-y"]
-    ):
+    old = ["patched-cpu-native-old1", "patched-cpu-native-old2", "patched-cpu-native-old3"]
+    others = ["stock-cpu-native-x", "patched-cuda-native-y", "patched-cpu-portable-z"]
+    for i, name in enumerate(["patched-cpu-0123456789abcdef", *old, *others]):  # the first: before CPU levels
         (builds / name / "bin").mkdir(parents=True)
         (builds / name / "manifest.json").write_text("{}")
         os.utime(builds / name / "manifest.json", (1000 + i, 1000 + i))
     plan.dir.mkdir(parents=True)
-    with (builds / "patched-cpu-old1.lock").open("w") as held:  # somebody is building old1 right now
+    with (builds / "patched-cpu-native-old1.lock").open("w") as held:  # somebody is building old1 right now
         fcntl.flock(held, fcntl.LOCK_EX)
         removed = b.prune_builds(plan)
-    assert sorted(p.name for p in removed) == ["patched-cpu-old2"]  # old3 is the newest kept; old1 is busy
+    # old3 is the newest kept; old1 is busy; other flavours, backends and CPU levels are not ours to prune
+    assert sorted(p.name for p in removed) == ["patched-cpu-0123456789abcdef", "patched-cpu-native-old2"]
     left = sorted(p.name for p in builds.iterdir() if p.is_dir())
-    assert left == sorted(["patched-cpu-old1", "patched-cpu-old3", plan.dir.name, "patched-cuda-y", "stock-cpu-x"])
+    assert left == sorted([old[0], old[2], plan.dir.name, *others])

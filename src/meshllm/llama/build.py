@@ -89,12 +89,101 @@ BASE_CMAKE_FLAGS = (
 
 BACKENDS = ("cpu", "cuda", "metal")
 
+# ------------------------------------------------------------------------------------------ CPU flags
+#
+# ggml's own default (GGML_NATIVE=ON) compiles with -march=native. On an Intel CPU with AMX (Sapphire Rapids and
+# later) that turns on ggml's AMX kernels, and in the pinned llama.cpp those crash with SIGSEGV in
+# ggml_backend_amx_mul_mat on the first decode (upstream llama.cpp issue 20824, still open). -march=native also
+# ties a build to the machine that made it. So we never use it on x86: we name every instruction-set extension
+# ourselves — the ones this CPU has, AMX always off — and the choice is part of the build's cache key.
+
+# (ggml cmake option, the /proc/cpuinfo flags it needs)
+X86_EXTENSIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("GGML_SSE42", ("sse4_2",)),
+    ("GGML_AVX", ("avx",)),
+    ("GGML_F16C", ("f16c",)),
+    ("GGML_FMA", ("fma",)),
+    ("GGML_BMI2", ("bmi2",)),
+    ("GGML_AVX2", ("avx2",)),
+    ("GGML_AVX_VNNI", ("avx_vnni",)),
+    ("GGML_AVX512", ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw")),
+    ("GGML_AVX512_VBMI", ("avx512vbmi",)),
+    ("GGML_AVX512_VNNI", ("avx512_vnni",)),
+    ("GGML_AVX512_BF16", ("avx512_bf16",)),
+)
+# Always off: the AMX kernels crash in the pinned llama.cpp (see above).
+X86_NEVER = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
+# x86-64-v3 (Haswell, 2013, and every x86 server and desktop CPU since): what a portable build assumes.
+X86_PORTABLE = frozenset({"GGML_SSE42", "GGML_AVX", "GGML_F16C", "GGML_FMA", "GGML_BMI2", "GGML_AVX2"})
+X86_PORTABLE_CPU_FLAGS = ("sse4_2", "avx", "f16c", "fma", "bmi2", "avx2")
+
+CPU_LEVELS = ("native", "portable", "generic")
+"""native: every extension this CPU has (AMX excepted); portable: x86-64-v3, runs on any x86 CPU from 2013 on;
+generic: the compiler's baseline (x86-64: SSE2), for CPUs without AVX2. On other architectures native means the
+compiler's -mcpu/-march=native and portable and generic its default target."""
+
+
+def is_x86(machine: str | None = None) -> bool:
+    return (machine or platform.machine()).lower() in ("x86_64", "amd64", "i686", "i386")
+
+
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The instruction-set flags of this CPU as Linux lists them (empty when unknown)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            return frozenset()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+def safer_level(level: str, flags: frozenset[str]) -> str | None:
+    """The level a build retries with when ``level`` built binaries that crash; None: nothing safer."""
+    if level == "native":
+        return "portable" if set(X86_PORTABLE_CPU_FLAGS) <= flags or not is_x86() else "generic"
+    if level == "portable":
+        return "generic"
+    return None
+
+
+def cpu_cmake_flags(level: str, flags: frozenset[str], machine: str | None = None) -> tuple[str, ...]:
+    """The cmake flags that choose the CPU instructions ggml compiles for."""
+    if level not in CPU_LEVELS:
+        raise BuildError(f"unknown CPU level {level!r}: choose one of {', '.join(CPU_LEVELS)}")
+    if not is_x86(machine):
+        return ("-DGGML_NATIVE=ON",) if level == "native" else ("-DGGML_NATIVE=OFF",)
+    if level == "native":
+        on = {opt for opt, need in X86_EXTENSIONS if set(need) <= flags}
+        if not flags:  # no /proc/cpuinfo: assume no more than a portable build would
+            on = set(X86_PORTABLE)
+    elif level == "portable":
+        on = set(X86_PORTABLE)
+    else:
+        on = set()
+    out = ["-DGGML_NATIVE=OFF"]
+    out += [f"-D{opt}={'ON' if opt in on else 'OFF'}" for opt, _ in X86_EXTENSIONS]
+    out += [f"-D{opt}=OFF" for opt in X86_NEVER]
+    return tuple(out)
+
+
+def describe_cpu_flags(cmake_flags: tuple[str, ...]) -> str:
+    """'AVX2 FMA F16C …' for the extensions a set of cmake flags turns on (or how it targets the CPU)."""
+    if "-DGGML_NATIVE=ON" in cmake_flags:
+        return "-march=native"
+    on = [f[len("-DGGML_") : -len("=ON")] for f in cmake_flags if f.startswith("-DGGML_") and f.endswith("=ON")]
+    on = [o for o in on if o not in ("RPC", "CUDA", "METAL", "NATIVE")]
+    return " ".join(on) if on else "no extensions (compiler baseline)"
+
 
 @dataclass(frozen=True)
 class Binaries:
     rpc_server: Path
     llama_server: Path
-    flavour: str  # "patched", "stock" or "user"
+    flavour: str  # "patched", "stock", "user" or "bundled"
     build_dir: Path | None = None
 
     def describe(self) -> str:
@@ -109,6 +198,7 @@ class BuildPlan:
     patches: tuple[Path, ...]
     patches_hash: str
     backend: str
+    cpu_level: str  # see CPU_LEVELS
     cmake_flags: tuple[str, ...]
     key: str
     dir: Path
@@ -128,6 +218,11 @@ class BuildPlan:
             flavour=self.flavour,
             build_dir=self.dir,
         )
+
+    @property
+    def failed_marker(self) -> Path:
+        """Written when binaries of this plan crashed in their self-test on this machine: never used again."""
+        return self.dir.with_name(self.dir.name + ".failed.json")
 
     def is_built(self) -> bool:
         b = self.binaries()
@@ -215,9 +310,14 @@ def detect_backend() -> str:
     return "cpu"
 
 
-def backend_flags(backend: str) -> tuple[str, ...]:
+# A portable CUDA build carries kernels for every GPU generation CUDA 12 and 13 both support (Turing to Hopper),
+# plus PTX that newer GPUs compile at load time.
+PORTABLE_CUDA_ARCHS = "75-real;80-real;86-real;89-real;90-real;90-virtual"
+
+
+def backend_flags(backend: str, portable: bool = False) -> tuple[str, ...]:
     if backend == "cuda":
-        return ("-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=native")
+        return ("-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={PORTABLE_CUDA_ARCHS if portable else 'native'}")
     if backend == "metal":
         return ("-DGGML_METAL=ON",)
     if backend == "cpu":
@@ -232,10 +332,28 @@ def plan_build(
     backend: str | None = None,
     patch_dir: Path | None = None,
     cache: Path | None = None,
+    cpu_level: str | None = None,
+    cpuinfo_flags: frozenset[str] | None = None,
 ) -> BuildPlan:
-    """Work out what a build would be and where it lives, without doing anything."""
+    """Work out what a build would be and where it lives, without doing anything.
+
+    ``cpu_level`` None means native, unless a native build of the same inputs failed its self-test on this
+    machine (see :func:`mark_failed`): then the level it fell back to.
+    """
     cache = cache or cache_dir()
     backend = backend or detect_backend()
+    flags_now = cpu_flags() if cpuinfo_flags is None else cpuinfo_flags
+    if cpu_level is None:
+        level: str | None = "native"
+        while level is not None:
+            plan = plan_build(
+                stock=stock, llama_src=llama_src, backend=backend, patch_dir=patch_dir, cache=cache,
+                cpu_level=level, cpuinfo_flags=flags_now,
+            )  # fmt: skip
+            if not plan.failed_marker.is_file():
+                return plan
+            level = safer_level(level, flags_now)
+        return plan
     if llama_src is not None:
         llama_src = llama_src.expanduser().resolve()
         if not (llama_src / "CMakeLists.txt").is_file() or not (llama_src / "ggml").is_dir():
@@ -249,7 +367,10 @@ def plan_build(
     else:
         patches = read_series(patch_dir or default_patch_dir())
         patches_hash = hash_patches(patches)
-    flags = BASE_CMAKE_FLAGS + backend_flags(backend)
+    portable = cpu_level != "native"
+    flags = BASE_CMAKE_FLAGS + backend_flags(backend, portable) + cpu_cmake_flags(cpu_level, flags_now)
+    if portable:  # a bundle ships the shared libraries the binaries need (libgomp, ...) in ../lib beside bin/
+        flags += ("-DCMAKE_BUILD_RPATH=$ORIGIN/../lib",)
     ident = json.dumps(
         {
             "source": source_hash,
@@ -269,9 +390,10 @@ def plan_build(
         patches=patches,
         patches_hash=patches_hash,
         backend=backend,
+        cpu_level=cpu_level,
         cmake_flags=flags,
         key=key,
-        dir=cache / "builds" / f"{flavour}-{backend}-{key}",
+        dir=cache / "builds" / f"{flavour}-{backend}-{cpu_level}-{key}",
     )
 
 
@@ -410,6 +532,18 @@ def _build_env(cache: Path) -> dict[str, str]:
     return env
 
 
+class SelfTestFailed(BuildError):
+    """Freshly built binaries crashed (or did not work) in their self-test; the build was not cached."""
+
+    def __init__(self, problem: str, logs: Path) -> None:
+        super().__init__(problem)
+        self.logs = logs
+
+
+Verifier = Callable[[Binaries, Path], str | None]
+"""Runs freshly built binaries (second argument: a directory for their logs); returns a one-line problem or None."""
+
+
 @dataclass(frozen=True)
 class BuildResult:
     binaries: Binaries
@@ -425,11 +559,17 @@ def build(
     say: Callable[[str], None] = print,
     progress: ProgressFn = lambda step, done, total: None,
     cache: Path | None = None,
+    verify: Verifier | None = None,
 ) -> BuildResult:
-    """Make sure the binaries for ``plan`` exist; build them if not. Safe to run concurrently."""
+    """Make sure the binaries for ``plan`` exist; build them if not. Safe to run concurrently.
+
+    ``verify`` runs the new binaries before they are cached; when it reports a problem the build is marked
+    failed on this machine (:attr:`BuildPlan.failed_marker`; later plans skip its CPU level), its compile tree
+    is removed, and :class:`SelfTestFailed` is raised."""
     t0 = time.monotonic()
     if plan.is_built():
         return BuildResult(plan.binaries(), False, 0.0, plan)
+    plan.failed_marker.unlink(missing_ok=True)  # asked for again explicitly: try again
     cache = cache or cache_dir()
     check_toolchain(plan.backend)
     with _locked(plan.dir.with_suffix(".lock")):
@@ -478,6 +618,16 @@ def build(
             tmp = plan.bin_dir / f".{target}.tmp"
             shutil.copy2(found[0], tmp)
             tmp.replace(plan.bin_dir / target)
+        if verify is not None:
+            logs = plan.dir / "selftest"
+            problem = verify(plan.binaries(), logs)
+            if problem:
+                record = {"problem": problem, "cmake_flags": list(plan.cmake_flags), "logs": str(logs),
+                          "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+                plan.failed_marker.write_text(json.dumps(record, indent=2) + "\n")
+                shutil.rmtree(plan.bin_dir, ignore_errors=True)
+                shutil.rmtree(cmake_dir, ignore_errors=True)
+                raise SelfTestFailed(problem, logs)
         manifest = {
             "flavour": plan.flavour,
             "key": plan.key,
@@ -486,6 +636,8 @@ def build(
             "patches": [p.name for p in plan.patches],
             "patches_hash": plan.patches_hash,
             "backend": plan.backend,
+            "cpu_level": plan.cpu_level,
+            "cpu_extensions": describe_cpu_flags(plan.cmake_flags),
             "cmake_flags": list(plan.cmake_flags),
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "seconds": round(time.monotonic() - t0, 1),
@@ -503,8 +655,11 @@ def prune_builds(plan: BuildPlan, keep: int = 1) -> list[Path]:
     the ``keep`` newest, so patch iterations do not fill the disk (~170 MB each). A build another process holds
     the lock of is left alone; running binaries are unaffected (Linux keeps an unlinked file open)."""
     others = []
+    old_layout = re.compile(rf"{plan.flavour}-{plan.backend}-[0-9a-f]{{16}}")  # before CPU levels: -march=native
     for d in plan.dir.parent.glob(f"{plan.flavour}-{plan.backend}-*"):
         if d == plan.dir or not d.is_dir():
+            continue
+        if not (d.name.startswith(f"{plan.flavour}-{plan.backend}-{plan.cpu_level}-") or old_layout.fullmatch(d.name)):
             continue
         m = d / "manifest.json"
         others.append((m.stat().st_mtime if m.is_file() else 0.0, d))
@@ -537,12 +692,28 @@ def user_binaries(bin_dir: Path) -> Binaries:
     return Binaries(rpc_server=rpc, llama_server=server, flavour="user")
 
 
+BUNDLED_BIN_DIR = Path("share") / "mesh-llm" / "bin"
+
+
+def bundled_binaries() -> Binaries | None:
+    """The binaries a bundle's install script put beside this Python environment (``sys.prefix``), if any."""
+    d = Path(sys.prefix) / BUNDLED_BIN_DIR
+    if (d / RPC_SERVER).is_file() and (d / LLAMA_SERVER).is_file():
+        return Binaries(rpc_server=d / RPC_SERVER, llama_server=d / LLAMA_SERVER, flavour="bundled")
+    return None
+
+
 def find_binaries(*, stock: bool = False, bin_dir: Path | None = None, backend: str | None = None) -> Binaries:
-    """Binaries that are already built (or the user's), without building. One clear error otherwise."""
+    """Binaries that are already built (or the user's), without building. One clear error otherwise.
+
+    In order: ``bin_dir`` (--bin-dir), $MESH_LLM_BIN_DIR, a bundle's binaries (patched only), the build cache."""
     if bin_dir is None and os.environ.get("MESH_LLM_BIN_DIR"):
         bin_dir = Path(os.environ["MESH_LLM_BIN_DIR"])
     if bin_dir is not None:
         return user_binaries(bin_dir)
+    bundled = None if stock else bundled_binaries()
+    if bundled is not None:
+        return bundled
     plan = plan_build(stock=stock, backend=backend)
     if not plan.is_built():
         flag = " --stock" if stock else ""

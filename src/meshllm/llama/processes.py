@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import mmap
 import os
 import signal
 import socket
@@ -56,6 +57,60 @@ def port_in_use(port: int, host: str = LOOPBACK) -> bool:
         except OSError:
             return True
         return False
+
+
+def describe_exit(returncode: int | None) -> str:
+    """'SIGSEGV' for a death by signal (Popen's negative return code), 'exit code 1' otherwise."""
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            return signal.Signals(-returncode).name
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+AMX_MARKER = b"AMX is not ready to be used!"  # a string compiled into ggml only together with its AMX kernels
+
+
+def uses_amx(binary: Path, cpu_flags: frozenset[str]) -> bool:
+    """Whether ``binary`` carries ggml's AMX kernels and this CPU would run them."""
+    if not {"amx_tile", "amx_int8"} <= cpu_flags:
+        return False
+    try:
+        with binary.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return m.find(AMX_MARKER) >= 0
+    except (OSError, ValueError):
+        return False
+
+
+def explain_crash(returncode: int | None, log_text: str, amx: bool = False) -> str:
+    """The likely cause of a llama.cpp server's death and its fix, in one line, from its exit, its log and
+    whether it runs ggml's AMX kernels on an AMX CPU (:func:`uses_amx`)."""
+    rc = returncode or 0
+    log_lower = log_text.lower()
+    if amx and rc in (-signal.SIGILL, -signal.SIGSEGV, -signal.SIGBUS, -signal.SIGABRT):
+        return (
+            "llama.cpp's AMX kernels crash on this CPU (upstream llama.cpp issue 20824); fix: rebuild with "
+            "`mesh-llm build` (its builds leave AMX out), or build yours with -DGGML_NATIVE=OFF and no -DGGML_AMX_*"
+        )
+    if rc == -signal.SIGILL:
+        return (
+            "the binaries use CPU instructions this CPU lacks (built on another machine?); fix: run `mesh-llm build` "
+            "on this machine, or use a bundle (`mesh-llm bundle` makes portable binaries)"
+        )
+    if rc == -signal.SIGKILL:
+        return "it was killed, most likely out of memory; fix: a smaller model, a smaller --ctx-size or --max-vram"
+    if "out of memory" in log_lower or "failed to allocate" in log_lower or "unable to allocate" in log_lower:
+        return "it ran out of memory; fix: a smaller model, a smaller --ctx-size, or --max-vram to offer less"
+    if "failed to load model" in log_lower or "error loading model" in log_lower:
+        return "it could not load the model (a damaged or unsupported GGUF?); fix: check the file, or download it again"
+    if "address already in use" in log_lower or "couldn't bind" in log_lower:
+        return "its port was taken by another process; it gets a new one at the next start"
+    if rc < 0:
+        return "it crashed; fix: see its log, and report it with the log if it persists"
+    return "it exited on its own; see its log"
 
 
 # ------------------------------------------------------------------------------------------ command lines

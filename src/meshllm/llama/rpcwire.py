@@ -70,6 +70,27 @@ def pack_rpc_tensor(
     return RPC_TENSOR.pack(0, ggml_type, buffer, *ne, *nb, 0, *([0] * 16), 0, *([0] * 10), 0, 0, data, name, 0)
 
 
+HELLO_REPLY_SIZE = 28
+
+
+def hello(port: int, host: str = "127.0.0.1", timeout: float = 10.0) -> tuple[int, int, int]:
+    """Send an RPC HELLO (no capabilities) and return the server's protocol version (major, minor, patch).
+
+    Raises OSError when the connection fails or closes early, ValueError on a reply of the wrong size."""
+    with socket.create_connection((host, port), timeout=timeout) as s:
+        s.sendall(HEADER.pack(Cmd.HELLO, CONN_CAPS_SIZE) + bytes(CONN_CAPS_SIZE))
+        buf = b""
+        while len(buf) < 8 + HELLO_REPLY_SIZE:
+            chunk = s.recv(64)
+            if not chunk:
+                raise OSError(f"connection closed after {len(buf)} bytes of the HELLO reply")
+            buf += chunk
+    (size,) = struct.unpack_from("<Q", buf)
+    if size != HELLO_REPLY_SIZE:
+        raise ValueError(f"HELLO reply of {size} bytes (want {HELLO_REPLY_SIZE})")
+    return buf[8], buf[9], buf[10]
+
+
 @dataclass
 class WireStats:
     connections: int = 0

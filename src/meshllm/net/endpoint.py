@@ -65,7 +65,7 @@ class DialError(MeshError):
 
 def parse_addr(text: str) -> Addr:
     host, _, port = text.rpartition(":")
-    if not host or not port.isdigit():
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"bad address {text!r}")
     return host.strip("[]"), int(port)
 

@@ -12,8 +12,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshllm.llama.build import Binaries
-from meshllm.llama.processes import Child, ChildFailed, free_port, llama_server_argv, wait_http_ready
+from meshllm.llama.build import Binaries, cpu_flags
+from meshllm.llama.processes import (
+    Child,
+    ChildFailed,
+    describe_exit,
+    explain_crash,
+    free_port,
+    llama_server_argv,
+    uses_amx,
+    wait_http_ready,
+)
 
 log = logging.getLogger("meshllm.host")
 
@@ -77,19 +86,29 @@ class LocalServer:
                 log.info("llama-server ready on 127.0.0.1:%d (pid %d)", self.port, self._child.pid)
                 while self._child.alive():
                     await asyncio.sleep(0.5)
-                why = f"llama-server exited with {self._child.proc.returncode}: {self._child.log_tail(2)}"
-            except ChildFailed as e:
-                why = str(e)
-            self._child = None
+            except ChildFailed:
+                pass
+            child, self._child = self._child, None
+            assert child is not None
+            rc = child.proc.poll()
+            how = "stopped answering" if rc is None else f"exited ({describe_exit(rc)})"
+            if rc is None:
+                await asyncio.to_thread(child.stop, 5.0)
             now = time.monotonic()
             self._crashes = [t for t in self._crashes if now - t < CRASH_WINDOW_S] + [now]
             if len(self._crashes) >= MAX_CRASHES:
-                self.state, self.reason = "failed", f"llama-server keeps failing: {why}"
+                amx = uses_amx(self.bins.llama_server, cpu_flags())
+                cause = explain_crash(rc, child.log_tail(400), amx)
+                self.state = "failed"
+                self.reason = (
+                    f"llama-server {how} {len(self._crashes)} times in a minute; gave up. Likely cause: {cause} "
+                    f"(log: {child.log_path})"
+                )
                 log.error("%s", self.reason)
                 return
             delay = BACKOFF_S[min(len(self._crashes) - 1, len(BACKOFF_S) - 1)]
-            self.state, self.reason = "loading", f"restarting in {delay:.0f} s: {why}"
-            log.warning("%s", self.reason)
+            self.state, self.reason = "loading", f"llama-server {how}; restarting in {delay:.0f} s"
+            log.warning("%s (log: %s)", self.reason, child.log_path)
             self.restarts += 1
             await asyncio.sleep(delay)
 
