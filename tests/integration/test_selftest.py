@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
 import pytest
 
 from meshllm.llama import build as b
+from meshllm.llama import supervisor
 from meshllm.llama.build import Binaries
+from meshllm.llama.rpcwire import hello
 from meshllm.llama.selftest import build_verified, self_test
-from meshllm.serve import host
 
 # A stand-in for the llama.cpp tree: real cmake, real processes, but its "binaries" are small Python programs, so a
 # crash on the first generation (what llama.cpp's AMX kernels do on an AMX CPU) can be had on any machine. Built
@@ -120,19 +123,41 @@ def test_real_binaries_pass_the_self_test(patched_bins: Binaries, tiny_model: Pa
 async def test_a_crash_loop_is_one_line_with_its_cause(
     patched_bins: Binaries, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(host, "BACKOFF_S", (0.05,))
+    monkeypatch.setattr(supervisor, "BACKOFF_S", (0.05,))
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + bytes(4096))  # the magic, then nothing a loader can use
-    cfg = host.ServerConfig(model=bad, alias="bad", ctx_size=256, threads=1)
-    server = host.LocalServer(patched_bins, cfg, tmp_path)
+    cfg = supervisor.ServerConfig(model=bad, alias="bad", ctx_size=256, threads=1)
+    server = supervisor.LocalServer(patched_bins, cfg, tmp_path)
     server.start()
     for _ in range(600):
         if server.state == "failed":
             break
         await asyncio.sleep(0.1)
     await server.stop()
-    assert server.reason.startswith(f"llama-server exited (exit code 1) {host.MAX_CRASHES} times in a minute")
+    assert server.reason.startswith(f"llama-server exited (exit code 1) {supervisor.MAX_CRASHES} times in a minute")
     assert "could not load the model" in server.reason and "\n" not in server.reason
-    assert server.restarts == host.MAX_CRASHES - 1
-    warnings = [r.getMessage() for r in caplog.records if r.name == "meshllm.host"]
-    assert all("\n" not in w for w in warnings) and len(warnings) == host.MAX_CRASHES
+    assert server.restarts == supervisor.MAX_CRASHES - 1
+    warnings = [r.getMessage() for r in caplog.records if r.name == "meshllm.supervisor"]
+    assert all("\n" not in w for w in warnings) and len(warnings) == supervisor.MAX_CRASHES
+
+
+async def test_a_dead_rpc_server_comes_back_on_its_port(
+    patched_bins: Binaries, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(supervisor, "BACKOFF_S", (0.05,))
+    rpc = supervisor.RpcServer(patched_bins, tiny_model, tmp_path)
+    rpc.start()
+    try:
+        await rpc.wait_ready()
+        assert rpc.child is not None
+        port, pid = rpc.port, rpc.child.pid
+        os.kill(pid, signal.SIGKILL)
+        for _ in range(300):
+            if rpc.alive() and rpc.child is not None and rpc.child.pid != pid:
+                break
+            await asyncio.sleep(0.1)
+        assert rpc.alive() and rpc.port == port and rpc.restarts == 1
+        assert (await asyncio.to_thread(hello, port))[0] == 7
+    finally:
+        await rpc.stop()
+    assert rpc.child is None and rpc.state == "stopped"

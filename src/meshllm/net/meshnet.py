@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from meshllm.errors import MeshError, RemoteProtocolError, UserError
 from meshllm.net.endpoint import STREAM_AUTH, STREAM_GOSSIP, Addr, Conn, DialError, Endpoint, Stream, parse_addr
 from meshllm.net.traversal import Traversal
-from meshllm.proto import crypto
+from meshllm.proto import crypto, serving
 from meshllm.proto import token as tok
 from meshllm.proto.auth import (
     AUTH_MAX_FRAME,
@@ -363,13 +363,7 @@ class MeshNet:
     def _register(self, conn: Conn, node: NodeId, listener: bool = False) -> None:
         old = self.peers.get(node)
         if old is not None and not old.closed.is_set():
-            # two connections for one pair: keep a direct one over a relayed one, else the one dialled by the
-            # smaller NodeId (both sides decide alike)
-            if old.is_direct != conn.is_direct:
-                keep_old = old.is_direct
-            else:
-                keep_old = (old.is_client and self.me < node) or (not old.is_client and node < self.me)
-            if keep_old:
+            if serving.keep_existing(old.is_direct, conn.is_direct, old.is_client, self.me, node):
                 conn.close("duplicate connection")
                 return
             old.close("duplicate connection")

@@ -27,6 +27,7 @@ from meshllm.proto.gossip import (
     Table,
     Tombstone,
 )
+from meshllm.proto.serving import designated_dialler
 from meshllm.proto.wire import Message
 
 Out = list[tuple[NodeId, Message]]
@@ -181,7 +182,7 @@ class MeshCore:
                 self._apart.pop(r.node, None)
                 continue
             apart = now - self._apart.setdefault(r.node, now)
-            if not (i_dial or self.me < r.node or apart >= DIAL_FALLBACK_S):
+            if not (i_dial or designated_dialler(self.me, r.node) == self.me or apart >= DIAL_FALLBACK_S):
                 continue
             if now - self._dialled.get(r.node, -1e18) < DIAL_RETRY_S:
                 continue

@@ -23,22 +23,22 @@ from meshllm import __version__
 from meshllm.errors import MeshError, UserError
 from meshllm.llama.build import Binaries
 from meshllm.llama.gguf import model_fingerprint, model_shape, read_header
-from meshllm.llama.processes import Child, free_port, port_in_use, rpc_server_argv, wait_tcp_ready
+from meshllm.llama.processes import ChildFailed, port_in_use
 from meshllm.llama.rpcwire import Cmd, WireStats
+from meshllm.llama.supervisor import LocalServer, RpcServer, ServerConfig, default_threads
 from meshllm.models.download import resolve
 from meshllm.net.endpoint import STREAM_HTTP, STREAM_RPC, Conn, Stream
 from meshllm.net.meshnet import MeshNet, new_mesh
 from meshllm.net.tunnel import TunnelListener, TunnelStats, connect_and_bridge
 from meshllm.paths import models_dir
 from meshllm.paths import state_dir as default_state_dir
-from meshllm.proto import crypto
+from meshllm.proto import crypto, serving
 from meshllm.proto import token as tok
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.debounce import Debouncer
 from meshllm.proto.gossip import ModelFacts, PeerRecord
 from meshllm.proto.planner import GB, ModelShape, Plan, Slot, Waiting, plan, plan_broken
 from meshllm.serve.api import Api, Unavailable, Upstream
-from meshllm.serve.host import LocalServer, ServerConfig, default_threads
 from meshllm.state import load_membership, load_or_create_key, save_membership, save_token, write_private
 
 log = logging.getLogger("meshllm.node")
@@ -117,8 +117,7 @@ class Node:
         self._plan_debounce = Debouncer[Plan | Waiting](PLAN_DEBOUNCE_S, first_at_once=True)
         self._listener_task: asyncio.Future[TunnelListener] | None = None
         self._rpc_listener_task: asyncio.Future[None] | None = None
-        self.rpc_child: Child | None = None  # our own rpc-server (worker, and the host's last device)
-        self.rpc_port = 0
+        self.rpc: RpcServer | None = None  # our own rpc-server (worker, and the host's last device)
         self.rpc_stats: dict[NodeId, TunnelStats] = {}  # per peer
         self.http_stats: dict[NodeId, TunnelStats] = {}
         self._rpc_listeners: dict[NodeId, TunnelListener] = {}  # host side: one per worker
@@ -226,8 +225,8 @@ class Node:
         await self.net.stop(leave=True)
         if self.server:
             await self.server.stop()
-        if self.rpc_child:
-            await asyncio.to_thread(self.rpc_child.stop)
+        if self.rpc:
+            await self.rpc.stop()
         for lst in [*self._rpc_listeners.values(), *self._http_listeners.values()]:
             await lst.close()
         if self.api:
@@ -242,18 +241,22 @@ class Node:
         """Our rpc-server on loopback, loading weights from our own copy of the model. The host uses it as
         its last device (so the output layer runs here, on the host); workers serve it to the host."""
         assert self.o.bins is not None and self.model_path is not None
-        self.rpc_port = free_port()
-        argv = rpc_server_argv(self.o.bins, self.rpc_port, threads=default_threads(), gguf=self.model_path)
-        self.rpc_child = Child.start("rpc-server", argv, self.state / "rpc-server.log")
-        await asyncio.to_thread(wait_tcp_ready, self.rpc_child, self.rpc_port, 30.0)
+        self.rpc = RpcServer(self.o.bins, self.model_path, self.state)
+        self.rpc.start()
+        try:
+            await self.rpc.wait_ready()
+        except ChildFailed as e:
+            raise UserError(str(e)) from None
 
     async def _on_rpc_stream(self, conn: Conn, st: Stream) -> None:
         """Worker side: only the elected host may reach our rpc-server (anyone reaching it owns the machine)."""
         peer = conn.peer
         rec = self._record(peer) if peer else None
-        announced = (rec is not None and rec.role == "host" and rec.model is not None and self.facts is not None
-                     and rec.model.fingerprint == self.facts.fingerprint)  # fmt: skip
-        if peer is None or not (peer == self.host or announced) or self.rpc_child is None or not self.rpc_child.alive():
+        hosts = rec.model.fingerprint if rec is not None and rec.role == "host" and rec.model is not None else None
+        up = self.rpc is not None and self.rpc.alive()
+        if peer is None or not serving.may_open_rpc(
+            peer, self.host, hosts, self.facts.fingerprint if self.facts else None, up
+        ):
             log.warning("refused an RPC tunnel from %s: not the elected host", crypto.short(peer) if peer else "?")
             st.reset()
             return
@@ -267,7 +270,8 @@ class Node:
         if task is not None:
             mine.add(task)
         try:
-            await connect_and_bridge(st, self.rpc_port, self.rpc_stats.setdefault(peer, TunnelStats()))
+            assert self.rpc is not None
+            await connect_and_bridge(st, self.rpc.port, self.rpc_stats.setdefault(peer, TunnelStats()))
         finally:
             if task is not None:
                 mine.discard(task)
@@ -325,28 +329,26 @@ class Node:
         return sorted({r.model.source for r in net.core.alive(time.time()) if r.model})
 
     def _route(self, model: str | None) -> Upstream | Unavailable | None:
-        names = self._models()
-        if model is not None and model not in names and names:
-            return None
-        if (self.server is not None and self.server.state == "serving" and self.facts is not None
-                and (model is None or model == self.facts.source)):  # fmt: skip
-            return Upstream(self.facts.source, self.server.base_url)
-        if self.server is not None and self.server.state in ("loading", "failed"):
-            return Unavailable(self.server.reason or f"the model is {self.server.state}")
+        srv = self.server
+        local = None
+        if srv is not None and self.facts is not None:
+            local = serving.LocalServing(self.facts.source, srv.state, srv.reason)
         remote = self._serving_host(model)
-        if remote is not None:
-            lst = self._http_listeners.get(remote)
-            if lst is None:
-                self._spawn_listener(remote)
-                return Unavailable("connecting to the host", retry_after_s=1)
-            return Upstream(self._model_of(remote), f"http://127.0.0.1:{lst.port}")
-        if isinstance(self.plan, Waiting):
-            return Unavailable(self.plan.message())
-        if self.host is None:
-            return Unavailable("no host elected yet: waiting for peers")
-        if self.host is not None and self.host != self.me:
-            return Unavailable(f"the host {crypto.short(self.host)} is loading the model")
-        return Unavailable("starting the model server")
+        r = serving.route(
+            model, self._models(), local, (remote, self._model_of(remote)) if remote else None,
+            remote in self._http_listeners, self.plan, self.host, self.me,
+        )  # fmt: skip
+        if isinstance(r, serving.Local):
+            assert srv is not None
+            return Upstream(r.model, srv.base_url)
+        if isinstance(r, serving.Remote):
+            return Upstream(r.model, f"http://127.0.0.1:{self._http_listeners[r.host].port}")
+        if isinstance(r, serving.Connecting):
+            self._spawn_listener(r.host)
+            return Unavailable("connecting to the host", retry_after_s=r.retry_after_s)
+        if isinstance(r, serving.Busy):
+            return Unavailable(r.reason, retry_after_s=r.retry_after_s)
+        return None
 
     def _serving_host(self, model: str | None) -> NodeId | None:
         net = self.net
@@ -364,40 +366,33 @@ class Node:
 
     def _reconfigure(self) -> None:
         """Run llama-server as the plan says, restarting it only when its configuration changes."""
+        assert self.net is not None
+        can_host = self.o.bins is not None and self.model_path is not None and self.facts is not None
+        w = serving.wanted_server(
+            self.plan, self.me, can_host, frozenset(self._rpc_listeners), frozenset(self.net.peers)
+        )
+        if isinstance(w, serving.NeedTunnels):
+            if w.missing and (self._rpc_listener_task is None or self._rpc_listener_task.done()):
+                self._rpc_listener_task = asyncio.ensure_future(self._make_rpc_listeners(list(w.missing)))
+            return  # the next change reconfigures
         want: ServerConfig | None = None
-        p = self.plan
-        if (isinstance(p, Plan) and p.host == self.me and self.o.bins is not None
-                and self.model_path is not None and self.facts is not None):  # fmt: skip
-            if not p.workers:
-                want = ServerConfig(
-                    model=self.model_path, alias=self.facts.source, ctx_size=self.o.ctx_size,
-                    threads=default_threads(), draft=self.draft_path, draft_max=self.o.draft_max,
-                )  # fmt: skip
-            elif self._tunnels_ready(p):
-                # workers first (the first layers), our own rpc-server last: the output layer stays here
-                rpc = tuple(f"127.0.0.1:{self._rpc_listeners[a.node].port}" for a in p.workers)
-                want = ServerConfig(
-                    model=self.model_path, alias=self.facts.source, ctx_size=self.o.ctx_size,
-                    threads=default_threads(), rpc=(*rpc, f"127.0.0.1:{self.rpc_port}"),
-                    tensor_split=p.tensor_split, extra=("--load-mode", "none", "--fit", "off"),
-                    draft=self.draft_path, draft_max=self.o.draft_max,
-                )  # fmt: skip
-            else:
-                return  # listeners are being made; the next tick reconfigures
+        if w is not None:
+            assert self.model_path is not None and self.facts is not None
+            rpc: tuple[str, ...] = ()
+            extra: tuple[str, ...] = ()
+            if isinstance(w, serving.Split):
+                assert self.rpc is not None
+                rpc = (*(f"127.0.0.1:{self._rpc_listeners[n].port}" for n in w.workers), f"127.0.0.1:{self.rpc.port}")
+                extra = ("--load-mode", "none", "--fit", "off")
+            want = ServerConfig(
+                model=self.model_path, alias=self.facts.source, ctx_size=self.o.ctx_size, threads=default_threads(),
+                rpc=rpc, tensor_split=w.tensor_split if isinstance(w, serving.Split) else (), extra=extra,
+                draft=self.draft_path, draft_max=self.o.draft_max,
+            )  # fmt: skip
         if want == self._server_cfg:
             return
         self._server_cfg = want
         self._reconfig_task = asyncio.ensure_future(self._restart_server(want))
-
-    def _tunnels_ready(self, p: Plan) -> bool:
-        """A tunnel listener for every worker of the plan (made in the background when missing)."""
-        assert self.net is not None
-        missing = [a.node for a in p.workers if a.node not in self._rpc_listeners]
-        if not missing:
-            return all(a.node in self.net.peers for a in p.workers)
-        if self._rpc_listener_task is None or self._rpc_listener_task.done():
-            self._rpc_listener_task = asyncio.ensure_future(self._make_rpc_listeners(missing))
-        return False
 
     async def _make_rpc_listeners(self, nodes: list[NodeId]) -> None:
         for n in nodes:

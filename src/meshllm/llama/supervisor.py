@@ -1,0 +1,187 @@
+"""The llama.cpp children a node runs — llama-server when it hosts, ggml-rpc-server when it has the model — kept
+running the same way: started, awaited until ready, restarted with backoff when they die. Five deaths within a
+minute mark a child failed, with one line that gives the likely cause and the fix (:func:`explain_crash`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshllm.llama.build import Binaries, cpu_flags
+from meshllm.llama.processes import (
+    Child,
+    ChildFailed,
+    describe_exit,
+    explain_crash,
+    free_port,
+    llama_server_argv,
+    rpc_server_argv,
+    uses_amx,
+    wait_http_ready,
+    wait_tcp_ready,
+)
+
+log = logging.getLogger("meshllm.supervisor")
+
+BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+CRASH_WINDOW_S = 60.0
+MAX_CRASHES = 5
+
+
+def default_threads() -> int:
+    return max(1, os.cpu_count() or 1)
+
+
+class Supervised:
+    """One child process under supervision. ``argv(port)`` builds its command line for a port; ``ready(child, port)``
+    blocks until it serves (raising ChildFailed if it dies or times out). ``fixed_port``: restart on the same port
+    (an rpc-server others already point at); None: a fresh loopback port at every start."""
+
+    def __init__(
+        self,
+        name: str,
+        binary: Path,
+        argv: Callable[[int], list[str]],
+        ready: Callable[[Child, int], None],
+        log_path: Path,
+        fixed_port: int | None = None,
+    ) -> None:
+        self.name = name
+        self.binary = binary
+        self._argv = argv
+        self._ready = ready
+        self.log_path = log_path
+        self._fixed_port = fixed_port
+        self.state = "stopped"  # loading | serving | failed | stopped
+        self.port = fixed_port or 0
+        self.reason = ""
+        self.restarts = 0
+        self.child: Child | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._crashes: list[float] = []
+        self._first_ready = asyncio.Event()
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._supervise())
+
+    async def wait_ready(self) -> None:
+        """Until the first start succeeded; ChildFailed if the child failed before ever getting ready."""
+        done = asyncio.ensure_future(self._first_ready.wait())
+        assert self._task is not None
+        await asyncio.wait([done, self._task], return_when=asyncio.FIRST_COMPLETED)
+        if not self._first_ready.is_set():
+            done.cancel()
+            raise ChildFailed(self.reason or f"{self.name} stopped")
+
+    def alive(self) -> bool:
+        return self.state == "serving" and self.child is not None and self.child.alive()
+
+    async def _launch(self) -> None:
+        self.port = self._fixed_port or free_port()
+        self.state = "loading"
+        self.child = Child.start(self.name, self._argv(self.port), self.log_path)
+        await asyncio.to_thread(self._ready, self.child, self.port)
+        self.state = "serving"
+        self.reason = ""
+        self._first_ready.set()
+
+    async def _supervise(self) -> None:
+        while True:
+            try:
+                await self._launch()
+                assert self.child is not None
+                log.info("%s ready on 127.0.0.1:%d (pid %d)", self.name, self.port, self.child.pid)
+                while self.child.alive():
+                    await asyncio.sleep(0.5)
+            except ChildFailed:
+                pass
+            child, self.child = self.child, None
+            assert child is not None
+            rc = child.proc.poll()
+            how = "stopped answering" if rc is None else f"exited ({describe_exit(rc)})"
+            if rc is None:
+                await asyncio.to_thread(child.stop, 5.0)
+            now = time.monotonic()
+            self._crashes = [t for t in self._crashes if now - t < CRASH_WINDOW_S] + [now]
+            if len(self._crashes) >= MAX_CRASHES:
+                cause = explain_crash(rc, child.log_tail(400), uses_amx(self.binary, cpu_flags()))
+                self.state = "failed"
+                self.reason = (
+                    f"{self.name} {how} {len(self._crashes)} times in a minute; gave up. Likely cause: {cause} "
+                    f"(log: {child.log_path})"
+                )
+                log.error("%s", self.reason)
+                return
+            delay = BACKOFF_S[min(len(self._crashes) - 1, len(BACKOFF_S) - 1)]
+            self.state, self.reason = "loading", f"{self.name} {how}; restarting in {delay:.0f} s"
+            log.warning("%s (log: %s)", self.reason, child.log_path)
+            self.restarts += 1
+            await asyncio.sleep(delay)
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+        child, self.child = self.child, None
+        if child:
+            await asyncio.to_thread(child.stop, 10.0)
+        self.state = "stopped"
+
+
+# ------------------------------------------------------------------------------------------------ the two children
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything llama-server's command line depends on: a change means a restart."""
+
+    model: Path
+    alias: str
+    ctx_size: int
+    threads: int
+    rpc: tuple[str, ...] = ()
+    tensor_split: tuple[int, ...] = ()
+    extra: tuple[str, ...] = ()
+    draft: Path | None = None
+    draft_max: int = 8
+
+
+class LocalServer(Supervised):
+    """The llama-server this node runs when it hosts a model (solo, or the host of a split)."""
+
+    def __init__(self, bins: Binaries, cfg: ServerConfig, log_dir: Path) -> None:
+        def argv(port: int) -> list[str]:
+            return llama_server_argv(
+                bins, cfg.model, port, ctx_size=cfg.ctx_size, threads=cfg.threads, alias=cfg.alias, rpc=cfg.rpc,
+                tensor_split=[float(x) for x in cfg.tensor_split], n_gpu_layers=999 if cfg.rpc else None,
+                extra=cfg.extra, draft=cfg.draft, draft_max=cfg.draft_max,
+            )  # fmt: skip
+
+        def ready(child: Child, port: int) -> None:
+            wait_http_ready(child, f"http://127.0.0.1:{port}/health", 600.0)
+
+        super().__init__("llama-server", bins.llama_server, argv, ready, log_dir / "llama-server.log")
+        self.cfg = cfg
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class RpcServer(Supervised):
+    """This node's ggml-rpc-server on loopback, loading weights from its own copy of the model. It keeps its port
+    across restarts: the host's llama-server (or its tunnel) points at it."""
+
+    def __init__(self, bins: Binaries, model: Path, log_dir: Path) -> None:
+        def argv(port: int) -> list[str]:
+            return rpc_server_argv(bins, port, threads=default_threads(), gguf=model)
+
+        def ready(child: Child, port: int) -> None:
+            wait_tcp_ready(child, port, 30.0)
+
+        super().__init__("rpc-server", bins.rpc_server, argv, ready, log_dir / "rpc-server.log", fixed_port=free_port())

@@ -1,0 +1,185 @@
+"""Serving decisions, pure: where a request for a model goes, which llama-server this node should run, who may open
+an RPC stream to this worker's rpc-server, and which of two connections for one pair of nodes survives.
+
+Each is a function of plain data; the asyncio shells in ``serve/`` and ``net/`` gather that data and carry the
+decision out. Nothing here does I/O or reads a clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshllm.proto import crypto
+from meshllm.proto.crypto import NodeId
+from meshllm.proto.planner import Plan, Waiting
+
+# ------------------------------------------------------------------------------------------------ routing
+
+
+@dataclass(frozen=True)
+class Local:
+    """Our own llama-server serves it."""
+
+    model: str
+
+
+@dataclass(frozen=True)
+class Remote:
+    """The host ``host`` serves it; the request goes through our tunnel listener to it."""
+
+    host: NodeId
+    model: str
+
+
+@dataclass(frozen=True)
+class Connecting:
+    """The host ``host`` serves it, but our tunnel listener to it is not up yet: open one, answer 503 meanwhile."""
+
+    host: NodeId
+    retry_after_s: int = 1
+
+
+@dataclass(frozen=True)
+class Busy:
+    """Nobody can serve it right now (503 with Retry-After)."""
+
+    reason: str
+    retry_after_s: int = 5
+
+
+Route = Local | Remote | Connecting | Busy | None  # None: no node of the mesh serves a model of that name
+
+
+@dataclass(frozen=True)
+class LocalServing:
+    """What this node's own llama-server is doing (None in :func:`route` when it runs none)."""
+
+    model: str  # the name it serves the model under
+    state: str  # loading | serving | failed | stopped
+    reason: str = ""
+
+
+def route(
+    requested: str | None,
+    served: list[str],
+    local: LocalServing | None,
+    remote: tuple[NodeId, str] | None,
+    remote_listener_ready: bool,
+    plan: Plan | Waiting | None,
+    host: NodeId | None,
+    me: NodeId,
+) -> Route:
+    """Where a request for ``requested`` (None: whatever the mesh serves) goes.
+
+    ``served``: the model names live nodes announce; ``remote``: a peer announcing it serves that model, with the
+    name it serves it under; ``remote_listener_ready``: whether our tunnel listener to that peer is up."""
+    if requested is not None and served and requested not in served:
+        return None
+    if local is not None and local.state == "serving" and requested in (None, local.model):
+        return Local(local.model)
+    if local is not None and local.state in ("loading", "failed"):
+        return Busy(local.reason or f"the model is {local.state}")
+    if remote is not None:
+        node, name = remote
+        return Remote(node, name) if remote_listener_ready else Connecting(node)
+    if isinstance(plan, Waiting):
+        return Busy(plan.message())
+    if host is None:
+        return Busy("no host elected yet: waiting for peers")
+    if host != me:
+        return Busy(f"the host {crypto.short(host)} is loading the model")
+    return Busy("starting the model server")
+
+
+# ------------------------------------------------------------------------------------------------ llama-server
+
+
+@dataclass(frozen=True)
+class Solo:
+    """Run llama-server on the whole model in this process (no RPC)."""
+
+
+@dataclass(frozen=True)
+class Split:
+    """Run llama-server over RPC: the workers' tunnels first (their layers come first), our own rpc-server last, so
+    the output layer and the logits stay on this node."""
+
+    workers: tuple[NodeId, ...]
+    tensor_split: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class NeedTunnels:
+    """The plan wants a split, but tunnel listeners (or connections) to these workers are missing: make them first,
+    and keep whatever runs now."""
+
+    missing: tuple[NodeId, ...]
+
+
+ServerWant = Solo | Split | NeedTunnels | None  # None: run no llama-server
+
+
+def wanted_server(
+    plan: Plan | Waiting | None,
+    me: NodeId,
+    can_host: bool,
+    listeners: frozenset[NodeId],
+    connected: frozenset[NodeId],
+) -> ServerWant:
+    """The llama-server this node should run for ``plan``. ``can_host``: we have binaries and the model file;
+    ``listeners``: workers we have tunnel listeners for; ``connected``: peers with a live connection."""
+    if not isinstance(plan, Plan) or plan.host != me or not can_host:
+        return None
+    if not plan.workers:
+        return Solo()
+    workers = tuple(a.node for a in plan.workers)
+    missing = tuple(n for n in workers if n not in listeners)
+    if missing:
+        return NeedTunnels(missing)
+    if not all(n in connected for n in workers):
+        return NeedTunnels(())  # listeners are up but a worker's connection is not (yet): wait
+    return Split(workers, tuple(plan.tensor_split))
+
+
+# ------------------------------------------------------------------------------------------------ RPC admission
+
+
+def may_open_rpc(
+    peer: NodeId | None,
+    elected: NodeId | None,
+    peer_announces_host_of: str | None,
+    our_fingerprint: str | None,
+    rpc_server_up: bool,
+) -> bool:
+    """Whether ``peer`` may open an RPC stream to our rpc-server (whoever reaches it owns this machine).
+
+    Admitted: the host we elected, or a peer whose gossip record says it hosts our model
+    (``peer_announces_host_of``: the fingerprint of the model its record says it hosts, None when it says it hosts
+    nothing) — during a re-election the new host may dial before our own view has moved. The second rule rests on
+    self-asserted gossip; see the [trust] issue."""
+    if peer is None or not rpc_server_up:
+        return False
+    if peer == elected:
+        return True
+    return our_fingerprint is not None and peer_announces_host_of == our_fingerprint
+
+
+# ------------------------------------------------------------------------------------------------ connections
+
+
+def designated_dialler(a: NodeId, b: NodeId) -> NodeId:
+    """Of a pair of nodes, the one that dials the other (the smaller NodeId). The mesh core dials by this rule and
+    a duplicate connection is settled by it: both ends must agree, so it lives here once."""
+    return min(a, b)
+
+
+def keep_existing(
+    existing_direct: bool, new_direct: bool, existing_dialled_by_me: bool, me: NodeId, peer: NodeId
+) -> bool:
+    """Two connections for one pair of nodes: whether to keep the one we had (else the new one). A direct connection
+    beats a relayed one; otherwise the one the designated dialler dialled survives. Both ends compute this from
+    their own side and reach the same answer, so exactly one connection stays."""
+    if existing_direct != new_direct:
+        return existing_direct
+    dialler = me if existing_dialled_by_me else peer
+    return dialler == designated_dialler(me, peer)

@@ -1,0 +1,123 @@
+"""The serving core ([house]): where a request goes, which llama-server a plan wants, who may open RPC, which of
+two connections survives. Pure functions, each with its negative cases."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from meshllm.proto import serving as s
+from meshllm.proto.planner import Assignment, Plan, Waiting
+
+ME, HOST, W1, W2, STRANGER = (bytes([i]) * 32 for i in (5, 9, 1, 2, 7))
+SOLO = Plan(ME, (Assignment(ME, 0, 18, 600),), ())
+SPLIT = Plan(ME, (Assignment(W1, 0, 6, 200), Assignment(W2, 6, 6, 200), Assignment(ME, 12, 6, 200)), ())
+
+
+def route(requested: str | None = None, **kw: object) -> s.Route:
+    args: dict[str, object] = {
+        "served": ["tiny"], "local": None, "remote": None, "remote_listener_ready": False, "plan": None,
+        "host": None, "me": ME,
+    }  # fmt: skip
+    args.update(kw)
+    return s.route(requested, **args)  # type: ignore[arg-type]
+
+
+def test_route_prefers_our_own_serving_llama_server() -> None:
+    local = s.LocalServing("tiny", "serving")
+    assert route(None, local=local) == s.Local("tiny")
+    assert route("tiny", local=local, remote=(HOST, "tiny"), remote_listener_ready=True) == s.Local("tiny")
+
+
+def test_route_refuses_a_model_nobody_serves() -> None:
+    assert route("other", local=s.LocalServing("tiny", "serving")) is None
+    # while nobody announces anything yet, any name is let through to the 503 branches
+    assert isinstance(route("other", served=[]), s.Busy)
+
+
+def test_route_goes_to_the_host_serving_another_model() -> None:
+    local = s.LocalServing("tiny", "serving")
+    got = route("big", served=["tiny", "big"], local=local, remote=(HOST, "big"), remote_listener_ready=True)
+    assert got == s.Remote(HOST, "big")
+    assert route(None, remote=(HOST, "tiny"), remote_listener_ready=True) == s.Remote(HOST, "tiny")
+
+
+def test_route_without_a_listener_opens_one_and_answers_503_for_a_second() -> None:
+    assert route(None, remote=(HOST, "tiny")) == s.Connecting(HOST, retry_after_s=1)
+
+
+def test_route_says_why_it_cannot_serve() -> None:
+    assert route(None, local=s.LocalServing("tiny", "loading", "restarting in 2 s")) == s.Busy("restarting in 2 s")
+    assert route(None, local=s.LocalServing("tiny", "failed")) == s.Busy("the model is failed")
+    # a loading local server wins over a remote one: the host is us
+    assert isinstance(route(None, local=s.LocalServing("tiny", "loading"), remote=(HOST, "tiny")), s.Busy)
+    waiting = Waiting(int(0.6e9), int(0.3e9))
+    assert route(None, plan=waiting, host=ME) == s.Busy(waiting.message())
+    assert route(None) == s.Busy("no host elected yet: waiting for peers")
+    assert "is loading the model" in route(None, host=HOST).reason  # type: ignore[union-attr]
+    assert route(None, host=ME, plan=SOLO) == s.Busy("starting the model server")
+    assert all(b.retry_after_s == 5 for b in [route(None), route(None, host=HOST)])  # type: ignore[union-attr]
+
+
+def want(plan: Plan | Waiting | None, **kw: object) -> s.ServerWant:
+    args: dict[str, object] = {"can_host": True, "listeners": frozenset(), "connected": frozenset()}
+    args.update(kw)
+    return s.wanted_server(plan, ME, **args)  # type: ignore[arg-type]
+
+
+def test_server_wanted_only_when_we_host_a_plan_and_can() -> None:
+    assert want(None) is None
+    assert want(Waiting(1, 0)) is None
+    assert want(Plan(HOST, (Assignment(HOST, 0, 18, 1),), ())) is None  # someone else hosts
+    assert want(SOLO, can_host=False) is None  # no binaries or no model file
+    assert want(SOLO) == s.Solo()
+
+
+def test_a_split_waits_for_tunnels_and_connections() -> None:
+    assert want(SPLIT) == s.NeedTunnels((W1, W2))
+    assert want(SPLIT, listeners=frozenset({W1})) == s.NeedTunnels((W2,))
+    assert want(SPLIT, listeners=frozenset({W1, W2}), connected=frozenset({W1})) == s.NeedTunnels(())
+    got = want(SPLIT, listeners=frozenset({W1, W2}), connected=frozenset({W1, W2, STRANGER}))
+    assert got == s.Split((W1, W2), (6, 6, 6))  # workers in plan order; our own rpc-server goes last
+
+
+def test_rpc_admission() -> None:
+    fp = "abc"
+    assert s.may_open_rpc(HOST, HOST, None, fp, True)
+    assert not s.may_open_rpc(HOST, HOST, None, fp, False)  # our rpc-server is down
+    assert not s.may_open_rpc(None, HOST, None, fp, True)  # unauthenticated
+    assert not s.may_open_rpc(STRANGER, HOST, None, fp, True)  # a member that is not the host
+    assert not s.may_open_rpc(STRANGER, None, None, fp, True)
+    assert not s.may_open_rpc(STRANGER, HOST, "other-model", fp, True)  # hosts another model
+    assert not s.may_open_rpc(STRANGER, HOST, fp, None, True)  # we serve no model
+    assert s.may_open_rpc(W1, HOST, fp, fp, True)  # announces it hosts our model (re-election in flight)
+
+
+NODES = st.binary(min_size=32, max_size=32)
+
+
+@given(
+    a=NODES, b=NODES, a_direct=st.booleans(), b_direct=st.booleans(), x_first_at=st.tuples(st.booleans(), st.booleans())
+)
+def test_both_ends_keep_the_same_one_of_two_connections(
+    a: bytes, b: bytes, a_direct: bool, b_direct: bool, x_first_at: tuple[bool, bool]
+) -> None:
+    """Connection 'x' dialled by a, 'y' dialled by b (both dialled at once). Each end may see them arrive in either
+    order; both must keep the same one."""
+    if a == b:
+        return
+    direct = {"x": a_direct, "y": b_direct}
+    dialler = {"x": a, "y": b}
+
+    def kept(me: bytes, peer: bytes, existing: str) -> str:
+        new = "y" if existing == "x" else "x"
+        keep = s.keep_existing(direct[existing], direct[new], dialler[existing] == me, me, peer)
+        return existing if keep else new
+
+    at_a = kept(a, b, "x" if x_first_at[0] else "y")
+    at_b = kept(b, a, "x" if x_first_at[1] else "y")
+    assert at_a == at_b
+    if a_direct != b_direct:
+        assert direct[at_a]  # a direct connection beats a relayed one
+    else:
+        assert dialler[at_a] == s.designated_dialler(a, b) == min(a, b)
