@@ -34,12 +34,15 @@ class ChildFailed(MeshError):
 
 
 def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the process that started us dies (Linux), so a crashed or
-    killed mesh-llm leaves no llama.cpp behind. Elsewhere the supervisor's own shutdown path stops children."""
+    """In the child, before exec: get SIGKILL when the thread that started us dies (Linux), so a crashed or killed
+    mesh-llm leaves no llama.cpp behind. SIGKILL, not SIGTERM: llama-server sometimes hangs in its SIGTERM cleanup
+    when it arrives just after start-up (seen here: "cleaning up before exit..." and no exit), and with the parent
+    gone nobody would escalate. A clean mesh-llm shutdown still stops children with SIGTERM first (Child.stop).
+    Elsewhere the supervisor's own shutdown path stops children."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def free_port(host: str = LOOPBACK) -> int:

@@ -1,0 +1,144 @@
+"""What a node tells about itself: the status JSON (``/mesh/status``, ``status.json``, ``mesh-llm status``, the
+console), the Prometheus text of ``/metrics``, and the agent launch lines. Reads, never changes, the node's parts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from meshllm import __version__
+from meshllm.net.meshnet import MeshNet
+from meshllm.proto import crypto
+from meshllm.proto.crypto import NodeId
+from meshllm.proto.gossip import ModelFacts
+from meshllm.proto.planner import Plan, Waiting
+from meshllm.serve.api import Api
+from meshllm.serve.hosting import Hosting
+from meshllm.serve.metrics import Exposition
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """What only the node's wiring knows, at one moment."""
+
+    me: NodeId
+    host: NodeId | None
+    plan: Plan | Waiting | None
+    model: ModelFacts | None
+    draft: str | None
+    served: list[str]
+    elections: int
+
+
+class Report:
+    def __init__(self, net: MeshNet, hosting: Hosting, api: Api | None, api_host: str, port: int) -> None:
+        self.net = net
+        self.hosting = hosting
+        self.api = api
+        self.api_host = api_host
+        self.port = port
+
+    def status(self, v: NodeView, now: float) -> dict[str, object]:
+        assert self.net.core is not None
+        core = self.net.core
+        peers = []
+        for r in core.alive(now):
+            conn = self.net.peers.get(r.node)
+            peers.append({
+                "node": r.node.hex(), "short": crypto.short(r.node), "role": r.role, "capacity": r.capacity,
+                "device": r.device, "state": r.state, "incarnation": r.incarnation,
+                "liveness": core.liveness(r.node, now).value,
+                "model": r.model.fingerprint if r.model else None,
+                "path": "self" if r.node == v.me else (conn.path if conn else "not connected"),
+                "pinned_key": (k.hex() if (k := conn.pinned_key) else None) if conn else None,
+                "links": r.links, "relay": r.relay,
+                "rtt_ms": core.rtt_ms.get(r.node),
+                "tunnel": self.hosting.tunnel_counts(r.node),
+                "layers": layers_of(v.plan, r.node),
+            })  # fmt: skip
+        p = v.plan
+        plan_obj: object = None
+        if isinstance(p, Plan):
+            plan_obj = {
+                "host": p.host.hex(),
+                "assignments": [
+                    {"node": a.node.hex(), "first": a.first, "count": a.count, "bytes": a.bytes} for a in p.assignments
+                ],
+                "standby": [n.hex() for n in p.standby],
+            }
+        elif isinstance(p, Waiting):
+            plan_obj = {"waiting": p.message(), "need": p.need, "have": p.have}
+        server = self.hosting.server
+        ep = self.net.ep
+        return {
+            "api": f"http://{self.api_host}:{self.port}/v1",
+            "state": server.state if server else core.record.state,
+            "requests": dict(self.api.requests) if self.api else {},
+            "llama_starts": self.hosting.generations + (server.restarts if server else 0),
+            "draft": v.draft,
+            "served_models": v.served,
+            "agent_lines": agent_lines(v.served[0], self.port) if v.served else [],
+            "node": v.me.hex(), "mesh": core.mesh_id.hex(), "role": core.record.role,
+            "host": v.host.hex() if v.host else None, "peers": peers, "plan": plan_obj,
+            "reach": {
+                "addrs": self.net.all_addrs, "public": self.net.nat.public, "relay_server": ep.relay_server,
+                "relayed_packets": ep.stats.relayed_packets, "relayed_bytes": ep.stats.relayed_bytes,
+                "relay_refused": ep.stats.relay_refused,
+            },
+            "model": v.model.__dict__ if v.model else None, "version": __version__,
+        }  # fmt: skip
+
+    def metrics(self, me: NodeId, elections: int, now: float) -> str:
+        x = Exposition()
+        c = self.api.counters if self.api else None
+        if c is not None:
+            x.metric("mesh_llm_tokens_generated_total", "counter", "tokens generated through this node's API",
+                     c.tokens_generated)  # fmt: skip
+            x.metric("mesh_llm_tokens_per_second", "gauge", "decode speed of the last completion",
+                     c.last_tokens_per_second)  # fmt: skip
+        for code, n in sorted((self.api.requests if self.api else {}).items()):
+            x.metric("mesh_llm_requests_total", "counter", "API requests by status", n, {"status": str(code)})
+        x.metric("mesh_llm_elections_total", "counter", "host changes seen", elections)
+        server = self.hosting.server
+        x.metric("mesh_llm_child_restarts_total", "counter", "llama-server restarts after a crash",
+                 server.restarts if server else 0)  # fmt: skip
+        core = self.net.core
+        if core is not None:
+            for r in core.alive(now):
+                if r.node == me:
+                    continue
+                peer = {"peer": crypto.short(r.node)}
+                conn = self.net.peers.get(r.node)
+                x.metric("mesh_llm_peer_direct", "gauge", "1 when connected directly, 0 through gossip only",
+                         1 if conn else 0, peer)  # fmt: skip
+                rtt = core.rtt_ms.get(r.node)
+                if rtt is not None:
+                    x.metric("mesh_llm_peer_rtt_ms", "gauge", "round-trip time to the peer", rtt, peer)
+                t = self.hosting.tunnel_counts(r.node)
+                for kind in ("rpc", "http"):
+                    x.metric("mesh_llm_tunnel_bytes_sent_total", "counter", "tunnel bytes sent to the peer",
+                             t[f"{kind}_sent"], {**peer, "kind": kind})  # fmt: skip
+                    x.metric("mesh_llm_tunnel_bytes_received_total", "counter", "tunnel bytes received from the peer",
+                             t[f"{kind}_received"], {**peer, "kind": kind})  # fmt: skip
+        return x.text()
+
+
+def layers_of(plan: Plan | Waiting | None, node: NodeId) -> list[int] | None:
+    if isinstance(plan, Plan):
+        for a in plan.assignments:
+            if a.node == node:
+                return [a.first, a.first + a.count - 1] if a.count else None
+    return None
+
+
+def agent_lines(model: str, port: int) -> list[str]:
+    """Ready-to-paste launch lines for coding agents, for the model actually served."""
+    url = f"http://localhost:{port}/v1"
+    provider = {"mesh": {"baseUrl": url, "api": "openai-completions", "apiKey": "mesh", "models": [{"id": model}]}}
+    return [
+        f"pi:    add to ~/.pi/agent/models.json: {json.dumps({'providers': provider})}",
+        f"       then: pi --provider mesh --model {model}",
+        f"goose: GOOSE_PROVIDER=openai OPENAI_HOST=http://localhost:{port} OPENAI_API_KEY=mesh "
+        f"GOOSE_MODEL={model} goose session",
+    ]
