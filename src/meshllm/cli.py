@@ -158,11 +158,10 @@ def cmd_node(args: argparse.Namespace) -> int:
         import secrets
 
         from meshllm.paths import state_dir
-        from meshllm.state import write_private
+        from meshllm.state import save_api_key
 
         api_key = secrets.token_urlsafe(24)
-        path = state_dir(args.state_dir) / "api-key"
-        write_private(path, (api_key + "\n").encode())
+        path = save_api_key(state_dir(args.state_dir), api_key)
         where = f"API key (also in {path}): {api_key}" if sys.stderr.isatty() else f"API key written to {path}"
         console.print(f"--listen-all: requests need 'Authorization: Bearer <key>'. {where}")
     bins = None if args.client else ensure_binaries(args.bin_dir)
@@ -194,22 +193,18 @@ def ensure_binaries(bin_dir: Path | None) -> Binaries:
 
 
 def cmd_token(args: argparse.Namespace) -> int:
-    import json
 
     from meshllm.paths import state_dir
     from meshllm.proto import token as tok
-    from meshllm.state import load_membership, load_or_create_key, save_token
+    from meshllm.state import has_node, load_addrs, load_membership, load_or_create_key, save_token
 
     sd = state_dir(args.state_dir)
-    if not (sd / "key").exists():
+    if not has_node(sd):
         raise UserError(f"no node in {sd}: start one with `mesh-llm --model ...` first (or pass --state-dir)")
     m = load_membership(sd)
     if m is None:
         raise UserError(f"the node in {sd} is not in a mesh yet")
-    try:
-        addrs = json.loads((sd / "node.json").read_text())["addrs"]
-    except (OSError, ValueError, KeyError):
-        raise UserError(f"no addresses recorded in {sd}/node.json: start the node once first") from None
+    addrs = load_addrs(sd)
     t = tok.mint(load_or_create_key(sd), m.mesh_id, m.secret, addrs, time.time(), args.ttl)
     save_token(sd, t.encode())
     print(t.encode())

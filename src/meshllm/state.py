@@ -1,10 +1,17 @@
-"""A node's files in its state dir (default ~/.mesh-llm, or --state-dir / $MESH_LLM_HOME).
+"""A node's files in its state dir (default ~/.mesh-llm, or --state-dir / $MESH_LLM_HOME). This module is the only
+one that names them; everything is written atomically (a temporary file, then rename) with its mode from the start.
 
-    key         Ed25519 private key, raw 32 bytes                      0600
-    mesh.json   mesh id, admission secret, admission chain, incarnation 0600
-    token       the latest invite token this node minted                0600
+    (the dir)          made 0700
+    key                Ed25519 private key, raw 32 bytes                        0600, checked on load
+    mesh.json          mesh id, admission secret, admission chain, incarnation  0600, checked on load
+    token              the latest invite token this node minted                 0600
+    api-key            the generated API key of a --listen-all node             0600
+    node.json          the addresses this node listens on / members see it at   0600
+    status.json        the node's view of the mesh (as /mesh/status)            0600
+    llama-server.log,  the children's output                                    (theirs)
+    rpc-server.log
 
-Secrets are written with mode 0600 from the start (never chmod'ed after the fact) and are never logged.
+Secrets are never logged.
 """
 
 from __future__ import annotations
@@ -35,12 +42,21 @@ def write_private(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def check_private(path: Path) -> None:
+    """A secret file others can read is refused, not used."""
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        raise UserError(f"{path} is readable by others (mode {mode:o}): chmod 600 {path}")
+
+
+def has_node(state: Path) -> bool:
+    return (state / "key").exists()
+
+
 def load_or_create_key(state: Path) -> Ed25519PrivateKey:
     path = state / "key"
     if path.exists():
-        mode = path.stat().st_mode & 0o777
-        if mode & 0o077:
-            raise UserError(f"{path} is readable by others (mode {mode:o}): chmod 600 {path}")
+        check_private(path)
         raw = path.read_bytes()
         if len(raw) != 32:
             raise UserError(f"{path} is not a mesh-llm key (expected 32 bytes)")
@@ -67,6 +83,7 @@ def load_membership(state: Path) -> Membership | None:
     path = state / "mesh.json"
     if not path.exists():
         return None
+    check_private(path)
     try:
         d = json.loads(path.read_text())
         chain = [
@@ -97,3 +114,32 @@ def save_token(state: Path, text: str) -> Path:
     path = state / "token"
     write_private(path, (text + "\n").encode())
     return path
+
+
+def load_token(state: Path) -> str | None:
+    path = state / "token"
+    return path.read_text().strip() if path.exists() else None
+
+
+def save_api_key(state: Path, key: str) -> Path:
+    path = state / "api-key"
+    write_private(path, (key + "\n").encode())
+    return path
+
+
+def save_addrs(state: Path, addrs: list[str]) -> None:
+    write_private(state / "node.json", json.dumps({"addrs": addrs}).encode())
+
+
+def load_addrs(state: Path) -> list[str]:
+    try:
+        addrs = json.loads((state / "node.json").read_text())["addrs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f"no addresses recorded in {state}/node.json: start the node once first") from None
+    if not isinstance(addrs, list) or not all(isinstance(a, str) for a in addrs):
+        raise UserError(f"{state}/node.json is damaged: start the node once more")
+    return addrs
+
+
+def save_status(state: Path, text: str) -> None:
+    write_private(state / "status.json", text.encode())

@@ -41,11 +41,18 @@ from meshllm.serve.api import Api, Unavailable, Upstream
 from meshllm.serve.hosting import Hosting, ModelFiles
 from meshllm.serve.modelfiles import choose_draft, find_by_fingerprint
 from meshllm.serve.report import NodeView, Report, agent_lines
-from meshllm.state import load_membership, load_or_create_key, save_membership, save_token, write_private
+from meshllm.state import (
+    load_membership,
+    load_or_create_key,
+    load_token,
+    save_addrs,
+    save_membership,
+    save_status,
+    save_token,
+)
 
 log = logging.getLogger("meshllm.node")
 PLAN_DEBOUNCE_S = 2.0
-STATUS_FILE = "status.json"
 
 
 @dataclass
@@ -179,7 +186,7 @@ class Node:
             role="client" if lite else "worker", capacity=0 if lite else self.capacity, device=device,
             model=self.facts, state="ready", version=__version__,
         )  # fmt: skip
-        write_private(self.state / "node.json", json.dumps({"addrs": addrs}).encode())
+        save_addrs(self.state, addrs)
         self.console.print(
             f"node [bold]{crypto.short(self.me)}[/] listening on UDP {', '.join(addrs)}"
             + (f" — capacity {self.capacity / GB:.1f} GB ({device})" if not self.o.client else " — lite client")
@@ -217,11 +224,12 @@ class Node:
     async def _start_console(self, port: int) -> None:
         from meshllm.serve.console import Console as WebConsole
 
-        def token() -> str | None:
-            path = self.state / "token"
-            return path.read_text().strip() if path.exists() else None
-
-        web = WebConsole(lambda: self.status(time.time()), token, f"http://127.0.0.1:{self.o.port}/v1", self.o.api_key)
+        web = WebConsole(
+            lambda: self.status(time.time()),
+            lambda: load_token(self.state),
+            f"http://127.0.0.1:{self.o.port}/v1",
+            self.o.api_key,
+        )
         self.web_console = web
         try:
             await web.start(port)
@@ -372,9 +380,9 @@ class Node:
 
     def _on_addrs(self, addrs: list[str]) -> None:
         """Members told us our public address: later tokens carry it."""
-        write_private(self.state / "node.json", json.dumps({"addrs": addrs}).encode())
+        save_addrs(self.state, addrs)
         self.console.print(f"addresses as members see them: {', '.join(addrs[:3])}")
-        if self.net is not None and self.net.m is not None and (self.state / "token").exists():
+        if self.net is not None and self.net.m is not None and load_token(self.state) is not None:
             save_token(self.state, self.net.mint_token(self.o.token_ttl_s).encode())
 
     def _on_change(self) -> None:
@@ -455,9 +463,7 @@ class Node:
         text = json.dumps(self.status(now), indent=1, sort_keys=True)
         if text != self._last_status:
             self._last_status = text
-            tmp = self.state / f".{STATUS_FILE}.tmp"
-            tmp.write_text(text)
-            tmp.replace(self.state / STATUS_FILE)
+            save_status(self.state, text)
 
 
 def run_node(opts: NodeOptions, console: Console) -> int:
