@@ -385,11 +385,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     out.print(f"node {st['node'][:8]} ({st['role']}) in mesh {st['mesh'][:8]} — host {host or 'none'}")
     if isinstance(plan, dict) and plan.get("waiting"):
         out.print(f"[yellow]{plan['waiting']}[/]")
-    t = Table("node", "role", "state", "capacity", "layers", "path", "RTT ms", "liveness")
+    t = Table("node", "role", "state", "capacity", "device", "layers", "path", "RTT ms", "liveness")
     for p in st["peers"]:
         layers = p.get("layers")
         t.add_row(
             p["short"], p["role"], p["state"], f"{p['capacity'] / 1e9:.1f} GB" if p["capacity"] else "-",
+            (p.get("device") or "-") if p["capacity"] else "-",
             f"{layers[0]}-{layers[1]}" if layers else "-", p["path"],
             f"{p['rtt_ms']:.1f}" if p.get("rtt_ms") is not None else "-", p["liveness"],
         )  # fmt: skip

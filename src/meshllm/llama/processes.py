@@ -178,6 +178,19 @@ def llama_server_argv(
     return argv
 
 
+def device_listing(bins: Binaries, timeout: float = 60.0) -> str:
+    """What ``llama-server --list-devices`` prints: the accelerators this build sees, with total and free memory
+    (parse it with ``proto.capacity.parse_devices``). Empty when it cannot run."""
+    try:
+        r = subprocess.run(
+            [str(bins.llama_server), "--list-devices"], capture_output=True, text=True, timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return r.stdout
+
+
 # ------------------------------------------------------------------------------------------ children
 
 

@@ -177,9 +177,9 @@ class RpcServer(Supervised):
     """This node's ggml-rpc-server on loopback, loading weights from its own copy of the model. It keeps its port
     across restarts: the host's llama-server (or its tunnel) points at it."""
 
-    def __init__(self, bins: Binaries, model: Path, log_dir: Path) -> None:
+    def __init__(self, bins: Binaries, model: Path, log_dir: Path, device: str | None = None) -> None:
         def argv(port: int) -> list[str]:
-            return rpc_server_argv(bins, port, threads=default_threads(), gguf=model)
+            return rpc_server_argv(bins, port, threads=default_threads(), gguf=model, device=device)
 
         def ready(child: Child, port: int) -> None:
             wait_tcp_ready(child, port, 30.0)

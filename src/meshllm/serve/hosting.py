@@ -71,12 +71,13 @@ class Hosting:
 
     # ---------------------------------------------------------------- our rpc-server
 
-    async def start_rpc_server(self, model: ModelFiles) -> None:
-        """Our rpc-server on loopback, loading weights from our own copy of the model. The host uses it as
-        its last device (so the output layer runs here, on the host); workers serve it to the host."""
+    async def start_rpc_server(self, model: ModelFiles, device: str | None) -> None:
+        """Our rpc-server on loopback, loading weights from our own copy of the model, on ``device`` (llama.cpp's
+        name; None: its default). The host uses it as its last device (so the output layer runs here, on the
+        host); workers serve it to the host."""
         assert self.bins is not None
         self.model = model
-        self.rpc = RpcServer(self.bins, model.path, self.state_dir)
+        self.rpc = RpcServer(self.bins, model.path, self.state_dir, device)
         self.rpc.start()
         try:
             await self.rpc.wait_ready()

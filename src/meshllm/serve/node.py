@@ -25,7 +25,7 @@ from meshllm import __version__
 from meshllm.errors import MeshError, UserError
 from meshllm.llama.build import Binaries
 from meshllm.llama.gguf import model_fingerprint, model_shape, read_header
-from meshllm.llama.processes import port_in_use
+from meshllm.llama.processes import device_listing, port_in_use
 from meshllm.models.download import resolve
 from meshllm.net.endpoint import STREAM_HTTP, STREAM_RPC, Conn, Stream
 from meshllm.net.meshnet import MeshNet, new_mesh
@@ -33,6 +33,7 @@ from meshllm.paths import models_dir
 from meshllm.paths import state_dir as default_state_dir
 from meshllm.proto import crypto, serving
 from meshllm.proto import token as tok
+from meshllm.proto.capacity import Offer, offer, parse_devices
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.debounce import Debouncer
 from meshllm.proto.gossip import ModelFacts, PeerRecord
@@ -82,13 +83,11 @@ class NodeOptions:
     models_dir: Path | None = None
 
 
-def measure_capacity(max_gb: float | None) -> tuple[int, str]:
-    """A stable figure for what this node can hold, measured once at start: usable RAM on a CPU node
-    (three quarters of it; the rest is for the system). ``--max-vram`` caps it."""
-    cap = int(psutil.virtual_memory().total * 0.75)
-    if max_gb is not None:
-        cap = min(cap, int(max_gb * GB))
-    return cap, "cpu"
+async def measure_offer(bins: Binaries | None, max_gb: float | None) -> Offer:
+    """Measured once at start: the free memory of the accelerator llama.cpp sees (a CPU node: its RAM), capped by
+    ``--max-vram``."""
+    listing = await asyncio.to_thread(device_listing, bins) if bins is not None else ""
+    return offer(parse_devices(listing), psutil.virtual_memory().total, max_gb)
 
 
 def parse_tokens(texts: list[str], now: float, mesh_id: bytes | None) -> list[tok.Token]:
@@ -105,6 +104,7 @@ class Node:
         self.key: Ed25519PrivateKey | None = None
         self.me: NodeId = b""
         self.capacity = 0
+        self.offer = Offer(0, "cpu", None)
         self.shape: ModelShape | None = None
         self.model: ModelFiles | None = None
         self.net: MeshNet | None = None
@@ -177,10 +177,11 @@ class Node:
         self.report = Report(self.net, self.hosting, self.api, self.api_host, self.o.port)
         self.net.stream_handlers[STREAM_RPC] = self._on_rpc_stream
         self.net.stream_handlers[STREAM_HTTP] = self.hosting.on_http_stream
+        self.offer = await measure_offer(self.o.bins, self.o.max_vram_gb)
+        self.capacity, device = self.offer.capacity, self.offer.device
         if self.o.bins is not None and self.model is not None:
-            await self.hosting.start_rpc_server(self.model)
+            await self.hosting.start_rpc_server(self.model, self.offer.use)
         addrs = await self.net.start()
-        self.capacity, device = measure_capacity(self.o.max_vram_gb)
         lite = self.o.client or self.model is None
         self.net.update(
             role="client" if lite else "worker", capacity=0 if lite else self.capacity, device=device,
@@ -333,7 +334,7 @@ class Node:
         self.console.print(f"found the mesh's model {facts.source} as {found} (same fingerprint): joining as a worker")
         self.shape = model_shape(read_header(found))
         self.model = ModelFiles(found, facts)
-        await self.hosting.start_rpc_server(self.model)
+        await self.hosting.start_rpc_server(self.model, self.offer.use)
         self.net.update(role="worker", capacity=self.capacity, model=facts)
 
     def _mesh_model(self) -> ModelFacts | None:

@@ -15,7 +15,8 @@ function segment(p, plan) {
   const rtt = p.rtt_ms != null ? ` · ${p.rtt_ms.toFixed(1)} ms` : "";
   d.innerHTML = `<div class="id"></div><div class="sub"></div><div class="sub"></div>`;
   d.children[0].textContent = `${p.short} · ${kind}`;
-  d.children[1].textContent = `${layers} · ${p.capacity ? gb(p.capacity) : "no capacity"}`;
+  const dev = p.device && p.capacity ? ` (${p.device})` : "";
+  d.children[1].textContent = `${layers} · ${p.capacity ? gb(p.capacity) : "no capacity"}${dev}`;
   d.children[2].textContent = `${path}${rtt}`;
   return d;
 }

@@ -1,0 +1,51 @@
+"""[gpu] What a node offers: the free memory of the accelerator llama.cpp sees, less a margin; RAM on a CPU node;
+--max-vram caps both."""
+
+from __future__ import annotations
+
+from meshllm.proto.capacity import MARGIN_MIN, Device, MiB, offer, parse_devices
+from meshllm.proto.planner import GB
+
+# the format of llama.cpp's common_print_available_devices (b11312)
+TWO_GPUS = """Available devices:
+  CUDA0: NVIDIA H100 80GB HBM3 (81079 MiB, 80519 MiB free)
+  CUDA1: NVIDIA H100 80GB HBM3 (81079 MiB, 60000 MiB free)
+"""
+CPU_ONLY = "Available devices:\n  (none)\n"
+
+
+def test_listing_is_parsed_for_any_backend() -> None:
+    devs = parse_devices(TWO_GPUS)
+    assert devs == [
+        Device("CUDA0", "NVIDIA H100 80GB HBM3", 81079 * MiB, 80519 * MiB),
+        Device("CUDA1", "NVIDIA H100 80GB HBM3", 81079 * MiB, 60000 * MiB),
+    ]
+    assert parse_devices(CPU_ONLY) == [] and parse_devices("") == []
+    others = parse_devices(
+        "  MTL0: Apple M2 Max (49152 MiB, 49152 MiB free)\n  Vulkan0: AMD Radeon (x) (8176 MiB, 8000 MiB free)"
+    )
+    assert [(d.kind, d.description) for d in others] == [("metal", "Apple M2 Max"), ("vulkan", "AMD Radeon (x)")]
+    assert parse_devices("  ROCm0: AMD Instinct MI300X (196592 MiB, 196000 MiB free)")[0].kind == "rocm"
+
+
+def test_a_gpu_node_offers_its_gpu_not_its_ram() -> None:
+    o = offer(parse_devices(TWO_GPUS), ram_total=256 * GB, max_gb=None)
+    margin = max(int(81079 * MiB * 0.05), MARGIN_MIN)
+    assert o.capacity == 80519 * MiB - margin  # about 80 GB, not 192 GB of RAM
+    assert o.device == "cuda: NVIDIA H100 80GB HBM3 (1 of 2 used)" and o.use == "CUDA0"
+
+
+def test_a_cpu_node_offers_three_quarters_of_its_ram() -> None:
+    o = offer([], ram_total=24 * GB, max_gb=None)
+    assert (o.capacity, o.device, o.use) == (18 * GB, "cpu", None)
+
+
+def test_max_vram_caps_both() -> None:
+    assert offer(parse_devices(TWO_GPUS), 256 * GB, max_gb=3.5).capacity == int(3.5 * GB)
+    assert offer([], 24 * GB, max_gb=0.3).capacity == int(0.3 * GB)
+    assert offer([], 24 * GB, max_gb=100).capacity == 18 * GB  # a cap above what there is changes nothing
+
+
+def test_a_nearly_full_gpu_offers_nothing_rather_than_less_than_zero() -> None:
+    full = [Device("CUDA0", "busy", 8192 * MiB, 100 * MiB)]
+    assert offer(full, 64 * GB, None).capacity == 0
