@@ -37,6 +37,7 @@ from meshllm.proto.auth import (
     make_proof,
 )
 from meshllm.proto.crypto import NodeId
+from meshllm.proto.gossip import PeerRecord
 from meshllm.proto.meshcore import MeshCore, Out
 from meshllm.proto.reach import Observed, PunchRequest
 from meshllm.proto.wire import FrameDecoder, Message, encode
@@ -165,6 +166,19 @@ class MeshNet:
         for t in list(self._tasks):
             t.cancel()
         self.ep.close()
+
+    def record(self, node: NodeId) -> PeerRecord | None:
+        """A member's latest gossip record (None: unknown, or we are not in a mesh yet)."""
+        e = self.core.table.entries.get(node) if self.core else None
+        return e.record if e else None
+
+    def rtt_ms(self, node: NodeId) -> float | None:
+        return self.core.rtt_ms.get(node) if self.core else None
+
+    def set_link(self, node: NodeId, how: str) -> None:
+        """How we are connected to ``node`` ("direct", "relay <id>"), as our gossip record tells the others."""
+        if self.core is not None:
+            self.core.links[node] = how
 
     def update(self, **fields: object) -> None:
         """Change our own gossip record (kept for later if we are not in a mesh yet)."""
@@ -370,8 +384,7 @@ class MeshNet:
         conn.peer = node
         conn.set_authenticated()
         self.peers[node] = conn
-        if self.core is not None:
-            self.core.links[node] = f"relay {crypto.short(conn.relay)}" if conn.relay else "direct"
+        self.set_link(node, f"relay {crypto.short(conn.relay)}" if conn.relay else "direct")
         self.on_connect(node, conn.path)
         if not listener:
             st = conn.open_stream(STREAM_GOSSIP)

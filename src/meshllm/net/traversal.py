@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 import psutil
 
-from meshllm.net.endpoint import Addr, Conn, DialError, try_addr
+from meshllm.net.endpoint import Addr, Conn, DialError, Endpoint, Stream, try_addr
 from meshllm.proto import crypto
 from meshllm.proto import token as tok
 from meshllm.proto.crypto import NodeId
+from meshllm.proto.gossip import PeerRecord
+from meshllm.proto.meshcore import Out
 from meshllm.proto.reach import (
     PROBE_EVERY_S,
     PUNCH_S,
@@ -34,8 +37,26 @@ from meshllm.proto.reach import (
     rendezvous,
 )
 
-if TYPE_CHECKING:
-    from meshllm.net.meshnet import MeshNet
+
+class MeshSide(Protocol):
+    """What traversal needs of the mesh, and all it sees of it: who we are, our connections, members' records, and
+    ways to send, dial and change our record. ``MeshNet`` provides it."""
+
+    me: NodeId
+    peers: dict[NodeId, Conn]
+    gossip: dict[NodeId, Stream]  # members we exchange gossip with
+    ep: Endpoint
+    addrs: list[str]  # our configured (not reflexive) addresses
+    on_connect: Callable[[NodeId, str], None]
+    on_addrs: Callable[[list[str]], None]
+
+    def record(self, node: NodeId) -> PeerRecord | None: ...
+    def rtt_ms(self, node: NodeId) -> float | None: ...
+    def set_link(self, node: NodeId, how: str) -> None: ...
+    def send(self, out: Out) -> None: ...
+    def update(self, **fields: object) -> None: ...
+    async def dial_any(self, node: NodeId, addrs: list[str], timeout: float = 3.0) -> Conn: ...
+
 
 log = logging.getLogger("meshllm.mesh")
 
@@ -53,7 +74,7 @@ def local_ips() -> set[str]:
 
 
 class Traversal:
-    def __init__(self, net: MeshNet, relay_mode: str = "auto", relay_hint: str | None = None) -> None:
+    def __init__(self, net: MeshSide, relay_mode: str = "auto", relay_hint: str | None = None) -> None:
         self.net = net
         self.relay_mode = relay_mode  # auto (relay when publicly reachable) | on (--relay-server) | off
         self.relay_hint = relay_hint  # --relay HOST:PORT: the member to relay through, when one is needed
@@ -67,9 +88,9 @@ class Traversal:
     async def reach(self, node: NodeId, addrs: list[str]) -> Conn:
         """A connection to a member: direct, else through a punched hole, else through a relay."""
         errors: list[str] = []
-        e = self.net.core.table.entries.get(node) if self.net.core else None
+        rec = self.net.record(node)
         via = self._rendezvous_for(node)
-        direct = direct_targets(addrs, set(e.record.reflexive) if e else set(), bool(via))
+        direct = direct_targets(addrs, set(rec.reflexive) if rec else set(), bool(via))
         if direct is not None:
             try:
                 return await self.net.dial_any(node, direct, DIRECT_DIAL_S)
@@ -89,8 +110,8 @@ class Traversal:
 
     def _connected_to(self, member: NodeId, node: NodeId) -> bool:
         """Does ``member``'s record say it has a connection to ``node``?"""
-        e = self.net.core.table.entries.get(member) if self.net.core else None
-        return e is not None and crypto.short(node) in {*e.record.links, *e.record.rtt_ms}
+        rec = self.net.record(member)
+        return rec is not None and crypto.short(node) in {*rec.links, *rec.rtt_ms}
 
     def _rendezvous_for(self, node: NodeId) -> list[NodeId]:
         """Members that can pass a punch request to ``node``: those that say they are connected to it first."""
@@ -130,21 +151,21 @@ class Traversal:
         """Relayed connections we dialled: now and then, try to punch a direct path under them."""
         loop = asyncio.get_running_loop()
         for node, conn in list(self.net.peers.items()):
-            e = self.net.core.table.entries.get(node) if self.net.core else None
-            if conn.is_direct or not conn.is_client or e is None or node in self.puncher.attempts:
+            rec = self.net.record(node)
+            if conn.is_direct or not conn.is_client or rec is None or node in self.puncher.attempts:
                 continue
             last = self._upgrade_tried.setdefault(node, loop.time())  # the first try one period after connecting
             if loop.time() - last < UPGRADE_EVERY_S:
                 continue
             self._upgrade_tried[node] = loop.time()
             log.info("looking for a direct path to %s under its relayed connection", crypto.short(node))
-            self._start_punch(node, e.record.addrs, self._rendezvous_for(node))
+            self._start_punch(node, rec.addrs, self._rendezvous_for(node))
 
     def on_punch_request(self, sender: NodeId, conn: Conn, msg: PunchRequest) -> None:
         if msg.dst == self.net.me:
             src = msg.src
             have = self.net.peers.get(src)
-            if (have is not None and have.is_direct) or self.net.core is None or src not in self.net.core.table.entries:
+            if (have is not None and have.is_direct) or self.net.record(src) is None:
                 return
             targets = [t for t in (try_addr(a) for a in msg.addrs) if t is not None]
             self.puncher.start(src, targets, asyncio.get_running_loop().time(), dialler=False, nonce=msg.nonce)
@@ -185,24 +206,20 @@ class Traversal:
         if h.confirmed is not None and conn is not None and not conn.is_direct:
             conn.go_direct(h.confirmed)  # the relayed connection moves onto the punched path
             self.puncher.quiet(h.peer)
-            if self.net.core is not None:
-                self.net.core.links[h.peer] = "direct"
+            self.net.set_link(h.peer, "direct")
             self.net.on_connect(h.peer, conn.path)
         elif h.dial is not None and h.peer in self._punch_found:
             self._punch_found[h.peer].put_nowait(h.dial)
 
     def _relays_for(self, node: NodeId) -> list[NodeId]:
         """Members that may relay to ``node``: those we hold a direct connection to, in order_relays order."""
-        if self.net.core is None:
-            return []
         cands = []
         for p in self.net.gossip:
-            e = self.net.core.table.entries.get(p)
+            rec = self.net.record(p)
             conn = self.net.peers.get(p)
-            if e is None or p == node or conn is None or conn.relay is not None:
+            if rec is None or p == node or conn is None or conn.relay is not None:
                 continue
-            cands.append(RelayCandidate(p, e.record.relay, e.record.addrs, self._connected_to(p, node),
-                                              self.net.core.rtt_ms.get(p)))  # fmt: skip
+            cands.append(RelayCandidate(p, rec.relay, rec.addrs, self._connected_to(p, node), self.net.rtt_ms(p)))
         return order_relays(cands, self.relay_hint)
 
     def on_observed(self, sender: NodeId, conn: Conn, msg: Observed) -> None:

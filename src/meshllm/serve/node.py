@@ -352,10 +352,7 @@ class Node:
 
     def _record(self, node: NodeId) -> PeerRecord | None:
         assert self.net is not None and self.net.core is not None
-        if node == self.me:
-            return self.net.core.record
-        e = self.net.core.table.entries.get(node)
-        return e.record if e else None
+        return self.net.core.record if node == self.me else self.net.record(node)
 
     def _on_event(self, kind: str, node: NodeId, detail: str) -> None:
         assert self.net is not None and self.net.core is not None

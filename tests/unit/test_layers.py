@@ -1,0 +1,53 @@
+"""[house] The import graph reads cli → serve → net → proto (llama, models, state beside) with no circle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "meshllm"
+
+
+def imports() -> dict[str, set[str]]:
+    """Module -> the meshllm modules it imports (any import statement, lazy ones inside functions too)."""
+    mods: dict[str, set[str]] = {}
+    for p in SRC.rglob("*.py"):
+        name = ".".join(("meshllm", *p.relative_to(SRC).with_suffix("").parts)).removesuffix(".__init__")
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("meshllm"):
+                deps |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.startswith("meshllm")}
+        mods[name] = deps
+    return {k: {d for d in v if d in mods and d != k} for k, v in mods.items()}
+
+
+def test_no_import_circle() -> None:
+    graph = imports()
+    done: set[str] = set()
+
+    def visit(n: str, path: list[str]) -> None:
+        for d in graph[n]:
+            assert d not in path, " -> ".join([*path[path.index(d) :], d])
+            if d not in done:
+                visit(d, [*path, d])
+        done.add(n)
+
+    for m in graph:
+        visit(m, [m])
+
+
+def test_layers_import_only_downwards() -> None:
+    above = {
+        "meshllm.proto": ("meshllm.net", "meshllm.serve", "meshllm.llama", "meshllm.models", "meshllm.cli",
+                          "meshllm.state", "meshllm.bundle"),
+        "meshllm.net": ("meshllm.serve", "meshllm.cli", "meshllm.bundle"),
+        "meshllm.llama": ("meshllm.serve", "meshllm.net", "meshllm.cli"),
+        "meshllm.serve": ("meshllm.cli",),
+    }  # fmt: skip
+    for mod, deps in imports().items():
+        for layer, forbidden in above.items():
+            if mod.startswith(layer + ".") or mod == layer:
+                bad = sorted(d for d in deps if d.startswith(forbidden))
+                assert not bad, f"{mod} imports {bad}"
