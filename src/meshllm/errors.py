@@ -3,6 +3,10 @@
 - UserError: bad input or environment; the CLI prints its message as one line and exits 2.
 - LocalProtocolError: we tried to send something the protocol forbids (our bug).
 - RemoteProtocolError: a peer sent something malformed; decoders raise only this.
+- Refused: a peer turned us away on purpose (its reason in the message): not malformed, not our input.
+
+A peer's bad input never becomes a UserError: it is refused and logged where it arrives. User input becomes one at
+the boundary that takes it (the CLI, the node's start-up).
 """
 
 
@@ -24,3 +28,7 @@ class LocalProtocolError(MeshError):
 
 class RemoteProtocolError(MeshError):
     """A peer broke the protocol."""
+
+
+class Refused(MeshError):
+    """A peer refused us (our token, our membership); the message carries its reason."""

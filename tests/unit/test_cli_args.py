@@ -85,3 +85,14 @@ def test_gossiped_addresses_with_impossible_ports_are_refused() -> None:
     for bad in ("127.0.0.1:70000", "127.0.0.1:0", "127.0.0.1:", "[::1]:99999"):
         with pytest.raises(ValueError):
             parse_addr(bad)
+
+
+def test_a_bad_token_is_the_users_error_only_at_the_users_boundary() -> None:
+    from meshllm.errors import UserError
+    from meshllm.proto import token as tok
+    from meshllm.serve.node import parse_tokens
+
+    assert not issubclass(tok.TokenError, UserError)  # a peer's bad token is refused where it arrives, not ours
+    with pytest.raises(UserError, match="invite token malformed") as e:
+        parse_tokens(["mesh1.not-a-token"], 0.0, None)
+    assert "\n" not in str(e.value)

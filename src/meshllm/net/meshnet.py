@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from meshllm.errors import MeshError, RemoteProtocolError, UserError
+from meshllm.errors import LocalProtocolError, MeshError, Refused, RemoteProtocolError
 from meshllm.net.endpoint import STREAM_AUTH, STREAM_GOSSIP, Addr, Conn, DialError, Endpoint, Stream, parse_addr
 from meshllm.net.traversal import Traversal
 from meshllm.proto import crypto, serving
@@ -196,8 +196,10 @@ class MeshNet:
                 continue
             try:
                 st.write(encode(msg, GOSSIP_MAX_FRAME))
-            except (ConnectionError, MeshError) as e:
+            except ConnectionError as e:
                 log.debug("send to %s failed: %s", crypto.short(peer), e)
+            except LocalProtocolError:  # our own bug (a frame over the limit): loud, but the mesh goes on
+                log.exception("BUG: could not encode %s for %s", type(msg).__name__, crypto.short(peer))
 
     # ---------------------------------------------------------------- time
 
@@ -275,7 +277,7 @@ class MeshNet:
         ans = await _read_frame(st, dec, AUTH_TIMEOUT_S)
         st.close()
         if isinstance(ans, AuthRefuse):
-            raise UserError(f"refused by {crypto.short(node)}: {ans.reason}")
+            raise Refused(f"refused by {crypto.short(node)}: {ans.reason}")
         if not isinstance(ans, AuthWelcome):
             raise RemoteProtocolError("expected welcome or refusal")
         chain = tok.chain_from_wire(ans.chain)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from meshllm.errors import RemoteProtocolError, UserError
+from meshllm.errors import MeshError, RemoteProtocolError
 from meshllm.proto import crypto
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.wire import pack, unpack
@@ -36,8 +36,9 @@ SECRET_LEN = 32
 MESH_ID_LEN = 16
 
 
-class TokenError(UserError):
-    """A token that cannot be used. ``reason`` is one of: malformed, signature, expired, wrong-mesh."""
+class TokenError(MeshError):
+    """A token that cannot be used. ``reason`` is one of: malformed, signature, expired, wrong-mesh. Not a
+    UserError: a peer's token is refused where it arrives; the user's own becomes one in ``serve/node.py``."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"invite token {reason}: {detail}")

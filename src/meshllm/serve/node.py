@@ -91,8 +91,11 @@ async def measure_offer(bins: Binaries | None, max_gb: float | None) -> Offer:
 
 
 def parse_tokens(texts: list[str], now: float, mesh_id: bytes | None) -> list[tok.Token]:
-    """Every --join token checked before anything starts: one clear TokenError otherwise."""
-    return [tok.check(tok.parse(t), now, mesh_id) for t in texts]
+    """Every --join token checked before anything starts: one clear line otherwise."""
+    try:
+        return [tok.check(tok.parse(t), now, mesh_id) for t in texts]
+    except tok.TokenError as e:
+        raise UserError(str(e)) from None
 
 
 class Node:
