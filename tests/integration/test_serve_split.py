@@ -190,3 +190,35 @@ def test_a_split_with_a_draft_keeps_the_draft_on_the_host(tmp_path: Path, tiny_m
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_a_host_with_no_layers_keeps_the_output_and_the_logits(tmp_path: Path, tiny_model: Path) -> None:
+    """[gpu] Both nodes capped so the host can hold no repeating layer: the worker takes all 18, and what comes back
+    from it per token is still a hidden state (logits would be 1 MiB), because the output layer stays home."""
+    a = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.3", "--ctx-size", "1024")
+    nodes = [a]
+    try:
+        wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
+        token = (a.state / "token").read_text().strip()
+        b = NodeProc(tmp_path, "b", tiny_model, "--max-vram", "0.3", "--ctx-size", "1024", "--join", token)
+        nodes.append(b)
+        wait_for(lambda: "ready:" in a.text() + b.text(), 120, "a split to serve")
+        host = a if "ready:" in a.text() else b
+        plan = host.status()["plan"]
+        assert isinstance(plan, dict), plan
+        counts = [x["count"] for x in plan["assignments"]]
+        assert counts[-1] == 0 and sum(counts) == 18, counts  # the host holds no repeating layer
+        worker = str(plan["assignments"][0]["node"])
+
+        def received() -> int:
+            peer = next(p for p in host.status()["peers"] if p["node"] == worker)  # type: ignore[attr-defined]
+            return int(peer["tunnel"]["rpc_received"])
+
+        before = received()
+        out = complete(host.port, "/v1/completions")
+        assert text_of(out).strip()
+        per_token = (received() - before) / N
+        assert per_token < 16_000, per_token
+    finally:
+        for n in nodes:
+            n.stop()

@@ -7,7 +7,18 @@ from pathlib import Path
 import pytest
 
 from meshllm.proto.election import MARGIN, Candidate, Debouncer, elect
-from meshllm.proto.planner import GB, MiB, ModelShape, Plan, Slot, Waiting, host_fixed_bytes, plan
+from meshllm.proto.planner import (
+    GB,
+    Assignment,
+    MiB,
+    ModelShape,
+    Plan,
+    Slot,
+    Waiting,
+    device_of_unit,
+    host_fixed_bytes,
+    plan,
+)
 
 FP = "f" * 64
 A, B, C, D = (bytes([i]) * 32 for i in (1, 2, 3, 4))
@@ -62,7 +73,7 @@ def test_workers_take_the_first_layers_the_host_the_last_and_the_output() -> Non
     assert isinstance(p, Plan)
     # C holds more: it is used first and covers everything the host cannot; B stands by
     assert [(a.node, a.first, a.count) for a in p.assignments] == [(C, 0, 6), (A, 6, 4)]
-    assert p.standby == (B,) and p.tensor_split == (6, 4)
+    assert p.standby == (B,) and p.tensor_split == (6, 5)  # the host's entry counts the output layer
     assert all(a.bytes <= s for a, s in zip(p.assignments, [_fits(8), host_cap], strict=True))
 
 
@@ -133,3 +144,24 @@ def test_serving_host_is_a_connected_peer_announcing_the_model() -> None:
     core.on_connected(crypto.node_id(other), now)
     assert core.serving_host("tiny", now) == core.serving_host(None, now) == crypto.node_id(other)
     assert core.serving_host("other-model", now) is None
+
+
+@pytest.mark.parametrize(
+    "counts",
+    [(18, 0), (17, 1), (9, 9), (1, 17), (0, 18), (6, 6, 6), (12, 6, 0), (1, 1, 16), (10, 8, 0), (3, 0, 15)],
+    ids=lambda c: "+".join(map(str, c)),
+)
+def test_every_layer_lands_where_planned_and_the_output_on_the_host(counts: tuple[int, ...]) -> None:
+    """For every plan shape (host last with 0, some or most layers; 1 and 2 workers), the split we hand llama.cpp
+    puts each repeating layer on its planned device and the output layer on the host: logits never cross a link."""
+    nodes = [bytes([i]) * 32 for i in range(len(counts))]
+    first = [sum(counts[:i]) for i in range(len(counts))]
+    p = Plan(nodes[-1], tuple(Assignment(n, f, c, 0) for n, f, c in zip(nodes, first, counts, strict=True)), ())
+    n_layer = sum(counts)
+    for a_i, a in enumerate(p.assignments):
+        for layer in range(a.first, a.first + a.count):
+            assert device_of_unit(p.tensor_split, layer, n_layer) == a_i, (layer, p.tensor_split)
+    assert device_of_unit(p.tensor_split, n_layer, n_layer) == len(counts) - 1  # the output: on the host
+    # what the plan used to hand over (plain counts) sent the output to a worker when the host held no layer
+    if counts[-1] == 0:
+        assert device_of_unit(tuple(counts), n_layer, n_layer) != len(counts) - 1

@@ -78,7 +78,11 @@ def test_a_split_waits_for_tunnels_and_connections() -> None:
     assert want(SPLIT, listeners=frozenset({W1})) == s.NeedTunnels((W2,))
     assert want(SPLIT, listeners=frozenset({W1, W2}), connected=frozenset({W1})) == s.NeedTunnels(())
     got = want(SPLIT, listeners=frozenset({W1, W2}), connected=frozenset({W1, W2, STRANGER}))
-    assert got == s.Split((W1, W2), (6, 6, 6))  # workers in plan order; our own rpc-server goes last
+    # workers in plan order; our own rpc-server goes last; the host's entry counts the output layer too
+    assert got == s.Split((W1, W2), (6, 6, 7), own_rpc=True)
+    # a GPU host runs its layers in-process (llama.cpp puts its GPU after the RPC devices): no hop to itself
+    gpu = want(SPLIT, listeners=frozenset({W1, W2}), connected=frozenset({W1, W2}), has_accelerator=True)
+    assert gpu == s.Split((W1, W2), (6, 6, 7), own_rpc=False)
 
 
 def test_rpc_admission() -> None:

@@ -149,6 +149,7 @@ class ServerConfig:
     extra: tuple[str, ...] = ()
     draft: Path | None = None
     draft_max: int = 8
+    draft_device: str | None = None  # the host's own accelerator; None: the CPU
 
 
 class LocalServer(Supervised):
@@ -159,7 +160,7 @@ class LocalServer(Supervised):
             return llama_server_argv(
                 bins, cfg.model, port, ctx_size=cfg.ctx_size, threads=cfg.threads, alias=cfg.alias, rpc=cfg.rpc,
                 tensor_split=[float(x) for x in cfg.tensor_split], n_gpu_layers=999 if cfg.rpc else None,
-                extra=cfg.extra, draft=cfg.draft, draft_max=cfg.draft_max,
+                extra=cfg.extra, draft=cfg.draft, draft_max=cfg.draft_max, draft_device=cfg.draft_device,
             )  # fmt: skip
 
         def ready(child: Child, port: int) -> None:

@@ -73,7 +73,29 @@ class Plan:
 
     @property
     def tensor_split(self) -> tuple[int, ...]:
-        return tuple(a.count for a in self.assignments)
+        """llama.cpp's --tensor-split for this plan, one entry per device in device order (workers, host last).
+
+        llama.cpp spreads n_layer + 1 units over the devices — the output layer is the last unit — and puts unit i
+        on the first device whose cumulative share exceeds i / (n_layer + 1). So the host's entry is its layer count
+        plus one: then every layer lands where the plan says, and the output (and the logits) stay on the host
+        even when it holds no repeating layer. (Plain layer counts gave a worker the output when the host held
+        none, and shifted a layer onto the workers otherwise.)"""
+        counts = [a.count for a in self.assignments]
+        counts[-1] += 1
+        return tuple(counts)
+
+
+def device_of_unit(split: tuple[int, ...], unit: int, n_layer: int) -> int:
+    """Which device llama.cpp gives unit ``unit`` (a layer index; ``n_layer`` is the output layer) under ``split``
+    with every unit offloaded — the rule of its load_tensors (b11312): the first device whose cumulative share of
+    the split exceeds unit / (n_layer + 1). For tests of the splits we hand it."""
+    total = sum(split)
+    cum = 0
+    for i, share in enumerate(split):
+        cum += share
+        if cum * (n_layer + 1) > unit * total:  # cum / total > unit / (n_layer + 1), exactly
+            return i
+    return len(split) - 1
 
 
 @dataclass(frozen=True)

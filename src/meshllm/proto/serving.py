@@ -101,11 +101,14 @@ class Solo:
 
 @dataclass(frozen=True)
 class Split:
-    """Run llama-server over RPC: the workers' tunnels first (their layers come first), our own rpc-server last, so
-    the output layer and the logits stay on this node."""
+    """Run llama-server over RPC: the workers' tunnels first (their layers come first), this node's own device last,
+    so the output layer and the logits stay here. ``own_rpc``: this node's layers go through its own rpc-server
+    (a CPU host: llama.cpp cannot list the CPU as a device); otherwise they run inside llama-server on its local
+    GPU, which llama.cpp puts after the RPC devices."""
 
     workers: tuple[NodeId, ...]
     tensor_split: tuple[int, ...]
+    own_rpc: bool = True
 
 
 @dataclass(frozen=True)
@@ -125,9 +128,11 @@ def wanted_server(
     can_host: bool,
     listeners: frozenset[NodeId],
     connected: frozenset[NodeId],
+    has_accelerator: bool = False,
 ) -> ServerWant:
     """The llama-server this node should run for ``plan``. ``can_host``: we have binaries and the model file;
-    ``listeners``: workers we have tunnel listeners for; ``connected``: peers with a live connection."""
+    ``listeners``: workers we have tunnel listeners for; ``connected``: peers with a live connection;
+    ``has_accelerator``: this node has a GPU (or other device) llama.cpp can run its layers on in-process."""
     if not isinstance(plan, Plan) or plan.host != me or not can_host:
         return None
     if not plan.workers:
@@ -138,7 +143,7 @@ def wanted_server(
         return NeedTunnels(missing)
     if not all(n in connected for n in workers):
         return NeedTunnels(())  # listeners are up but a worker's connection is not (yet): wait
-    return Split(workers, tuple(plan.tensor_split))
+    return Split(workers, tuple(plan.tensor_split), own_rpc=not has_accelerator)
 
 
 # ------------------------------------------------------------------------------------------------ RPC admission

@@ -54,6 +54,7 @@ class Hosting:
         self.draft_max = draft_max
         self.on_listeners = on_listeners  # tunnel listeners a plan waited for are up: reconsider it
         self.model: ModelFiles | None = None
+        self.device: str | None = None  # our accelerator, as llama.cpp names it (None: CPU only)
         self.rpc: RpcServer | None = None  # our own rpc-server (worker, and the host's last device)
         self.server: LocalServer | None = None  # llama-server, when we host
         self.server_cfg: ServerConfig | None = None
@@ -77,6 +78,7 @@ class Hosting:
         host); workers serve it to the host."""
         assert self.bins is not None
         self.model = model
+        self.device = device
         self.rpc = RpcServer(self.bins, model.path, self.state_dir, device)
         self.rpc.start()
         try:
@@ -149,7 +151,9 @@ class Hosting:
     def reconfigure(self, plan: Plan | Waiting | None, me: NodeId) -> None:
         """Run llama-server as the plan says, restarting it only when its configuration changes."""
         can_host = self.bins is not None and self.model is not None
-        w = serving.wanted_server(plan, me, can_host, frozenset(self.rpc_listeners), frozenset(self.net.peers))
+        w = serving.wanted_server(
+            plan, me, can_host, frozenset(self.rpc_listeners), frozenset(self.net.peers), self.device is not None
+        )
         if isinstance(w, serving.NeedTunnels):
             if w.missing and (self._rpc_listener_task is None or self._rpc_listener_task.done()):
                 self._rpc_listener_task = asyncio.ensure_future(self._make_rpc_listeners(list(w.missing)))
@@ -160,14 +164,17 @@ class Hosting:
             rpc: tuple[str, ...] = ()
             extra: tuple[str, ...] = ()
             if isinstance(w, serving.Split):
-                assert self.rpc is not None
-                # workers first (the first layers), our own rpc-server last: the output layer stays here
-                rpc = (*(f"127.0.0.1:{self.rpc_listeners[n].port}" for n in w.workers), f"127.0.0.1:{self.rpc.port}")
+                # workers first (the first layers), our own device last: the output layer stays here — through
+                # our rpc-server on a CPU host, in-process on a GPU host (llama.cpp lists RPC devices first)
+                rpc = tuple(f"127.0.0.1:{self.rpc_listeners[n].port}" for n in w.workers)
+                if w.own_rpc:
+                    assert self.rpc is not None
+                    rpc += (f"127.0.0.1:{self.rpc.port}",)
                 extra = ("--load-mode", "none", "--fit", "off")
             want = ServerConfig(
                 model=self.model.path, alias=self.model.facts.source, ctx_size=self.ctx_size,
                 threads=default_threads(), rpc=rpc, tensor_split=w.tensor_split if isinstance(w, serving.Split) else (),
-                extra=extra, draft=self.model.draft, draft_max=self.draft_max,
+                extra=extra, draft=self.model.draft, draft_max=self.draft_max, draft_device=self.device,
             )  # fmt: skip
         if want == self.server_cfg:
             return
