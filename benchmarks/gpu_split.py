@@ -1,0 +1,236 @@
+"""Decode speed of one model split over two GPUs, the same layer split five ways, all in one run ([gpu]).
+
+On a GPU machine with no network (the lent device), after ``benchmarks/gpu_pack.sh`` made the carry folder here:
+
+    python3 benchmarks/gpu_split.py --carry gpuc [--tokens 128] [--runs 3] [--cap 3.5] [--work /tmp/gpu-bench]
+
+It installs the carried wheels (into WORK/site), builds the patched binaries with mesh-llm's own build (CUDA,
+self-tested) from the carried source, builds llama-quantize in the same tree, writes a random-weight F16 GGUF of the
+Llama-3-8B shape (32 layers, vocabulary from the carried vocab.gguf) with ``gguf`` and quantizes it to Q4_K_M
+(4.9 GB). Then, with GPU 0 for the host and GPU 1 for the worker:
+
+  mesh-llm     two nodes (each capped at --cap GB so the plan splits), QUIC tunnels, asked at the host's API
+  host+TCP     llama-server on GPU 0 in-process for the host's layers, the worker's rpc-server over direct TCP
+               (the mesh's topology without its tunnel)
+  both RPC     both GPUs behind rpc-servers over direct TCP (the host's layers through its own rpc-server)
+  in-process   llama.cpp alone on both GPUs, -sm layer
+  one GPU      llama.cpp alone on GPU 0
+
+Every row uses the mesh's plan (its --tensor-split), greedy decoding of --tokens tokens after one warm-up, and
+llama-server's own decode timing; the median of --runs runs. The ratio column divides by the in-process row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHA = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"  # the pinned sdist (meshllm.llama.build)
+PROMPT = "Once upon a time, in a land far away,"
+SHAPE = {"n_layer": 32, "n_embd": 4096, "n_ff": 14336, "n_head": 32, "n_head_kv": 8}  # Llama-3-8B
+
+
+def prepare_python(carry: Path, work: Path) -> dict[str, str]:
+    """Carried wheels into WORK/site; our src and that on sys.path (and in the children's PYTHONPATH)."""
+    site = work / "site"
+    if not site.is_dir():
+        wheels = sorted(str(p) for p in (carry / "whl").glob("*.whl"))
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--target", str(site), *wheels], check=True)  # fmt: skip
+    sys.path[:0] = [str(site), str(ROOT / "src")]
+    env = dict(os.environ, PYTHONPATH=f"{site}:{ROOT / 'src'}", MESH_LLM_CACHE=str(work / "cache"))
+    os.environ.update(MESH_LLM_CACHE=env["MESH_LLM_CACHE"])
+    return env
+
+
+def build(carry: Path, work: Path) -> tuple[object, Path]:
+    """mesh-llm's own build from the carried tree; then llama-quantize in the same cmake tree."""
+    from meshllm.llama import build as b
+    from meshllm.llama.selftest import build_verified
+
+    src_root = work / "cache" / "src"
+    tree = src_root / f"llama.cpp-{b.PINNED.build}"
+    if not (tree / ".mesh-llm-complete").is_file():
+        src_root.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(carry / "llama-src.tar.xz") as tar:
+            tar.extractall(src_root, filter="data")
+        (tree / ".mesh-llm-complete").write_text(json.dumps({"sdist_sha256": SHA}))
+    t0 = time.monotonic()
+    plan = b.plan_build()
+    done = build_verified(plan, lambda level: b.plan_build(cpu_level=level), say=print).plan
+    print(f"build: {done.backend}, {b.describe_cpu_flags(done.cmake_flags)}, {time.monotonic() - t0:.0f} s")
+    subprocess.run(["cmake", "--build", str(done.dir / "cmake"), "--target", "llama-quantize", "-j",
+                    str(os.cpu_count() or 4)], check=True, capture_output=True)  # fmt: skip
+    quantize = next((done.dir / "cmake").rglob("llama-quantize"))
+    return done.binaries(), quantize
+
+
+def random_model(vocab_file: Path, out: Path) -> None:
+    """A random-weight llama GGUF (F16) of SHAPE, with the vocabulary and tokenizer of ``vocab_file``."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(vocab_file)
+    arch = "llama"
+    w = gguf.GGUFWriter(out, arch)
+    s = SHAPE
+    mine = {
+        f"{arch}.block_count": s["n_layer"], f"{arch}.embedding_length": s["n_embd"],
+        f"{arch}.feed_forward_length": s["n_ff"], f"{arch}.attention.head_count": s["n_head"],
+        f"{arch}.attention.head_count_kv": s["n_head_kv"], f"{arch}.rope.dimension_count": s["n_embd"] // s["n_head"],
+        "general.file_type": 1, "general.name": "random-llama-8b-shape",
+    }  # fmt: skip
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = mine.pop(key, field.contents())
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, value, field.types[0], sub_type=field.types[1])
+        else:
+            w.add_key_value(key, value, field.types[0])
+    for key, value in mine.items():
+        w.add_key_value(key, value, gguf.GGUFValueType.STRING if isinstance(value, str) else gguf.GGUFValueType.UINT32)
+    n_vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
+    rng = np.random.default_rng(0)
+    block = (rng.standard_normal(1 << 20, dtype=np.float32) * 0.02).astype(np.float16)  # tiled: speed is the point
+
+    def mat(rows: int, cols: int) -> object:
+        return np.resize(block, (rows, cols))
+
+    e, f, kv = s["n_embd"], s["n_ff"], s["n_embd"] // s["n_head"] * s["n_head_kv"]
+    w.add_tensor("token_embd.weight", mat(n_vocab, e))
+    for i in range(s["n_layer"]):
+        p = f"blk.{i}."
+        for name, shape in [("attn_q", (e, e)), ("attn_k", (kv, e)), ("attn_v", (kv, e)), ("attn_output", (e, e)),
+                            ("ffn_gate", (f, e)), ("ffn_up", (f, e)), ("ffn_down", (e, f))]:  # fmt: skip
+            w.add_tensor(p + name + ".weight", mat(*shape))
+        w.add_tensor(p + "attn_norm.weight", np.ones(e, dtype=np.float32))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(e, dtype=np.float32))
+    w.add_tensor("output_norm.weight", np.ones(e, dtype=np.float32))
+    w.add_tensor("output.weight", mat(n_vocab, e))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def tps(base: str, path: str, tokens: int, runs: int) -> float:
+    def once(n: int) -> float:
+        body = {"prompt": PROMPT, "n_predict": n, "max_tokens": n, "temperature": 0, "cache_prompt": False,
+                "ignore_eos": True}  # fmt: skip
+        req = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return float(json.loads(r.read())["timings"]["predicted_per_second"])
+
+    once(8)
+    return statistics.median(once(tokens) for _ in range(runs))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--carry", type=Path, default=ROOT / "gpuc")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/gpu-bench"))
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--cap", type=float, default=3.5, help="GB each mesh node offers, so the 4.9 GB model splits")
+    args = ap.parse_args()
+    work: Path = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    env = prepare_python(args.carry.resolve(), work)
+    bins, quantize = build(args.carry.resolve(), work)
+    from meshllm.llama.processes import (
+        Child,
+        free_port,
+        llama_server_argv,
+        rpc_server_argv,
+        wait_http_ready,
+        wait_tcp_ready,
+    )
+
+    model = work / "m-q4.gguf"
+    if not model.is_file():
+        t0 = time.monotonic()
+        random_model(args.carry / "vocab.gguf", work / "m-f16.gguf")
+        subprocess.run([str(quantize), str(work / "m-f16.gguf"), str(model), "Q4_K_M", str(os.cpu_count() or 4)],
+                       check=True, capture_output=True)  # fmt: skip
+        (work / "m-f16.gguf").unlink()
+        print(f"model: {model.stat().st_size / 1e9:.2f} GB Q4_K_M in {time.monotonic() - t0:.0f} s")
+    logs = work / "logs"
+    rows: list[tuple[str, float]] = []
+
+    def gpu(i: str) -> dict[str, str]:
+        return dict(env, CUDA_VISIBLE_DEVICES=i)
+
+    # 1. the mesh: two nodes, one GPU each
+    nodes, ports = [], [free_port(), free_port()]
+    try:
+        for i, port in enumerate(ports):
+            cmd = [sys.executable, "-m", "meshllm.cli", "--model", str(model), "--state-dir", str(work / f"node{i}"),
+                   "--port", str(port), "--bind-host", "127.0.0.1", "--max-vram", str(args.cap),
+                   "--ctx-size", "2048"]  # fmt: skip
+            if i:
+                cmd += ["--join-file", str(work / "node0" / "token")]
+            nodes.append(Child.start(f"node{i}", cmd, logs / f"node{i}.log", env=gpu(str(i))))
+            while i == 0 and not (work / "node0" / "token").is_file():
+                time.sleep(0.5)
+        deadline = time.monotonic() + 600
+        while "ready:" not in (logs / "node0.log").read_text() + (logs / "node1.log").read_text():
+            assert time.monotonic() < deadline and all(n.alive() for n in nodes), "the mesh never served"
+            time.sleep(1)
+        host = 0 if "ready:" in (logs / "node0.log").read_text() else 1
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports[host]}/mesh/status", timeout=30) as r:
+            plan = json.loads(r.read())["plan"]
+        counts = [a["count"] for a in plan["assignments"]]
+        split = [*counts[:-1], counts[-1] + 1]  # what the mesh hands llama.cpp: the host's entry counts the output
+        rows.append(("mesh-llm: two nodes, QUIC tunnels", tps(f"http://127.0.0.1:{ports[host]}", "/v1/completions",
+                                                             args.tokens, args.runs)))  # fmt: skip
+    finally:
+        for n in nodes:
+            n.stop()
+    ts = [float(x) for x in split]
+    print(f"plan: {counts} layers (workers first, host last); --tensor-split {','.join(map(str, split))}")
+
+    def server(name: str, dev: str, rpc: list[str], tensor_split: list[float], extra: tuple[str, ...] = ()) -> float:
+        port = free_port()
+        argv = llama_server_argv(bins, model, port, ctx_size=2048, rpc=rpc, n_gpu_layers=999,
+                                 tensor_split=tensor_split, extra=("--fit", "off", *extra))  # fmt: skip
+        with Child.start(name, argv, logs / f"{name}.log", env=gpu(dev)) as c:
+            wait_http_ready(c, f"http://127.0.0.1:{port}/health", 600)
+            return tps(f"http://127.0.0.1:{port}", "/completion", args.tokens, args.runs)
+
+    def rpc_server(name: str, dev: str) -> tuple[Child, str]:
+        port = free_port()
+        c = Child.start(name, rpc_server_argv(bins, port), logs / f"{name}.log", env=gpu(dev))
+        wait_tcp_ready(c, port, 60)
+        return c, f"127.0.0.1:{port}"
+
+    worker, worker_at = rpc_server("rpc-worker", "1")
+    try:
+        rows.append(("host GPU in-process + worker GPU, direct TCP RPC", server("host-tcp", "0", [worker_at], ts)))
+        own, own_at = rpc_server("rpc-host", "0")
+        try:
+            rows.append(("both GPUs behind RPC, direct TCP", server("both-rpc", "0", [worker_at, own_at], ts)))
+        finally:
+            own.stop()
+    finally:
+        worker.stop()
+    rows.append(("llama.cpp in one process, 2 GPUs, -sm layer", server("inproc", "0,1", [], ts, ("-sm", "layer"))))
+    rows.append(("llama.cpp, 1 GPU", server("one-gpu", "0", [], [])))
+    base = dict(rows)["llama.cpp in one process, 2 GPUs, -sm layer"]
+    print(f"\n# {args.tokens} greedy tokens, median of {args.runs}, llama-server's decode timing")
+    print("| setup | tok/s | ms/token | ÷ in-process |\n|---|---:|---:|---:|")
+    for name, v in rows:
+        print(f"| {name} | {v:.1f} | {1000 / v:.2f} | {v / base:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
