@@ -98,6 +98,18 @@ def shared_libraries(binary: Path) -> list[Path]:
     return out
 
 
+def check_output(out: Path) -> Path:
+    """Where the bundle goes, made absolute, once we know we can write there (before minutes of work)."""
+    out = out.expanduser().resolve()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.with_name(out.name + ".part").open("wb"):
+            pass
+    except OSError as e:
+        raise UserError(f"cannot write {out}: {e.strerror}") from None
+    return out
+
+
 def make_bundle(
     out: Path,
     bins: b.Binaries,
@@ -113,8 +125,7 @@ def make_bundle(
     if plan.cpu_level == "native":
         raise UserError("a bundle needs a portable build (mesh-llm build --cpu portable), not a native one")
     pythons = sorted(set(pythons) | {f"{sys.version_info[0]}.{sys.version_info[1]}"}, key=lambda v: int(v[2:]))
-    out = out.expanduser().resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = check_output(out)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="mesh-llm-bundle-") as tmp:
         stage = Path(tmp) / TOP

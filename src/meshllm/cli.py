@@ -282,14 +282,15 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_bundle(args: argparse.Namespace) -> int:
-    from meshllm.bundle import make_bundle
+    from meshllm.bundle import check_output, make_bundle
     from meshllm.llama import build as b
 
     def replan(level: str) -> BuildPlan:
         return b.plan_build(backend=args.backend, cpu_level=level)
 
+    out = check_output(args.out)
     plan = _build(replan("portable"), replan, args.jobs)
-    make_bundle(args.out, plan.binaries(), plan, pythons=args.python, say=console.print)
+    make_bundle(out, plan.binaries(), plan, pythons=args.python, say=console.print)
     return 0
 
 

@@ -42,6 +42,16 @@ def write_private(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def ensure_dir(state: Path) -> None:
+    """The state dir exists (made 0700) and we can write in it; one clear line otherwise."""
+    try:
+        state.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as e:
+        raise UserError(f"state dir {state}: cannot create it ({e.strerror}); pass another --state-dir") from None
+    if not state.is_dir() or not os.access(state, os.W_OK | os.X_OK):
+        raise UserError(f"state dir {state}: not a writable directory; pass another --state-dir")
+
+
 def check_private(path: Path) -> None:
     """A secret file others can read is refused, not used."""
     mode = path.stat().st_mode & 0o777

@@ -62,6 +62,8 @@ def test_bad_value_is_one_line_naming_the_option(
         (["--client", "--model", "m.gguf", "--join", "x"], "--client serves no model"),
         (["--client"], "--client needs --join"),
         (["--join-file", "/nonexistent/token"], "--join-file"),
+        (["--client", "--join", "mesh1.x", "--state-dir", "/proc/no/such", "--port", "1"], "state dir /proc/no/such"),
+        (["bundle", "/proc/no/such.tar.gz"], "cannot write /proc/no/such.tar.gz"),
     ],
 )
 def test_contradictions_found_before_starting(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
