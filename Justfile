@@ -28,9 +28,9 @@ test *pytest_args="":
         "tiny model=={{bin}}/python -c 'from meshllm.models.tiny import tiny_model_path as p; print(p())'" \
         "lint=={{bin}}/ruff check src tests benchmarks scripts" \
         "mypy=={{bin}}/mypy --strict src" \
-        "unit tests=={{bin}}/pytest -q tests/unit {{pytest_args}}" \
-        "simulation=={{bin}}/pytest -q tests/sim {{pytest_args}}" \
-        "integration tests=={{bin}}/pytest -q tests/integration {{pytest_args}}" \
+        "unit tests=={{bin}}/pytest -q -rs tests/unit {{pytest_args}}" \
+        "simulation=={{bin}}/pytest -q -rs tests/sim {{pytest_args}}" \
+        "integration tests=={{bin}}/pytest -q -rs tests/integration {{pytest_args}}" \
         "NAT lab=={{bin}}/pytest -q -s -rs tests/netns {{pytest_args}}"
 
 # Unit tests only (no binaries needed).

@@ -284,10 +284,10 @@ def test_members_find_each_other_again_after_a_nat_reboot(lab: Lab, tmp_path: Pa
         t0 = time.monotonic()
         time.sleep(1)
         every = [(x, y) for x in nodes for y in nodes if x is not y]
-        took = wait(lambda: all(connected(x, y) for x, y in every), 90, "everyone to be connected again", nodes)
+        wait(lambda: all(connected(x, y) for x, y in every), 90, "everyone to be connected again", nodes)
         print(f"\nNAT reboot: every pair connected again {time.monotonic() - t0:.1f} s after natA forgot its "
               f"mappings (A–B {a.peer(b.id)['path']})")  # type: ignore[index]  # fmt: skip
-        assert took >= 0
+        assert (a.peer(b.id) or {}).get("path") not in (None, "not connected")
     finally:
         for n in nodes:
             n.stop()

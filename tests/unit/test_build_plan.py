@@ -116,3 +116,13 @@ def test_a_new_build_prunes_older_ones_of_its_kind_but_the_newest(tmp_path: Path
     assert sorted(p.name for p in removed) == ["patched-cpu-0123456789abcdef", "patched-cpu-native-old2"]
     left = sorted(p.name for p in builds.iterdir() if p.is_dir())
     assert left == sorted([old[0], old[2], plan.dir.name, *others])
+
+
+def test_stock_binaries_never_come_from_the_users_bin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for n in ("ggml-rpc-server", "llama-server"):
+        (tmp_path / n).write_text("#!/bin/sh\n")
+    monkeypatch.setenv("MESH_LLM_BIN_DIR", str(tmp_path))
+    monkeypatch.setenv("MESH_LLM_CACHE", str(tmp_path / "empty-cache"))
+    assert b.find_binaries().rpc_server.parent == tmp_path
+    with pytest.raises(BuildError, match="build --stock"):
+        b.find_binaries(stock=True)  # a comparison against "stock" must not silently compare patched with itself

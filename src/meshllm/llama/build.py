@@ -707,7 +707,7 @@ def find_binaries(*, stock: bool = False, bin_dir: Path | None = None, backend: 
     """Binaries that are already built (or the user's), without building. One clear error otherwise.
 
     In order: ``bin_dir`` (--bin-dir), $MESH_LLM_BIN_DIR, a bundle's binaries (patched only), the build cache."""
-    if bin_dir is None and os.environ.get("MESH_LLM_BIN_DIR"):
+    if bin_dir is None and os.environ.get("MESH_LLM_BIN_DIR") and not stock:  # the user's are never "stock"
         bin_dir = Path(os.environ["MESH_LLM_BIN_DIR"])
     if bin_dir is not None:
         return user_binaries(bin_dir)
