@@ -90,3 +90,24 @@ def test_control_packets_are_not_quic() -> None:
             b.close()
 
     asyncio.run(main())
+
+
+def test_a_bad_address_cannot_close_the_socket() -> None:
+    """[trust] asyncio closes a UDP transport for good on a send error that is not an OSError; a peer that gossips
+    127.0.0.1:70000 once took every node's only socket down. Now such sends are dropped and the socket lives."""
+
+    async def main() -> None:
+        a, b, _, addr = await _pair()
+        try:
+            for bad in [("127.0.0.1", 70000), ("127.0.0.1", -1), ("127.0.0.1\0", 7000), ("", 7000)]:
+                a.send_control(b"\x01probe", bad)
+                a.send_control(b"\x01probe", bad, ttl=2)
+            await asyncio.sleep(0.1)
+            assert a.transport is not None and not a.transport.is_closing()
+            conn = await a.dial(addr, b.me)  # and the socket still works
+            assert conn.peer == b.me
+        finally:
+            a.close()
+            b.close()
+
+    asyncio.run(main())

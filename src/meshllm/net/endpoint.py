@@ -70,6 +70,15 @@ def parse_addr(text: str) -> Addr:
     return host.strip("[]"), int(port)
 
 
+def sendable(addr: Addr) -> bool:
+    """Whether a datagram may go to ``addr``. asyncio's UDP transport closes itself for good on any error other
+    than OSError — a port over 65535 (OverflowError), a NUL in the host (ValueError) — so one bad address from a
+    peer would take this node's only socket down. Such addresses are dropped here instead."""
+    host, port = addr[0], addr[1]
+    ok = isinstance(host, str) and 0 < len(host) < 256 and "\0" not in host
+    return ok and isinstance(port, int) and 0 < port < 65536
+
+
 def try_addr(text: str) -> Addr | None:
     try:
         return parse_addr(text)
@@ -421,10 +430,10 @@ class Endpoint(asyncio.DatagramProtocol):
         if self.shaper is not None:
             self.shaper.send(data, addr)
         else:
-            self.transport.sendto(data, addr)
+            self._raw_send(data, addr)
 
     def _raw_send(self, data: bytes, addr: Addr) -> None:
-        if self.transport is not None and not self.transport.is_closing():
+        if self.transport is not None and not self.transport.is_closing() and sendable(addr):
             self.transport.sendto(data, addr)
 
     def send_control(self, data: bytes, addr: Addr, ttl: int | None = None) -> None:
