@@ -86,15 +86,12 @@ def test_a_split_waits_for_tunnels_and_connections() -> None:
 
 
 def test_rpc_admission() -> None:
-    fp = "abc"
-    assert s.may_open_rpc(HOST, HOST, None, fp, True)
-    assert not s.may_open_rpc(HOST, HOST, None, fp, False)  # our rpc-server is down
-    assert not s.may_open_rpc(None, HOST, None, fp, True)  # unauthenticated
-    assert not s.may_open_rpc(STRANGER, HOST, None, fp, True)  # a member that is not the host
-    assert not s.may_open_rpc(STRANGER, None, None, fp, True)
-    assert not s.may_open_rpc(STRANGER, HOST, "other-model", fp, True)  # hosts another model
-    assert not s.may_open_rpc(STRANGER, HOST, fp, None, True)  # we serve no model
-    assert s.may_open_rpc(W1, HOST, fp, fp, True)  # announces it hosts our model (re-election in flight)
+    assert s.may_open_rpc(HOST, HOST, True)
+    assert not s.may_open_rpc(HOST, HOST, False)  # our rpc-server is down
+    assert not s.may_open_rpc(None, HOST, True)  # unauthenticated
+    assert not s.may_open_rpc(STRANGER, HOST, True)  # a member that is not the host we elected
+    assert not s.may_open_rpc(STRANGER, None, True)  # no host elected yet
+    assert not s.may_open_rpc(None, None, True)
 
 
 NODES = st.binary(min_size=32, max_size=32)

@@ -149,24 +149,12 @@ def wanted_server(
 # ------------------------------------------------------------------------------------------------ RPC admission
 
 
-def may_open_rpc(
-    peer: NodeId | None,
-    elected: NodeId | None,
-    peer_announces_host_of: str | None,
-    our_fingerprint: str | None,
-    rpc_server_up: bool,
-) -> bool:
-    """Whether ``peer`` may open an RPC stream to our rpc-server (whoever reaches it owns this machine).
-
-    Admitted: the host we elected, or a peer whose gossip record says it hosts our model
-    (``peer_announces_host_of``: the fingerprint of the model its record says it hosts, None when it says it hosts
-    nothing) — during a re-election the new host may dial before our own view has moved. The second rule rests on
-    self-asserted gossip; see the [trust] issue."""
-    if peer is None or not rpc_server_up:
-        return False
-    if peer == elected:
-        return True
-    return our_fingerprint is not None and peer_announces_host_of == our_fingerprint
+def may_open_rpc(peer: NodeId | None, elected: NodeId | None, rpc_server_up: bool) -> bool:
+    """Whether ``peer`` may open an RPC stream to our rpc-server (whoever reaches it owns this machine): only the
+    host this node itself elected, from its own view of the mesh. What a peer says of itself in gossip (its role,
+    the model it hosts) is never enough: any member could say it. A new host that dials before this node's view
+    has moved is refused for a moment; its llama-server restarts and gets through once the views agree."""
+    return peer is not None and rpc_server_up and peer == elected
 
 
 # ------------------------------------------------------------------------------------------------ connections

@@ -279,10 +279,7 @@ class Node:
         """Worker side: only the elected host may reach our rpc-server (anyone reaching it owns the machine)."""
         assert self.hosting is not None
         peer = conn.peer
-        rec = self._record(peer) if peer else None
-        hosts = rec.model.fingerprint if rec is not None and rec.role == "host" and rec.model is not None else None
-        mine = self.facts.fingerprint if self.facts else None
-        if peer is None or not serving.may_open_rpc(peer, self.host, hosts, mine, self.hosting.rpc_up()):
+        if peer is None or not serving.may_open_rpc(peer, self.host, self.hosting.rpc_up()):
             log.warning("refused an RPC tunnel from %s: not the elected host", crypto.short(peer) if peer else "?")
             st.reset()
             return
