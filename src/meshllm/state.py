@@ -30,10 +30,13 @@ from meshllm.proto import token as tok
 
 
 def write_private(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically with mode 0600."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    """Write ``data`` to ``path`` atomically with mode 0600 (its folder made 0700 if missing)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror}; pass another --state-dir") from None
     try:
         os.write(fd, data)
         os.fsync(fd)
@@ -42,14 +45,16 @@ def write_private(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def ensure_dir(state: Path) -> None:
-    """The state dir exists (made 0700) and we can write in it; one clear line otherwise."""
-    try:
-        state.mkdir(parents=True, exist_ok=True, mode=0o700)
-    except OSError as e:
-        raise UserError(f"state dir {state}: cannot create it ({e.strerror}); pass another --state-dir") from None
-    if not state.is_dir() or not os.access(state, os.W_OK | os.X_OK):
-        raise UserError(f"state dir {state}: not a writable directory; pass another --state-dir")
+def check_dir(state: Path) -> None:
+    """Whether the state dir can be used, without making it (nothing is written before the inputs are checked):
+    it is a writable directory, or the nearest existing folder above it is. One clear line otherwise."""
+    p = state
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if p == state and not p.is_dir():
+        raise UserError(f"state dir {state}: not a directory; pass another --state-dir")
+    if not p.is_dir() or not os.access(p, os.W_OK | os.X_OK):
+        raise UserError(f"state dir {state}: cannot create or write it under {p}; pass another --state-dir")
 
 
 def check_private(path: Path) -> None:

@@ -62,7 +62,7 @@ def test_bad_value_is_one_line_naming_the_option(
         (["--client", "--model", "m.gguf", "--join", "x"], "--client serves no model"),
         (["--client"], "--client needs --join"),
         (["--join-file", "/nonexistent/token"], "--join-file"),
-        (["--client", "--join", "mesh1.x", "--state-dir", "/proc/no/such", "--port", "1"], "state dir /proc/no/such"),
+        (["--client", "--join", "mesh1.x", "--state-dir", "/dev/null/x", "--port", "1"], "state dir /dev/null/x"),
         (["bundle", "/proc/no/such.tar.gz"], "cannot write /proc/no/such.tar.gz"),
     ],
 )

@@ -43,7 +43,7 @@ from meshllm.serve.hosting import Hosting, ModelFiles
 from meshllm.serve.modelfiles import choose_draft, find_by_fingerprint
 from meshllm.serve.report import NodeView, Report, agent_lines
 from meshllm.state import (
-    ensure_dir,
+    check_dir,
     load_membership,
     load_or_create_key,
     load_token,
@@ -132,7 +132,7 @@ class Node:
 
     def prepare(self) -> list[tok.Token]:
         now = time.time()
-        ensure_dir(self.state)
+        check_dir(self.state)  # before anything is written: the tokens first
         if port_in_use(self.o.port, self.api_host):
             raise UserError(f"port {self.o.port} is in use: stop what runs there or pass --port N")
         m = load_membership(self.state)
