@@ -25,6 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from meshllm import __version__
 from meshllm.errors import UserError
 from meshllm.llama.build import Binaries, BuildPlan
+from meshllm.proto.reach import RelayMode
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -419,12 +420,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--relay-server",
         dest="relay_mode",
         action="store_const",
-        const="on",
-        default="auto",
+        const=RelayMode.ON,
+        default=RelayMode.AUTO,
         help="relay datagrams for members (default: only when this node is publicly reachable)",
     )
     p.add_argument(
-        "--no-relay-server", dest="relay_mode", action="store_const", const="off", help="never relay for other members"
+        "--no-relay-server",
+        dest="relay_mode",
+        action="store_const",
+        const=RelayMode.OFF,
+        help="never relay for other members",
     )
     p.add_argument("--token-ttl", type=parse_duration, default=86400.0, metavar="DURATION", help="default 1d")
     p.add_argument("--max-vram", type=gigabytes, metavar="GB", help="cap the memory this node offers")

@@ -6,7 +6,16 @@ import dataclasses
 
 from meshllm.proto import crypto
 from meshllm.proto import token as tok
-from meshllm.proto.gossip import DEAD_AFTER_S, SUSPECT_AFTER_S, GossipPush, Liveness, PeerRecord, Table, Tombstone
+from meshllm.proto.gossip import (
+    DEAD_AFTER_S,
+    SUSPECT_AFTER_S,
+    GossipPush,
+    Liveness,
+    PeerRecord,
+    Role,
+    Table,
+    Tombstone,
+)
 from meshllm.proto.wire import pack, unpack
 
 T = 1_800_000_000.0
@@ -29,11 +38,21 @@ def test_newer_records_win_older_ones_are_ignored() -> None:
     t = Table(crypto.node_id(FOUNDER), MESH)
     k, c = member()
     n = crypto.node_id(k)
-    assert t.merge_record(rec(k, c, seq=2, state="a"), T).changed == [n]
-    assert t.merge_record(rec(k, c, seq=1, state="old"), T).changed == []
-    assert t.entries[n].record.state == "a"
-    assert t.merge_record(rec(k, c, inc=2, seq=0, state="restarted"), T).changed == [n]
-    assert t.entries[n].record.state == "restarted"
+    assert t.merge_record(rec(k, c, seq=2, state="ready"), T).changed == [n]
+    assert t.merge_record(rec(k, c, seq=1, state="loading"), T).changed == []
+    assert t.entries[n].record.state == "ready"
+    assert t.merge_record(rec(k, c, inc=2, seq=0, state="serving"), T).changed == [n]
+    assert t.entries[n].record.state == "serving"
+
+
+def test_records_with_unknown_roles_or_states_are_dropped() -> None:
+    t = Table(crypto.node_id(FOUNDER), MESH)
+    k, c = member()
+    assert "unknown value 'king'" in t.merge_record(rec(k, c, role="king"), T).dropped[0]
+    assert "field state" in t.merge_record(rec(k, c, state="x" * 50), T).dropped[0]
+    assert not t.entries
+    assert t.merge_record(rec(k, c, role="client", state="ready"), T).changed == [crypto.node_id(k)]
+    assert t.entries[crypto.node_id(k)].record.role is Role.CLIENT  # decoded into the enum
 
 
 def test_forged_and_foreign_records_are_dropped() -> None:

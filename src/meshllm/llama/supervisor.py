@@ -11,6 +11,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 from meshllm.llama.build import Binaries, cpu_flags
@@ -32,6 +33,13 @@ log = logging.getLogger("meshllm.supervisor")
 BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 CRASH_WINDOW_S = 60.0
 MAX_CRASHES = 5
+
+
+class ChildState(StrEnum):
+    LOADING = "loading"  # starting, or restarting after a crash
+    SERVING = "serving"
+    FAILED = "failed"  # gave up after MAX_CRASHES in CRASH_WINDOW_S
+    STOPPED = "stopped"
 
 
 def default_threads() -> int:
@@ -58,7 +66,7 @@ class Supervised:
         self._ready = ready
         self.log_path = log_path
         self._fixed_port = fixed_port
-        self.state = "stopped"  # loading | serving | failed | stopped
+        self.state = ChildState.STOPPED
         self.port = fixed_port or 0
         self.reason = ""
         self.restarts = 0
@@ -80,14 +88,14 @@ class Supervised:
             raise ChildFailed(self.reason or f"{self.name} stopped")
 
     def alive(self) -> bool:
-        return self.state == "serving" and self.child is not None and self.child.alive()
+        return self.state == ChildState.SERVING and self.child is not None and self.child.alive()
 
     async def _launch(self) -> None:
         self.port = self._fixed_port or free_port()
-        self.state = "loading"
+        self.state = ChildState.LOADING
         self.child = Child.start(self.name, self._argv(self.port), self.log_path)
         await asyncio.to_thread(self._ready, self.child, self.port)
-        self.state = "serving"
+        self.state = ChildState.SERVING
         self.reason = ""
         self._first_ready.set()
 
@@ -111,7 +119,7 @@ class Supervised:
             self._crashes = [t for t in self._crashes if now - t < CRASH_WINDOW_S] + [now]
             if len(self._crashes) >= MAX_CRASHES:
                 cause = explain_crash(rc, child.log_tail(400), uses_amx(self.binary, cpu_flags()))
-                self.state = "failed"
+                self.state = ChildState.FAILED
                 self.reason = (
                     f"{self.name} {how} {len(self._crashes)} times in a minute; gave up. Likely cause: {cause} "
                     f"(log: {child.log_path})"
@@ -119,7 +127,7 @@ class Supervised:
                 log.error("%s", self.reason)
                 return
             delay = BACKOFF_S[min(len(self._crashes) - 1, len(BACKOFF_S) - 1)]
-            self.state, self.reason = "loading", f"{self.name} {how}; restarting in {delay:.0f} s"
+            self.state, self.reason = ChildState.LOADING, f"{self.name} {how}; restarting in {delay:.0f} s"
             log.warning("%s (log: %s)", self.reason, child.log_path)
             self.restarts += 1
             await asyncio.sleep(delay)
@@ -130,7 +138,7 @@ class Supervised:
         child, self.child = self.child, None
         if child:
             await asyncio.to_thread(child.stop, 10.0)
-        self.state = "stopped"
+        self.state = ChildState.STOPPED
 
 
 # ------------------------------------------------------------------------------------------------ the two children

@@ -38,8 +38,8 @@ from meshllm.proto.auth import (
 )
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import PeerRecord
-from meshllm.proto.meshcore import MeshCore, Out
-from meshllm.proto.reach import Observed, PunchRequest
+from meshllm.proto.meshcore import EventKind, MeshCore, Out
+from meshllm.proto.reach import Observed, PunchRequest, RelayMode
 from meshllm.proto.wire import FrameDecoder, Message, encode
 from meshllm.state import Membership, save_membership
 
@@ -93,8 +93,8 @@ class MeshNet:
         *,
         bind: tuple[str, int] = ("0.0.0.0", 0),
         advertise: list[str] | None = None,
-        on_event: Callable[[str, NodeId, str], None] | None = None,
-        relay: str = "auto",
+        on_event: Callable[[EventKind, NodeId, str], None] | None = None,
+        relay: RelayMode = RelayMode.AUTO,
         relay_hint: str | None = None,
     ) -> None:
         self.key = key
@@ -134,7 +134,7 @@ class MeshNet:
             self.addrs = [f"{host}:{port}"]
         else:
             self.addrs = local_addresses(port)
-        self.ep.relay_server = self.nat.relay_mode == "on"
+        self.ep.relay_server = self.nat.relay_mode == RelayMode.ON
         self._pending_fields["relay"] = self.ep.relay_server
         if self.m is not None:
             self._make_core(self.m)

@@ -28,6 +28,7 @@ from meshllm.proto.reach import (
     Puncher,
     PunchRequest,
     RelayCandidate,
+    RelayMode,
     Send,
     advertised,
     direct_targets,
@@ -74,9 +75,9 @@ def local_ips() -> set[str]:
 
 
 class Traversal:
-    def __init__(self, net: MeshSide, relay_mode: str = "auto", relay_hint: str | None = None) -> None:
+    def __init__(self, net: MeshSide, relay_mode: RelayMode = RelayMode.AUTO, relay_hint: str | None = None) -> None:
         self.net = net
-        self.relay_mode = relay_mode  # auto (relay when publicly reachable) | on (--relay-server) | off
+        self.relay_mode = relay_mode
         self.relay_hint = relay_hint  # --relay HOST:PORT: the member to relay through, when one is needed
         self.reflexive: list[str] = []  # our address as members see it, newest last
         self.public = False
@@ -227,7 +228,7 @@ class Traversal:
         if conn.relay is not None or try_addr(msg.addr) is None:
             return  # a relayed connection says nothing about our address
         reflexive, public = observe(self.reflexive, self.net.addrs, msg.addr, local_ips(), self.net.ep.local_addr[1])
-        if public and not self.public and self.relay_mode == "auto":
+        if public and not self.public and self.relay_mode == RelayMode.AUTO:
             self.public = True
             self.net.ep.relay_server = True
             log.info("reachable without NAT at %s: relaying for members that need it", msg.addr)

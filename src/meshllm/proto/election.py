@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.debounce import Debouncer
+from meshllm.proto.gossip import Role
 
 __all__ = ["DEBOUNCE_S", "MARGIN", "Candidate", "Debouncer", "elect"]
 
@@ -25,11 +26,11 @@ class Candidate:
     node: NodeId
     capacity: int
     fingerprint: str | None
-    role: str = "worker"
+    role: Role = Role.WORKER
 
 
 def elect(candidates: list[Candidate], fingerprint: str, sitting: NodeId | None = None) -> NodeId | None:
-    pool = [c for c in candidates if c.role != "client" and c.fingerprint == fingerprint]
+    pool = [c for c in candidates if c.role != Role.CLIENT and c.fingerprint == fingerprint]
     if not pool:
         return None
     best = max(pool, key=lambda c: (c.capacity, c.node))

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any
+from enum import Enum, StrEnum
+from typing import Any, TypeVar
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -43,17 +43,35 @@ class ModelFacts:
     source: str  # file name, catalog name or hub reference
 
 
+class Role(StrEnum):
+    """What a node is in the mesh (its record says; the election decides who is host)."""
+
+    WORKER = "worker"
+    HOST = "host"
+    CLIENT = "client"  # a lite client: no model, no capacity
+
+
+class NodeState(StrEnum):
+    """Where a node is in its life, as its record says (peers route requests only to a SERVING host)."""
+
+    STARTING = "starting"
+    READY = "ready"
+    LOADING = "loading"  # its llama-server is (re)starting
+    SERVING = "serving"
+    LEAVING = "leaving"
+
+
 @dataclass(frozen=True)
 class PeerRecord:
     node: NodeId
     incarnation: int
     seq: int
-    role: str = "worker"  # worker | host | client
+    role: Role = Role.WORKER
     addrs: tuple[str, ...] = ()
     capacity: int = 0  # bytes usable for the model: VRAM, or RAM on CPU nodes, measured at start
     device: str = "cpu"
     model: ModelFacts | None = None
-    state: str = "starting"
+    state: NodeState = NodeState.STARTING
     version: str = ""
     rtt_ms: dict[str, float] = field(default_factory=dict)  # short node id -> RTT
     links: dict[str, str] = field(default_factory=dict)  # short node id -> "direct" or "relay <short id>"
@@ -75,6 +93,17 @@ class PeerRecord:
             }
         )  # fmt: skip
         return pack([body, crypto.sign(key, crypto.D_RECORD, body)])
+
+
+E = TypeVar("E", bound=StrEnum)
+
+
+def _enum(d: dict[str, Any], k: str, tp: type[E]) -> E:
+    v = _field(d, k, str)
+    try:
+        return tp(v)
+    except ValueError:
+        raise RemoteProtocolError(f"record field {k}: unknown value {v[:20]!r}") from None
 
 
 def _field(d: dict[str, Any], k: str, tp: type | tuple[type, ...]) -> Any:
@@ -138,9 +167,9 @@ def record_from_wire(
     if host is not None and not isinstance(host, bytes):
         raise RemoteProtocolError("record host malformed")
     return PeerRecord(
-        node=node, incarnation=_field(d, "inc", int), seq=_field(d, "seq", int), role=_field(d, "role", str),
+        node=node, incarnation=_field(d, "inc", int), seq=_field(d, "seq", int), role=_enum(d, "role", Role),
         addrs=tuple(str(a) for a in _field(d, "addrs", list)[:16]), capacity=_field(d, "cap", int),
-        device=_field(d, "dev", str), model=model, state=_field(d, "state", str), version=_field(d, "ver", str),
+        device=_field(d, "dev", str), model=model, state=_enum(d, "state", NodeState), version=_field(d, "ver", str),
         rtt_ms={str(k): float(v) for k, v in list(rtt.items())[:64] if isinstance(v, int | float)},
         links={str(k): str(v)[:40] for k, v in list(_field(d, "links", dict).items())[:64]},
         relay=_field(d, "relay", bool), reflexive=tuple(str(a) for a in _field(d, "nat", list)[:4]),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -21,9 +22,11 @@ from meshllm.proto.gossip import (
     GossipPush,
     Liveness,
     MergeResult,
+    NodeState,
     PeerRecord,
     Ping,
     Pong,
+    Role,
     Table,
     Tombstone,
 )
@@ -40,9 +43,17 @@ DIAL_FALLBACK_S = 8.0
 DIRECT_DEAD_S = 6.0
 
 
+class EventKind(StrEnum):
+    JOINED = "joined"
+    LEFT = "left"  # a clean leave
+    DIED = "died"  # declared dead after silence
+    HOST = "host"  # a new host elected
+    REFUTED = "refuted"  # we were declared dead and came back as a new incarnation
+
+
 @dataclass(frozen=True)
 class Event:
-    kind: str  # joined | left | died | host | refuted
+    kind: EventKind
     node: NodeId
     detail: str = ""
 
@@ -82,6 +93,9 @@ class MeshCore:
 
     def update(self, now: float, **fields: object) -> Out:
         """Change our own record (role, state, model, ...) and tell every peer."""
+        for name, kind in (("role", Role), ("state", NodeState)):
+            if name in fields:
+                fields[name] = kind(str(fields[name]))  # a bad value is our bug: ValueError, loud
         self.record = dataclasses.replace(self.record, seq=self.record.seq + 1, **fields)  # type: ignore[arg-type]
         self._sign()
         self._last_beat = now
@@ -89,7 +103,7 @@ class MeshCore:
 
     def leave(self, now: float) -> Out:
         """A clean leave: our signed tombstone, to every peer."""
-        return self.update(now, left=True, state="leaving")
+        return self.update(now, left=True, state=NodeState.LEAVING)
 
     # ---------------------------------------------------------------- connections
 
@@ -123,14 +137,14 @@ class MeshCore:
         out: Out = []
         after = set(self.table.entries)
         for n in sorted(after - before):
-            self.events.append(Event("joined", n))
+            self.events.append(Event(EventKind.JOINED, n))
         for t in res.new_tombstones:
             if t.node in before and t.node not in after:
-                self.events.append(Event("left" if t.by == t.node else "died", t.node))
+                self.events.append(Event(EventKind.LEFT if t.by == t.node else EventKind.DIED, t.node))
         if res.refuted:
             # someone buried our current life (a false death or a healed partition): come back as a new life
             self.incarnation += 1
-            self.events.append(Event("refuted", self.me, f"incarnation {self.incarnation}"))
+            self.events.append(Event(EventKind.REFUTED, self.me, f"incarnation {self.incarnation}"))
             self.record = dataclasses.replace(self.record, incarnation=self.incarnation, seq=0)
             self._sign()
             out += self._to_all(GossipPush(records=[self._raw_self]))
@@ -173,12 +187,12 @@ class MeshCore:
     def wants_to_dial(self, now: float) -> list[PeerRecord]:
         """Live nodes we should connect to: one connection per pair, dialled by the smaller NodeId (a client
         dials everyone: nobody dials a client), or by either once they have been apart DIAL_FALLBACK_S."""
-        i_dial = self.record.role == "client"
+        i_dial = self.record.role == Role.CLIENT
         # nodes declared dead are retried too: after a partition heals, that is how the sides find each other
         known = self.table.alive(now) + list(self.table.graveyard.values())
         out = []
         for r in known:
-            if r.node in self.peers or not r.addrs or r.role == "client":
+            if r.node in self.peers or not r.addrs or r.role == Role.CLIENT:
                 self._apart.pop(r.node, None)
                 continue
             apart = now - self._apart.setdefault(r.node, now)
@@ -195,7 +209,7 @@ class MeshCore:
     def serving_host(self, model: str | None, now: float) -> NodeId | None:
         """A connected peer that announces it serves ``model`` (any model when None), to route requests to."""
         for r in self.table.alive(now):
-            if (r.role == "host" and r.state == "serving" and r.model is not None
+            if (r.role == Role.HOST and r.state == NodeState.SERVING and r.model is not None
                     and (model is None or r.model.source == model) and r.node in self.peers):  # fmt: skip
                 return r.node
         return None
@@ -206,12 +220,12 @@ class MeshCore:
         if fp is None:
             return None
         recs = self.alive(now)
-        hosts = [r for r in recs if r.role == "host" and r.model and r.model.fingerprint == fp]
+        hosts = [r for r in recs if r.role == Role.HOST and r.model and r.model.fingerprint == fp]
         # after a partition heals there may be two sitting hosts: every node keeps the same one
         sitting = max(hosts, key=lambda r: (r.capacity, r.node)).node if hosts else None
         cands = [Candidate(r.node, r.capacity, r.model.fingerprint if r.model else None, r.role) for r in recs]
         before = self._election.current
         host = self._election.propose(elect(cands, fp, sitting), now)
         if host != before and host is not None:
-            self.events.append(Event("host", host))
+            self.events.append(Event(EventKind.HOST, host))
         return host

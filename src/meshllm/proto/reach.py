@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.wire import Message, message
@@ -41,6 +42,15 @@ PROBE_EVERY_S = 0.1
 PUNCH_S = 5.0  # give up (and fall back to a relay) after this
 
 Addr = tuple[str, int]
+
+
+class RelayMode(StrEnum):
+    """Whether this node relays datagrams between members: AUTO when it finds itself publicly reachable
+    (the default), ON always (--relay-server), OFF never (--no-relay-server)."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
 
 
 # ------------------------------------------------------------------ control packets

@@ -16,13 +16,13 @@ from meshllm.errors import UserError
 from meshllm.llama.build import Binaries
 from meshllm.llama.processes import ChildFailed
 from meshllm.llama.rpcwire import Cmd, WireStats
-from meshllm.llama.supervisor import LocalServer, RpcServer, ServerConfig, default_threads
+from meshllm.llama.supervisor import ChildState, LocalServer, RpcServer, ServerConfig, default_threads
 from meshllm.net.endpoint import STREAM_HTTP, STREAM_RPC, Conn, Stream
 from meshllm.net.meshnet import MeshNet
 from meshllm.net.tunnel import TunnelListener, TunnelStats, connect_and_bridge
 from meshllm.proto import serving
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.gossip import ModelFacts
+from meshllm.proto.gossip import ModelFacts, NodeState
 from meshllm.proto.planner import Plan, Waiting
 
 log = logging.getLogger("meshllm.hosting")
@@ -119,7 +119,7 @@ class Hosting:
 
     async def on_http_stream(self, conn: Conn, st: Stream) -> None:
         """Host side: a peer's API forwards a request for our model to our llama-server."""
-        if self.server is None or self.server.state != "serving" or conn.peer is None:
+        if self.server is None or self.server.state != ChildState.SERVING or conn.peer is None:
             st.reset()
             return
         await connect_and_bridge(st, self.server.port, self.http_stats.setdefault(conn.peer, TunnelStats()))
@@ -198,17 +198,17 @@ class Hosting:
         self.announced = False
         if cfg is None or self.bins is None:
             return
-        self.net.update(state="loading")  # peers stop routing here until we announce "serving" again
+        self.net.update(state=NodeState.LOADING)  # peers stop routing here until we announce "serving" again
         self.server = LocalServer(self.bins, cfg, self.state_dir)
         self.server.start()
         self.generations += 1
 
     def became_ready(self) -> bool:
         """True once, when our llama-server has started serving: peers then route here (gossip state)."""
-        if self.announced or self.server is None or self.server.state != "serving":
+        if self.announced or self.server is None or self.server.state != ChildState.SERVING:
             return False
         self.announced = True
-        self.net.update(state="serving")
+        self.net.update(state=NodeState.SERVING)
         # what loading the model cost on each worker's wire (later traffic is per-token inputs)
         self.at_load = {n: _weights_and_trips(st) for n, st in self.rpc_stats.items() if st.rpc is not None}
         return True

@@ -36,8 +36,10 @@ from meshllm.proto import token as tok
 from meshllm.proto.capacity import Offer, offer, parse_devices
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.debounce import Debouncer
-from meshllm.proto.gossip import ModelFacts, PeerRecord
+from meshllm.proto.gossip import ModelFacts, NodeState, PeerRecord, Role
+from meshllm.proto.meshcore import EventKind
 from meshllm.proto.planner import GB, ModelShape, Plan, Slot, Waiting, plan, plan_broken
+from meshllm.proto.reach import RelayMode
 from meshllm.serve.api import Api, Unavailable, Upstream
 from meshllm.serve.hosting import Hosting, ModelFiles
 from meshllm.serve.modelfiles import choose_draft, find_by_fingerprint
@@ -67,7 +69,7 @@ class NodeOptions:
     bind_port: int = 0
     advertise: list[str] = field(default_factory=list)
     relay: str | None = None  # --relay HOST:PORT
-    relay_mode: str = "auto"  # auto | on (--relay-server) | off (--no-relay-server)
+    relay_mode: RelayMode = RelayMode.AUTO
     token_ttl_s: float = 86400.0
     max_vram_gb: float | None = None
     ctx_size: int = 4096
@@ -189,8 +191,8 @@ class Node:
         addrs = await self.net.start()
         lite = self.o.client or self.model is None
         self.net.update(
-            role="client" if lite else "worker", capacity=0 if lite else self.capacity, device=device,
-            model=self.facts, state="ready", version=__version__,
+            role=Role.CLIENT if lite else Role.WORKER, capacity=0 if lite else self.capacity, device=device,
+            model=self.facts, state=NodeState.READY, version=__version__,
         )  # fmt: skip
         save_addrs(self.state, addrs)
         self.console.print(
@@ -337,14 +339,14 @@ class Node:
         self.shape = model_shape(read_header(found))
         self.model = ModelFiles(found, facts)
         await self.hosting.start_rpc_server(self.model, self.offer.use)
-        self.net.update(role="worker", capacity=self.capacity, model=facts)
+        self.net.update(role=Role.WORKER, capacity=self.capacity, model=facts)
 
     def _mesh_model(self) -> ModelFacts | None:
         core = self.net.core if self.net else None
         if core is None:
             return None
-        recs = [r for r in core.table.alive(time.time()) if r.model is not None and r.role != "client"]
-        recs.sort(key=lambda r: (r.role != "host", r.node))
+        recs = [r for r in core.table.alive(time.time()) if r.model is not None and r.role != Role.CLIENT]
+        recs.sort(key=lambda r: (r.role != Role.HOST, r.node))
         return recs[0].model if recs else None
 
     # ---------------------------------------------------------------- mesh events
@@ -356,9 +358,9 @@ class Node:
         assert self.net is not None and self.net.core is not None
         return self.net.core.record if node == self.me else self.net.record(node)
 
-    def _on_event(self, kind: str, node: NodeId, detail: str) -> None:
+    def _on_event(self, kind: EventKind, node: NodeId, detail: str) -> None:
         assert self.net is not None and self.net.core is not None
-        if kind == "joined":
+        if kind == EventKind.JOINED:
             r = self._record(node)
             conn = self.net.peers.get(node)
             path = conn.path if conn else "not connected yet"
@@ -366,13 +368,13 @@ class Node:
             cap = f"{r.capacity / GB:.1f} GB" if r and r.capacity else "no capacity"
             self.console.print(f"[green]+[/] peer {self._name(node)} joined: {r.role if r else '?'}, {cap}, {path}"
                                + (f", RTT {rtt:.1f} ms" if rtt is not None else ""))  # fmt: skip
-        elif kind in ("left", "died"):
-            how = "left" if kind == "left" else "went silent and is declared dead"
+        elif kind in (EventKind.LEFT, EventKind.DIED):
+            how = "left" if kind == EventKind.LEFT else "went silent and is declared dead"
             self.console.print(f"[red]-[/] peer {self._name(node)} {how}")
-        elif kind == "host":
+        elif kind == EventKind.HOST:
             self.elections += 1
             self.console.print(f"[bold]host elected:[/] {self._name(node)}")
-        elif kind == "refuted":
+        elif kind == EventKind.REFUTED:
             self.console.print(f"[yellow]was declared dead by a peer; back as {detail}[/]")
 
     def _on_connect(self, node: NodeId, path: str) -> None:
@@ -396,7 +398,7 @@ class Node:
             self.host = host
             hosting.drop_stale_tunnels(host)
             if not self.o.client and self.facts is not None:
-                net.update(role="host" if host == self.me else "worker")
+                net.update(role=Role.HOST if host == self.me else Role.WORKER)
         self._replan(now)
         hosting.reconfigure(self.plan, self.me)
         if hosting.became_ready():
@@ -418,7 +420,7 @@ class Node:
         if self.host is None or self.shape is None or self.facts is None:
             return
         fp = self.facts.fingerprint
-        recs = [r for r in self.net.core.alive(now) if r.model and r.model.fingerprint == fp and r.role != "client"]
+        recs = [r for r in self.net.core.alive(now) if r.model and r.model.fingerprint == fp and r.role != Role.CLIENT]
         host_rec = next((r for r in recs if r.node == self.host), None)
         if host_rec is None:
             return
