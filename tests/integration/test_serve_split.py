@@ -3,6 +3,7 @@ node's :9337, with no weights and no logits on the wire."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import urllib.request
@@ -172,14 +173,24 @@ def test_children_listen_on_loopback_and_go_with_sigterm(mesh: dict[str, NodePro
     assert not alive, [p.pid for p in alive]
 
 
-def test_a_split_with_a_draft_keeps_the_draft_on_the_host(tmp_path: Path, tiny_model: Path) -> None:
-    a = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.5", "--ctx-size", "1024", "--draft", str(tiny_model))
+@contextlib.contextmanager
+def two_nodes(tmp: Path, model: Path, a_args: tuple[str, ...], b_args: tuple[str, ...]) -> Iterator[list[NodeProc]]:
+    """Node a founds a mesh, node b joins it with a's token; both stopped at the end."""
+    a = NodeProc(tmp, "a", model, "--ctx-size", "1024", *a_args)
     nodes = [a]
     try:
         wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
         token = (a.state / "token").read_text().strip()
-        b = NodeProc(tmp_path, "b", tiny_model, "--max-vram", "0.3", "--ctx-size", "1024", "--join", token)
-        nodes.append(b)
+        nodes.append(NodeProc(tmp, "b", model, "--ctx-size", "1024", "--join", token, *b_args))
+        yield nodes
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def test_a_split_with_a_draft_keeps_the_draft_on_the_host(tmp_path: Path, tiny_model: Path) -> None:
+    host_args = ("--max-vram", "0.5", "--draft", str(tiny_model))
+    with two_nodes(tmp_path, tiny_model, host_args, ("--max-vram", "0.3")) as (a, _):
         wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 120, "a split with a draft")
         assert "--spec-draft-device none" in (a.state / "llama-server.log").read_text()
         worker = _assignments(a)[0]
@@ -187,21 +198,12 @@ def test_a_split_with_a_draft_keeps_the_draft_on_the_host(tmp_path: Path, tiny_m
         tun = next(p for p in a.status()["peers"] if p["node"] == worker["node"])["tunnel"]  # type: ignore[attr-defined, index]
         # a draft model on the worker would have added its ~250 MB of buffers there
         assert tun["load_allocated"] < 1.15 * int(worker["bytes"]), (tun, worker)  # type: ignore[call-overload]
-    finally:
-        for n in nodes:
-            n.stop()
 
 
 def test_a_host_with_no_layers_keeps_the_output_and_the_logits(tmp_path: Path, tiny_model: Path) -> None:
     """[gpu] Both nodes capped so the host can hold no repeating layer: the worker takes all 18, and what comes back
     from it per token is still a hidden state (logits would be 1 MiB), because the output layer stays home."""
-    a = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.3", "--ctx-size", "1024")
-    nodes = [a]
-    try:
-        wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
-        token = (a.state / "token").read_text().strip()
-        b = NodeProc(tmp_path, "b", tiny_model, "--max-vram", "0.3", "--ctx-size", "1024", "--join", token)
-        nodes.append(b)
+    with two_nodes(tmp_path, tiny_model, ("--max-vram", "0.3"), ("--max-vram", "0.3")) as (a, b):
         wait_for(lambda: "ready:" in a.text() + b.text(), 120, "a split to serve")
         host = a if "ready:" in a.text() else b
         plan = host.status()["plan"]
@@ -219,6 +221,3 @@ def test_a_host_with_no_layers_keeps_the_output_and_the_logits(tmp_path: Path, t
         assert text_of(out).strip()
         per_token = (received() - before) / N
         assert per_token < 16_000, per_token
-    finally:
-        for n in nodes:
-            n.stop()
