@@ -1,4 +1,4 @@
-"""Decode speed of one model split over two GPUs, the same layer split five ways, all in one run ([gpu]).
+"""Decode speed of one model split over two GPUs, the same layer split six ways, all in one run ([gpu], [datapath]).
 
 On a GPU machine with no network (the lent device), after ``benchmarks/gpu_pack.sh`` made the carry folder here:
 
@@ -9,7 +9,8 @@ self-tested) from the carried source, builds llama-quantize in the same tree, wr
 Llama-3-8B shape (32 layers, vocabulary from the carried vocab.gguf) with ``gguf`` and quantizes it to Q4_K_M
 (4.9 GB). Then, with GPU 0 for the host and GPU 1 for the worker:
 
-  mesh-llm     two nodes (each capped at --cap GB so the plan splits), QUIC tunnels, asked at the host's API
+  mesh-llm     two nodes (each capped at --cap GB so the plan splits), asked at the host's API: the default RPC
+               path (direct TCP + TLS 1.3 where reachable), then --rpc-path tunnel (QUIC streams)
   host+TCP     llama-server on GPU 0 in-process for the host's layers, the worker's rpc-server over direct TCP
                (the mesh's topology without its tunnel)
   both RPC     both GPUs behind rpc-servers over direct TCP (the host's layers through its own rpc-server)
@@ -17,7 +18,8 @@ Llama-3-8B shape (32 layers, vocabulary from the carried vocab.gguf) with ``gguf
   one GPU      llama.cpp alone on GPU 0
 
 Every row uses the mesh's plan (its --tensor-split), greedy decoding of --tokens tokens after one warm-up, and
-llama-server's own decode timing; the median of --runs runs. The ratio column divides by the in-process row.
+llama-server's own decode timing; the median of --runs runs. The ratio columns divide by the in-process row and by
+the host+TCP row (the same topology over plain TCP: what the mesh's own path costs).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -65,6 +68,8 @@ def build(carry: Path, work: Path) -> tuple[object, Path]:
             tar.extractall(src_root, filter="data")
         (tree / ".mesh-llm-complete").write_text(json.dumps({"sdist_sha256": SHA}))
     t0 = time.monotonic()
+    if not b.openssl_dev_found() and (carry / "openssl" / "include" / "openssl" / "ssl.h").is_file():
+        os.environ["OPENSSL_ROOT_DIR"] = str(carry / "openssl")  # no libssl-dev here: the carried headers
     plan = b.plan_build()
     done = build_verified(plan, lambda level: b.plan_build(cpu_level=level), say=print).plan
     print(f"build: {done.backend}, {b.describe_cpu_flags(done.cmake_flags)}, {time.monotonic() - t0:.0f} s")
@@ -170,32 +175,41 @@ def main() -> None:
     def gpu(i: str) -> dict[str, str]:
         return dict(env, CUDA_VISIBLE_DEVICES=i)
 
-    # 1. the mesh: two nodes, one GPU each
-    nodes, ports = [], [free_port(), free_port()]
-    try:
-        for i, port in enumerate(ports):
-            cmd = [sys.executable, "-m", "meshllm.cli", "--model", str(model), "--state-dir", str(work / f"node{i}"),
-                   "--port", str(port), "--bind-host", "127.0.0.1", "--max-vram", str(args.cap),
-                   "--ctx-size", "2048"]  # fmt: skip
-            if i:
-                cmd += ["--join-file", str(work / "node0" / "token")]
-            nodes.append(Child.start(f"node{i}", cmd, logs / f"node{i}.log", env=gpu(str(i))))
-            while i == 0 and not (work / "node0" / "token").is_file():
-                time.sleep(0.5)
-        deadline = time.monotonic() + 600
-        while "ready:" not in (logs / "node0.log").read_text() + (logs / "node1.log").read_text():
-            assert time.monotonic() < deadline and all(n.alive() for n in nodes), "the mesh never served"
-            time.sleep(1)
-        host = 0 if "ready:" in (logs / "node0.log").read_text() else 1
-        with urllib.request.urlopen(f"http://127.0.0.1:{ports[host]}/mesh/status", timeout=30) as r:
-            plan = json.loads(r.read())["plan"]
-        counts = [a["count"] for a in plan["assignments"]]
-        split = [*counts[:-1], counts[-1] + 1]  # what the mesh hands llama.cpp: the host's entry counts the output
-        rows.append(("mesh-llm: two nodes, QUIC tunnels", tps(f"http://127.0.0.1:{ports[host]}", "/v1/completions",
-                                                             args.tokens, args.runs)))  # fmt: skip
-    finally:
-        for n in nodes:
-            n.stop()
+    # 1. the mesh: two nodes, one GPU each; the default RPC path (direct TCP + TLS where reachable), then the tunnel
+    def mesh(rpc_path: str) -> tuple[float, list[int], str]:
+        nodes, ports = [], [free_port(), free_port()]
+        state = work / f"mesh-{rpc_path}"
+        shutil.rmtree(state, ignore_errors=True)
+        try:
+            for i, port in enumerate(ports):
+                cmd = [sys.executable, "-m", "meshllm.cli", "--model", str(model), "--state-dir", str(state / f"n{i}"),
+                       "--port", str(port), "--bind-host", "127.0.0.1", "--max-vram", str(args.cap),
+                       "--ctx-size", "2048", "--rpc-path", rpc_path]  # fmt: skip
+                if i:
+                    cmd += ["--join-file", str(state / "n0" / "token")]
+                nodes.append(Child.start(f"n{i}", cmd, logs / f"mesh-{rpc_path}-{i}.log", env=gpu(str(i))))
+                while i == 0 and not (state / "n0" / "token").is_file():
+                    time.sleep(0.5)
+            texts = [logs / f"mesh-{rpc_path}-{i}.log" for i in (0, 1)]
+            deadline = time.monotonic() + 600
+            while "ready:" not in texts[0].read_text() + texts[1].read_text():
+                assert time.monotonic() < deadline and all(n.alive() for n in nodes), "the mesh never served"
+                time.sleep(1)
+            host = 0 if "ready:" in texts[0].read_text() else 1
+            with urllib.request.urlopen(f"http://127.0.0.1:{ports[host]}/mesh/status", timeout=30) as r:
+                st = json.loads(r.read())
+            counts = [a["count"] for a in st["plan"]["assignments"]]
+            path = "; ".join(p["rpc_path"] for p in st["peers"] if p.get("rpc_path"))
+            return tps(f"http://127.0.0.1:{ports[host]}", "/v1/completions", args.tokens, args.runs), counts, path
+        finally:
+            for n in nodes:
+                n.stop()
+
+    v, counts, path = mesh("auto")
+    rows.append((f"mesh-llm: two nodes, default path ({path})", v))
+    v, _, path = mesh("tunnel")
+    rows.append((f"mesh-llm: two nodes, --rpc-path tunnel ({path})", v))
+    split = [*counts[:-1], counts[-1] + 1]  # what the mesh hands llama.cpp: the host's entry counts the output
     ts = [float(x) for x in split]
     print(f"plan: {counts} layers (workers first, host last); --tensor-split {','.join(map(str, split))}")
 
@@ -226,10 +240,11 @@ def main() -> None:
     rows.append(("llama.cpp in one process, 2 GPUs, -sm layer", server("inproc", "0,1", [], ts, ("-sm", "layer"))))
     rows.append(("llama.cpp, 1 GPU", server("one-gpu", "0", [], [])))
     base = dict(rows)["llama.cpp in one process, 2 GPUs, -sm layer"]
+    tcp = dict(rows)["host GPU in-process + worker GPU, direct TCP RPC"]
     print(f"\n# {args.tokens} greedy tokens, median of {args.runs}, llama-server's decode timing")
-    print("| setup | tok/s | ms/token | ÷ in-process |\n|---|---:|---:|---:|")
+    print("| setup | tok/s | ms/token | ÷ in-process | ÷ direct TCP RPC |\n|---|---:|---:|---:|---:|")
     for name, v in rows:
-        print(f"| {name} | {v:.1f} | {1000 / v:.2f} | {v / base:.2f} |")
+        print(f"| {name} | {v:.1f} | {1000 / v:.2f} | {v / base:.2f} | {v / tcp:.2f} |")
 
 
 if __name__ == "__main__":

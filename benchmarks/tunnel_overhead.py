@@ -1,9 +1,11 @@
-"""tok/s of a 2-node split through mesh-llm's QUIC tunnels vs the same split over direct loopback TCP.
+"""tok/s of a 2-node split through mesh-llm (its default RPC path, then its QUIC tunnels) vs the same split over
+plain loopback TCP.
 
     .venv/bin/python benchmarks/tunnel_overhead.py [--runs 5] [--tokens 64]
 
 Mesh: two mesh-llm nodes on loopback sized with --max-vram so the plan splits (worker: first layers, host: the
-rest and the output on its own rpc-server). Direct: the same binaries and layer split, llama-server --rpc
+rest and the output on its own rpc-server), once with the default --rpc-path auto (the worker reached over TCP +
+TLS 1.3) and once with --rpc-path tunnel. Direct: the same binaries and layer split, llama-server --rpc
 straight to two rpc-servers on loopback (no tunnel). Decode speed is llama-server's own timing of each greedy
 completion (predicted_per_second); also the latency the :9337 proxy adds (solo node vs its llama-server).
 Medians of --runs runs, in one script run.
@@ -52,22 +54,26 @@ def main() -> int:
     rows: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="mesh-llm-bench-") as tmpd:
         tmp = Path(tmpd)
-        a = NodeProc(tmp, "a", model, "--max-vram", "0.5", "--ctx-size", "1024")
-        nodes = [a]
-        try:
-            wait_for(lambda: (a.state / "token").exists(), 30, "token")
-            b = NodeProc(tmp, "b", model, "--max-vram", "0.3", "--ctx-size", "1024", "--join",
-                         (a.state / "token").read_text().strip())  # fmt: skip
-            nodes.append(b)
-            wait_for(lambda: "ready:" in a.text(), 120, "host ready")
-            plan = a.status()["plan"]
-            counts = [float(x["count"]) for x in plan["assignments"]]  # type: ignore[index]
-            completion(a.port, "/v1/completions", 8)
-            mesh = [completion(a.port, "/v1/completions", args.tokens) for _ in range(args.runs)]
-            rows["mesh split (QUIC tunnels)"] = [m[0] for m in mesh]
-        finally:
-            for n in nodes:
-                n.stop()
+        for rpc_path, label in (("auto", "mesh split, default path (direct TCP + TLS)"),
+                                ("tunnel", "mesh split, --rpc-path tunnel (QUIC)")):  # fmt: skip
+            a = NodeProc(tmp, f"a-{rpc_path}", model, "--max-vram", "0.5", "--ctx-size", "1024", "--rpc-path", rpc_path)
+            nodes = [a]
+            try:
+                wait_for(lambda a=a: (a.state / "token").exists(), 30, "token")
+                b = NodeProc(tmp, f"b-{rpc_path}", model, "--max-vram", "0.3", "--ctx-size", "1024", "--join",
+                             (a.state / "token").read_text().strip(), "--rpc-path", rpc_path)  # fmt: skip
+                nodes.append(b)
+                wait_for(lambda a=a: "ready:" in a.text(), 120, "host ready")
+                st = a.status()
+                plan = st["plan"]
+                counts = [float(x["count"]) for x in plan["assignments"]]  # type: ignore[index]
+                paths = [str(p["rpc_path"]) for p in st["peers"] if p.get("rpc_path")]  # type: ignore[attr-defined]
+                completion(a.port, "/v1/completions", 8)
+                mesh = [completion(a.port, "/v1/completions", args.tokens) for _ in range(args.runs)]
+                rows[f"{label}: {'; '.join(paths)}"] = [m[0] for m in mesh]
+            finally:
+                for n in nodes:
+                    n.stop()
         bins = find_binaries()
         children: list[Child] = []
         relays: list[CountingRelay] = []
@@ -96,8 +102,9 @@ def main() -> int:
     print("| setup | decode tok/s |\n|---|---:|")
     for k, v in med.items():
         print(f"| {k} | {v:.1f} |")
-    ratio = med["mesh split (QUIC tunnels)"] / med["direct split (TCP, no tunnel)"]
-    print(f"\nmesh / direct = {ratio:.2f}")
+    for k, v in med.items():
+        if k.startswith("mesh"):
+            print(f"{k} ÷ direct split = {v / med['direct split (TCP, no tunnel)']:.2f}")
     q = statistics.quantiles
     print("\n| 1-token request | p50 ms | p99 ms |\n|---|---:|---:|")
     print(f"| through :9337 (solo node) | {statistics.median(via):.1f} | {q(via, n=100)[98]:.1f} |")

@@ -173,6 +173,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         max_vram_gb=args.max_vram, ctx_size=args.ctx_size, tensor_split=args.tensor_split, port=args.port,
         listen_all=args.listen_all, api_key=api_key, bins=bins, auto_model=auto, models_dir=args.models_dir,
         draft=args.draft, draft_max=args.draft_max, no_draft=args.no_draft, console_port=args.console,
+        rpc_path=args.rpc_path,
     )  # fmt: skip
     return run_node(opts, console)
 
@@ -393,7 +394,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         t.add_row(
             p["short"], p["role"], p["state"], f"{p['capacity'] / 1e9:.1f} GB" if p["capacity"] else "-",
             (p.get("device") or "-") if p["capacity"] else "-",
-            f"{layers[0]}-{layers[1]}" if layers else "-", p["path"],
+            f"{layers[0]}-{layers[1]}" if layers else "-",
+            p["path"] + (f"; RPC {p['rpc_path']}" if p.get("rpc_path") else ""),
             f"{p['rtt_ms']:.1f}" if p.get("rtt_ms") is not None else "-", p["liveness"],
         )  # fmt: skip
     out.print(t)
@@ -444,6 +446,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", type=nonempty, metavar="PATH|NAME", help="draft model for speculative decoding")
     p.add_argument("--draft-max", type=draft_max, default=8, metavar="N", help="tokens drafted per step (default 8)")
     p.add_argument("--no-draft", action="store_true", help="no draft, not even the catalog's pairing")
+    p.add_argument(
+        "--rpc-path", choices=("auto", "tunnel"), default="auto",
+        help="how a host reaches its workers' rpc-servers: auto (direct TCP + TLS 1.3 where reachable, else the QUIC "
+        "tunnel; workers open a TLS port on all interfaces) or tunnel (always the tunnel, no extra port)",
+    )  # fmt: skip
     p.add_argument(
         "--models-dir", type=Path, metavar="DIR", help="where models live (default $MESH_LLM_MODELS or ~/.models)"
     )

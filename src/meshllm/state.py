@@ -8,6 +8,8 @@ one that names them; everything is written atomically (a temporary file, then re
     api-key            the generated API key of a --listen-all node             0600
     node.json          the addresses this node listens on / members see it at   0600
     status.json        the node's view of the mesh (as /mesh/status)            0600
+    rpc-server.keys    worker: the TLS identity + key its rpc-server accepts     0600, rewritten per host/plan
+    rpc-client.keys    host: endpoint, identity, key per directly reached worker  0600, rewritten per start
     llama-server.log,  the children's output                                    (theirs)
     rpc-server.log
 
@@ -158,3 +160,24 @@ def load_addrs(state: Path) -> list[str]:
 
 def save_status(state: Path, text: str) -> None:
     write_private(state / "status.json", text.encode())
+
+
+def rpc_server_keys(state: Path) -> Path:
+    """Worker: the file its rpc-server reads the accepted TLS keys from, at every connection (patch 0005)."""
+    return state / "rpc-server.keys"
+
+
+def save_rpc_server_key(state: Path, identity: str, key: bytes | None) -> None:
+    """The one identity and key our rpc-server accepts from now on (None: none; every TLS client is refused)."""
+    write_private(rpc_server_keys(state), f"{identity} {key.hex()}\n".encode() if key else b"")
+
+
+def rpc_client_keys(state: Path) -> Path:
+    return state / "rpc-client.keys"
+
+
+def save_rpc_client_keys(state: Path, rows: list[tuple[str, str, bytes]]) -> Path:
+    """Host: (endpoint, identity, key) for each worker its llama-server reaches directly; the file it reads."""
+    path = rpc_client_keys(state)
+    write_private(path, "".join(f"{ep} {ident} {key.hex()}\n" for ep, ident, key in rows).encode())
+    return path

@@ -53,6 +53,19 @@ class NodeProc:
     def text(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def text_of(self, log: str) -> str:
+        """One of the node's logs in its state dir (a child's), or "" before it exists."""
+        p = self.state / log
+        return p.read_text(errors="replace") if p.exists() else ""
+
+    def kill_child(self, name: str) -> int:
+        """SIGKILL the node's child process named ``name``; its pid."""
+        for p in children(self.proc):
+            if name in p.name():
+                p.kill()
+                return int(p.pid)
+        raise AssertionError(f"no {name} under {self.state.name}")
+
     def stop(self, sig: int = signal.SIGTERM) -> None:
         """Signal mesh-llm itself (it must stop its own children); the process group only as a fallback."""
         if self.proc.poll() is None:

@@ -50,7 +50,8 @@ def llama_server_port(node: NodeProc) -> int:
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[dict[str, NodeProc]]:
     tmp = tmp_path_factory.mktemp("split-mesh")
-    a = NodeProc(tmp, "a", tiny_model, "--max-vram", "0.5", "--ctx-size", "1024")
+    # the tunnel path (--rpc-path tunnel): its byte counts are what proves no weights and no logits cross
+    a = NodeProc(tmp, "a", tiny_model, "--max-vram", "0.5", "--ctx-size", "1024", "--rpc-path", "tunnel")
     nodes = {"a": a}
     try:
         wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
@@ -163,8 +164,11 @@ def test_children_listen_on_loopback_and_go_with_sigterm(mesh: dict[str, NodePro
     for n in (mesh["a"], mesh["b"], mesh["d"]):
         for p in children(n.proc):
             kids.append(p)
+            # the one exception: a worker's rpc-server's TLS listener (the direct path), where nothing gets past
+            # the handshake without the key (tests/integration/test_rpc_direct.py)
+            tls = p.environ().get("GGML_RPC_TLS_LISTEN", "") if p.name() == "ggml-rpc-server" else ""
             for conn in p.net_connections(kind="tcp"):
-                if conn.status == psutil.CONN_LISTEN:
+                if conn.status == psutil.CONN_LISTEN and f"{conn.laddr.ip}:{conn.laddr.port}" != tls:
                     assert conn.laddr.ip == "127.0.0.1", (p.name(), conn.laddr)
     assert {p.name() for p in kids} >= {"llama-server", "ggml-rpc-server"}
     for n in mesh.values():
@@ -189,7 +193,7 @@ def two_nodes(tmp: Path, model: Path, a_args: tuple[str, ...], b_args: tuple[str
 
 
 def test_a_split_with_a_draft_keeps_the_draft_on_the_host(tmp_path: Path, tiny_model: Path) -> None:
-    host_args = ("--max-vram", "0.5", "--draft", str(tiny_model))
+    host_args = ("--max-vram", "0.5", "--draft", str(tiny_model), "--rpc-path", "tunnel")  # counted bytes
     with two_nodes(tmp_path, tiny_model, host_args, ("--max-vram", "0.3")) as (a, _):
         wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 120, "a split with a draft")
         assert "--spec-draft-device none" in (a.state / "llama-server.log").read_text()
@@ -203,7 +207,8 @@ def test_a_split_with_a_draft_keeps_the_draft_on_the_host(tmp_path: Path, tiny_m
 def test_a_host_with_no_layers_keeps_the_output_and_the_logits(tmp_path: Path, tiny_model: Path) -> None:
     """[gpu] Both nodes capped so the host can hold no repeating layer: the worker takes all 18, and what comes back
     from it per token is still a hidden state (logits would be 1 MiB), because the output layer stays home."""
-    with two_nodes(tmp_path, tiny_model, ("--max-vram", "0.3"), ("--max-vram", "0.3")) as (a, b):
+    tun = ("--rpc-path", "tunnel")  # either may host; the tunnel counts the bytes
+    with two_nodes(tmp_path, tiny_model, ("--max-vram", "0.3", *tun), ("--max-vram", "0.3", *tun)) as (a, b):
         wait_for(lambda: "ready:" in a.text() + b.text(), 120, "a split to serve")
         host = a if "ready:" in a.text() else b
         plan = host.status()["plan"]

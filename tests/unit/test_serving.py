@@ -3,6 +3,7 @@ two connections survives. Pure functions, each with its negative cases."""
 
 from __future__ import annotations
 
+import msgpack
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -122,3 +123,39 @@ def test_both_ends_keep_the_same_one_of_two_connections(
         assert direct[at_a]  # a direct connection beats a relayed one
     else:
         assert dialler[at_a] == s.designated_dialler(a, b) == min(a, b)
+
+
+def test_the_direct_path_is_tried_only_where_it_can_work() -> None:
+    ok = dict(mode="auto", tls_here=True, quic_direct=True, ip="10.0.0.2", failed_until=None, now=100.0)
+    assert s.try_direct(**ok)  # type: ignore[arg-type]
+    for change in (
+        {"mode": "tunnel"},  # --rpc-path tunnel
+        {"tls_here": False},  # a build without patch 0005's TLS
+        {"quic_direct": False},  # relayed: behind a NAT the worker's TCP port is out of reach
+        {"ip": "fd00::2"},  # ggml-rpc's transport is IPv4-only
+        {"ip": ""},
+        {"failed_until": 160.0},  # failed lately
+    ):
+        assert not s.try_direct(**{**ok, **change}), change  # type: ignore[arg-type]
+    assert s.try_direct(**{**ok, "failed_until": 100.0})  # type: ignore[arg-type]
+
+
+def test_an_rpc_key_round_trips_and_anything_else_is_refused() -> None:
+    k = s.RpcKey("38b4552d-1-2", bytes(range(32)), 40123)
+    assert s.RpcKey.decode(k.encode()) == k
+    bad = [
+        b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"id": "x"}),
+        msgpack.packb({"id": "a b", "key": bytes(32), "port": 1}),  # a blank would split the key file's line
+        msgpack.packb({"id": "x", "key": bytes(16), "port": 1}),  # not 32 bytes
+        msgpack.packb({"id": "x", "key": bytes(32), "port": 0}),
+        msgpack.packb({"id": "x", "key": bytes(32), "port": True}),
+        msgpack.packb({"id": "x\n", "key": bytes(32), "port": 5}),
+        msgpack.packb({"id": "x" * 65, "key": bytes(32), "port": 5}),
+    ]  # fmt: skip
+    for raw in bad:
+        assert s.RpcKey.decode(raw) is None, raw
+
+
+@given(st.binary(max_size=200))
+def test_rpc_key_decode_never_raises(raw: bytes) -> None:
+    s.RpcKey.decode(raw)

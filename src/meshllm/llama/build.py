@@ -325,6 +325,13 @@ def backend_flags(backend: str, portable: bool = False) -> tuple[str, ...]:
     raise BuildError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
 
 
+def openssl_dev_found() -> bool:
+    """OpenSSL's headers (Debian/Ubuntu: libssl-dev), which the patched build needs for its direct, TLS-protected
+    RPC path. ``OPENSSL_ROOT_DIR`` (as cmake's FindOpenSSL reads it) names another installation."""
+    roots = [Path(os.environ["OPENSSL_ROOT_DIR"])] if os.environ.get("OPENSSL_ROOT_DIR") else []
+    return any((r / "include" / "openssl" / "ssl.h").is_file() for r in [*roots, Path("/usr"), Path("/usr/local")])
+
+
 def plan_build(
     *,
     stock: bool = False,
@@ -371,6 +378,8 @@ def plan_build(
     flags = BASE_CMAKE_FLAGS + backend_flags(backend, portable) + cpu_cmake_flags(cpu_level, flags_now)
     if portable:  # a bundle ships the shared libraries the binaries need (libgomp, ...) in ../lib beside bin/
         flags += ("-DCMAKE_BUILD_RPATH=$ORIGIN/../lib",)
+    if not stock and openssl_dev_found():
+        flags += ("-DGGML_RPC_TLS=ON",)  # the direct RPC path (patch 0005); without it: tunnels only
     ident = json.dumps(
         {
             "source": source_hash,

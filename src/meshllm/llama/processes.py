@@ -27,6 +27,7 @@ from meshllm.errors import MeshError, UserError
 from meshllm.llama.build import Binaries
 
 LOOPBACK = "127.0.0.1"
+ANY_ADDR = "0.0.0.0"  # every IPv4 interface: only the TLS-protected direct RPC listener binds it
 
 
 class ChildFailed(MeshError):
@@ -77,15 +78,27 @@ def describe_exit(returncode: int | None) -> str:
 AMX_MARKER = b"AMX is not ready to be used!"  # a string compiled into ggml only together with its AMX kernels
 
 
+TLS_MARKER = b"GGML_RPC_TLS_LISTEN"  # the variable patch 0005's rpc-server reads: only TLS builds carry it
+
+
+def _binary_has(binary: Path, marker: bytes) -> bool:
+    try:
+        with binary.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return m.find(marker) >= 0
+    except (OSError, ValueError):
+        return False
+
+
+def speaks_tls(rpc_server: Path) -> bool:
+    """Whether this rpc-server can open the direct RPC listener (TLS 1.3 with pre-shared keys; patch 0005)."""
+    return _binary_has(rpc_server, TLS_MARKER)
+
+
 def uses_amx(binary: Path, cpu_flags: frozenset[str]) -> bool:
     """Whether ``binary`` carries ggml's AMX kernels and this CPU would run them."""
     if not {"amx_tile", "amx_int8"} <= cpu_flags:
         return False
-    try:
-        with binary.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            return m.find(AMX_MARKER) >= 0
-    except (OSError, ValueError):
-        return False
+    return _binary_has(binary, AMX_MARKER)
 
 
 def explain_crash(returncode: int | None, log_text: str, amx: bool = False) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from meshllm.llama.build import Binaries, cpu_flags
 from meshllm.llama.processes import (
+    ANY_ADDR,
     Child,
     ChildFailed,
     describe_exit,
@@ -23,6 +24,7 @@ from meshllm.llama.processes import (
     free_port,
     llama_server_argv,
     rpc_server_argv,
+    speaks_tls,
     uses_amx,
     wait_http_ready,
     wait_tcp_ready,
@@ -59,8 +61,13 @@ class Supervised:
         ready: Callable[[Child, int], None],
         log_path: Path,
         fixed_port: int | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.name = name
+        # added to ours (secrets go in files, never here). GGML_NO_BACKTRACE: on an abort ggml would otherwise attach
+        # gdb to print a backtrace, which can hang the dying child (seen here) and delays every restart
+        self._env = {**os.environ, "GGML_NO_BACKTRACE": "1", **(env or {})}
+        self.on_exit: Callable[[str], None] | None = None  # given the log's tail whenever the child dies
         self.binary = binary
         self._argv = argv
         self._ready = ready
@@ -93,7 +100,7 @@ class Supervised:
     async def _launch(self) -> None:
         self.port = self._fixed_port or free_port()
         self.state = ChildState.LOADING
-        self.child = Child.start(self.name, self._argv(self.port), self.log_path)
+        self.child = Child.start(self.name, self._argv(self.port), self.log_path, env=self._env)
         await asyncio.to_thread(self._ready, self.child, self.port)
         self.state = ChildState.SERVING
         self.reason = ""
@@ -113,6 +120,8 @@ class Supervised:
             assert child is not None
             rc = child.proc.poll()
             how = "stopped answering" if rc is None else f"exited ({describe_exit(rc)})"
+            if self.on_exit is not None:
+                self.on_exit(child.log_tail(400))
             if rc is None:
                 await asyncio.to_thread(child.stop, 5.0)
             now = time.monotonic()
@@ -158,12 +167,15 @@ class ServerConfig:
     draft: Path | None = None
     draft_max: int = 8
     draft_device: str | None = None  # the host's own accelerator; None: the CPU
+    tls_keys: Path | None = None  # the keys of the rpc endpoints reached directly (TLS), one file per generation
 
 
 class LocalServer(Supervised):
     """The llama-server this node runs when it hosts a model (solo, or the host of a split)."""
 
     def __init__(self, bins: Binaries, cfg: ServerConfig, log_dir: Path) -> None:
+        env = {"GGML_RPC_TLS_CLIENT_KEYS": str(cfg.tls_keys)} if cfg.tls_keys else None
+
         def argv(port: int) -> list[str]:
             return llama_server_argv(
                 bins, cfg.model, port, ctx_size=cfg.ctx_size, threads=cfg.threads, alias=cfg.alias, rpc=cfg.rpc,
@@ -174,7 +186,7 @@ class LocalServer(Supervised):
         def ready(child: Child, port: int) -> None:
             wait_http_ready(child, f"http://127.0.0.1:{port}/health", 600.0)
 
-        super().__init__("llama-server", bins.llama_server, argv, ready, log_dir / "llama-server.log")
+        super().__init__("llama-server", bins.llama_server, argv, ready, log_dir / "llama-server.log", env=env)
         self.cfg = cfg
 
     @property
@@ -183,14 +195,25 @@ class LocalServer(Supervised):
 
 
 class RpcServer(Supervised):
-    """This node's ggml-rpc-server on loopback, loading weights from its own copy of the model. It keeps its port
-    across restarts: the host's llama-server (or its tunnel) points at it."""
+    """This node's ggml-rpc-server, loading weights from its own copy of the model. It listens on loopback (for
+    tunnels and the host's own use) and, when the build speaks TLS (patch 0005), on ``tls_port`` on every
+    interface for the direct path: there only a client holding a key from ``keys_file`` gets past the handshake.
+    It keeps both ports across restarts: the host's llama-server (or its tunnel) points at them."""
 
-    def __init__(self, bins: Binaries, model: Path, log_dir: Path, device: str | None = None) -> None:
+    def __init__(
+        self, bins: Binaries, model: Path, log_dir: Path, device: str | None = None, keys_file: Path | None = None
+    ) -> None:
         def argv(port: int) -> list[str]:
             return rpc_server_argv(bins, port, threads=default_threads(), gguf=model, device=device)
 
         def ready(child: Child, port: int) -> None:
             wait_tcp_ready(child, port, 30.0)
 
-        super().__init__("rpc-server", bins.rpc_server, argv, ready, log_dir / "rpc-server.log", fixed_port=free_port())
+        self.tls_port: int | None = None
+        env: dict[str, str] = {}
+        if keys_file is not None and speaks_tls(bins.rpc_server):
+            self.tls_port = free_port(ANY_ADDR)
+            env = {"GGML_RPC_TLS_LISTEN": f"{ANY_ADDR}:{self.tls_port}", "GGML_RPC_TLS_SERVER_KEYS": str(keys_file)}
+        super().__init__(
+            "rpc-server", bins.rpc_server, argv, ready, log_dir / "rpc-server.log", fixed_port=free_port(), env=env
+        )

@@ -53,7 +53,10 @@ STREAM_AUTH = 1
 STREAM_GOSSIP = 2
 STREAM_RPC = 3
 STREAM_HTTP = 4
-STREAM_KINDS = {STREAM_AUTH: "auth", STREAM_GOSSIP: "gossip", STREAM_RPC: "rpc", STREAM_HTTP: "http"}
+STREAM_RPC_KEY = 5  # the host asks a worker for the key of its rpc-server's direct (TLS) listener
+STREAM_KINDS = {
+    STREAM_AUTH: "auth", STREAM_GOSSIP: "gossip", STREAM_RPC: "rpc", STREAM_HTTP: "http", STREAM_RPC_KEY: "rpc-key"
+}  # fmt: skip
 MAX_HELD_STREAMS = 8
 
 Addr = tuple[str, int]

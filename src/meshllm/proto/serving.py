@@ -1,5 +1,6 @@
 """Serving decisions, pure: where a request for a model goes, which llama-server this node should run, who may open
-an RPC stream to this worker's rpc-server, and which of two connections for one pair of nodes survives.
+an RPC stream to this worker's rpc-server, which of two connections for one pair of nodes survives, and whether the
+host reaches a worker's rpc-server directly or through a tunnel.
 
 Each is a function of plain data; the asyncio shells in ``serve/`` and ``net/`` gather that data and carry the
 decision out. Nothing here does I/O or reads a clock.
@@ -8,6 +9,9 @@ decision out. Nothing here does I/O or reads a clock.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
+
+import msgpack
 
 from meshllm.proto import crypto
 from meshllm.proto.crypto import NodeId
@@ -176,3 +180,57 @@ def keep_existing(
         return existing_direct
     dialler = me if existing_dialled_by_me else peer
     return dialler == designated_dialler(me, peer)
+
+
+# ------------------------------------------------------------------------------------------------ the RPC path
+
+
+class RpcPath(StrEnum):
+    """How the host's llama-server reaches a worker's rpc-server."""
+
+    DIRECT = "direct"  # TCP straight to the worker's TLS listener (TLS 1.3, a pre-shared key per host and plan)
+    TUNNEL = "tunnel"  # plain TCP to a local listener, carried in a QUIC stream (over a direct or relayed path)
+
+
+DIRECT_RETRY_S = 300.0  # a direct path that failed is not tried again for this long (the tunnel serves meanwhile)
+
+
+def try_direct(mode: str, tls_here: bool, quic_direct: bool, ip: str, failed_until: float | None, now: float) -> bool:
+    """Whether to try the direct path to a worker: ``mode`` "auto" (the default; "tunnel" turns it off), both
+    builds speak TLS (``tls_here``; the worker's shows in its key answer), our QUIC connection to it is not relayed
+    (through a NAT a TCP port is out of reach), its address is IPv4 (ggml-rpc's transport is IPv4-only), and the
+    path has not failed lately. The TCP probe and the key exchange decide the rest."""
+    if mode != "auto" or not tls_here or not quic_direct or ":" in ip or not ip:
+        return False
+    return failed_until is None or now >= failed_until
+
+
+@dataclass(frozen=True)
+class RpcKey:
+    """A worker's answer to its elected host's key request: the identity and pre-shared key its rpc-server's TLS
+    listener accepts now (the only ones), and that listener's port."""
+
+    identity: str
+    key: bytes
+    port: int
+
+    def encode(self) -> bytes:
+        return msgpack.packb({"id": self.identity, "key": self.key, "port": self.port})
+
+    @classmethod
+    def decode(cls, raw: bytes) -> RpcKey | None:
+        """None for anything but a well-formed answer."""
+        try:
+            d = msgpack.unpackb(raw)
+        except (ValueError, TypeError, msgpack.UnpackException):
+            return None
+        if not isinstance(d, dict):
+            return None
+        ident, key, port = d.get("id"), d.get("key"), d.get("port")
+        if not (isinstance(ident, str) and 0 < len(ident) <= 64 and ident.isascii() and ident.isprintable()):
+            return None
+        if " " in ident or not isinstance(key, bytes) or len(key) != 32:
+            return None
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            return None
+        return cls(ident, key, port)

@@ -1,26 +1,31 @@
-"""What a node runs for the model, and the tunnels that reach it: our rpc-server, the llama-server a plan wants,
-the RPC tunnel listeners a host dials its workers through, the HTTP tunnel listeners a node forwards API requests
-through, and the byte counts of all of them. It carries out decisions made elsewhere (``proto/serving.py``, the
-node's plan) and decides nothing itself.
+"""What a node runs for the model, and the paths that reach it: our rpc-server, the llama-server a plan wants,
+the way a host reaches each worker's rpc-server — directly (TCP + TLS 1.3 with a key the worker hands its elected
+host over the mesh) or through an RPC tunnel listener (a QUIC stream) — the HTTP tunnel listeners a node forwards
+API requests through, and the byte counts of all of them. It carries out decisions made elsewhere
+(``proto/serving.py``, the node's plan) and decides nothing itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshllm import state
 from meshllm.errors import UserError
 from meshllm.llama.build import Binaries
-from meshllm.llama.processes import ChildFailed
+from meshllm.llama.processes import ChildFailed, speaks_tls
 from meshllm.llama.rpcwire import Cmd, WireStats
 from meshllm.llama.supervisor import ChildState, LocalServer, RpcServer, ServerConfig, default_threads
-from meshllm.net.endpoint import STREAM_HTTP, STREAM_RPC, Conn, Stream
+from meshllm.net.endpoint import STREAM_HTTP, STREAM_RPC, STREAM_RPC_KEY, Conn, Stream
 from meshllm.net.meshnet import MeshNet
 from meshllm.net.tunnel import TunnelListener, TunnelStats, connect_and_bridge
-from meshllm.proto import serving
+from meshllm.proto import crypto, serving
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import ModelFacts, NodeState
 from meshllm.proto.planner import Plan, Waiting
@@ -46,6 +51,7 @@ class Hosting:
         ctx_size: int,
         draft_max: int,
         on_listeners: Callable[[], None],
+        rpc_path: str = "auto",
     ) -> None:
         self.net = net
         self.bins = bins
@@ -69,6 +75,14 @@ class Hosting:
         self._listener_task: asyncio.Future[TunnelListener] | None = None
         self._rpc_listener_task: asyncio.Future[None] | None = None
         self._reconfig_task: asyncio.Future[None] | None = None
+        # the direct RPC path (host side): worker -> "ip:port" of its TLS listener, when probed reachable
+        self.rpc_path = rpc_path  # "auto" or "tunnel" (--rpc-path)
+        self.direct: dict[NodeId, str] = {}
+        self.direct_failed: dict[NodeId, float] = {}  # worker -> monotonic time until which we do not retry
+        self._direct_in_cfg: dict[NodeId, str] = {}  # the direct workers of the configuration being started
+        # worker side: who holds the key our rpc-server's TLS listener accepts now
+        self._key_holder: NodeId | None = None
+        self._key_seq = 0
 
     # ---------------------------------------------------------------- our rpc-server
 
@@ -79,7 +93,9 @@ class Hosting:
         assert self.bins is not None
         self.model = model
         self.device = device
-        self.rpc = RpcServer(self.bins, model.path, self.state_dir, device)
+        state.save_rpc_server_key(self.state_dir, "", None)  # no key from an earlier run survives
+        keys = state.rpc_server_keys(self.state_dir) if self.rpc_path == "auto" else None
+        self.rpc = RpcServer(self.bins, model.path, self.state_dir, device, keys_file=keys)
         self.rpc.start()
         try:
             await self.rpc.wait_ready()
@@ -109,11 +125,106 @@ class Hosting:
 
     def drop_stale_tunnels(self, host: NodeId | None) -> None:
         """When the host changes, close every RPC tunnel from another node at once, so the new host's load never
-        waits on a dead connection."""
+        waits on a dead connection, and withdraw the direct path's key from a former host (its open connection, if
+        any, ends when its llama-server stops or, if it vanished, by TCP keepalive)."""
         for peer, tasks in self._rpc_tunnels.items():
             if peer != host:
                 for t in list(tasks):
                     t.cancel()
+        if self._key_holder is not None and self._key_holder != host:
+            self._key_holder = None
+            state.save_rpc_server_key(self.state_dir, "", None)
+
+    def issue_rpc_key(self, host: NodeId) -> serving.RpcKey | None:
+        """Worker side, for the elected host (the caller checked): a fresh key for our rpc-server's TLS listener.
+        It replaces every earlier one, so each llama-server the host starts gets its own and nobody else's works.
+        None when our rpc-server has no TLS listener."""
+        if self.rpc is None or self.rpc.tls_port is None:
+            return None
+        self._key_seq += 1
+        key = serving.RpcKey(f"{crypto.short(host)}-{os.getpid()}-{self._key_seq}", os.urandom(32), self.rpc.tls_port)
+        state.save_rpc_server_key(self.state_dir, key.identity, key.key)
+        self._key_holder = host
+        log.info("issued RPC key %s to the host %s", key.identity, crypto.short(host))
+        return key
+
+    # ---------------------------------------------------------------- the direct RPC path (host side)
+
+    async def _ask_key(self, worker: NodeId) -> serving.RpcKey | None:
+        conn = self.net.peers.get(worker)
+        if conn is None or conn.closed.is_set():
+            return None
+        try:
+            st = conn.open_stream(STREAM_RPC_KEY)
+            st.write(b"", end=True)
+            raw = b""
+            async with asyncio.timeout(5.0):
+                while len(raw) < 4096:
+                    chunk = await st.read()
+                    if not chunk:
+                        break
+                    raw += chunk
+        except (TimeoutError, ConnectionError):
+            return None
+        return serving.RpcKey.decode(raw)
+
+    async def _probe_direct(self, worker: NodeId) -> None:
+        """Whether our llama-server can reach ``worker``'s rpc-server directly: a key (the worker answers only its
+        elected host, and only with TLS), then a TCP connection to the address the mesh knows it at."""
+        conn = self.net.peers.get(worker)
+        if conn is None or self.bins is None:
+            return
+        ip = conn.addr[0]
+        tls_here = speaks_tls(self.bins.rpc_server)
+        if not serving.try_direct(
+            self.rpc_path, tls_here, conn.relay is None, ip, self.direct_failed.get(worker), time.monotonic()
+        ):
+            return
+        key = None
+        for _ in range(16):  # a worker whose view of the election lags ours refuses for a moment
+            key = await self._ask_key(worker)
+            if key is not None:
+                break
+            await asyncio.sleep(0.5)
+        if key is None:
+            log.info("no direct RPC path to %s (no key): tunnel", crypto.short(worker))
+            return
+        try:
+            async with asyncio.timeout(2.0):
+                _, w = await asyncio.open_connection(ip, key.port)
+            w.close()
+        except (OSError, TimeoutError):
+            log.info("no direct RPC path to %s (%s:%d unreachable): tunnel", crypto.short(worker), ip, key.port)
+            return
+        self.direct[worker] = f"{ip}:{key.port}"
+        log.info("direct RPC path to %s: %s (TLS)", crypto.short(worker), self.direct[worker])
+
+    def _direct_broke(self, worker: NodeId, why: str) -> None:
+        ep = self.direct.pop(worker, None)
+        self.direct_failed[worker] = time.monotonic() + serving.DIRECT_RETRY_S
+        log.warning("direct RPC path to %s (%s) failed: %s; using the tunnel", crypto.short(worker), ep, why)
+
+    def _server_exited(self, log_tail: str) -> None:
+        """Our llama-server died: if it could not reach a worker directly, that worker goes through its tunnel."""
+        broke = set(re.findall(r"Failed to connect to (\S+)", log_tail))
+        changed = False
+        for worker, ep in list(self._direct_in_cfg.items()):
+            if ep in broke and worker in self.direct:
+                self._direct_broke(worker, "llama-server could not connect")
+                changed = True
+        if changed:
+            asyncio.get_running_loop().call_soon(self.on_listeners)
+
+    def rpc_path_of(self, worker: NodeId) -> str:
+        """How our llama-server reaches ``worker`` now, for status (empty when it is not one of our workers)."""
+        if self.server_cfg is None or not self.server_cfg.rpc or worker not in self.rpc_listeners:
+            return ""
+        ep = self._direct_in_cfg.get(worker)
+        if ep is not None:
+            return f"{serving.RpcPath.DIRECT} {ep} (TLS)"
+        conn = self.net.peers.get(worker)
+        relayed = conn is not None and not conn.is_direct
+        return f"{serving.RpcPath.TUNNEL}{' (relayed)' if relayed else ''}"
 
     # ---------------------------------------------------------------- API requests between nodes
 
@@ -159,6 +270,7 @@ class Hosting:
                 self._rpc_listener_task = asyncio.ensure_future(self._make_rpc_listeners(list(w.missing)))
             return  # on_listeners (or the next change) reconfigures
         want: ServerConfig | None = None
+        direct: dict[NodeId, str] = {}  # workers reached directly (not through their tunnel)
         if w is not None:
             assert self.model is not None
             rpc: tuple[str, ...] = ()
@@ -166,7 +278,8 @@ class Hosting:
             if isinstance(w, serving.Split):
                 # workers first (the first layers), our own device last: the output layer stays here — through
                 # our rpc-server on a CPU host, in-process on a GPU host (llama.cpp lists RPC devices first)
-                rpc = tuple(f"127.0.0.1:{self.rpc_listeners[n].port}" for n in w.workers)
+                rpc = tuple(self.direct.get(n) or f"127.0.0.1:{self.rpc_listeners[n].port}" for n in w.workers)
+                direct = {n: self.direct[n] for n in w.workers if n in self.direct}
                 if w.own_rpc:
                     assert self.rpc is not None
                     rpc += (f"127.0.0.1:{self.rpc.port}",)
@@ -175,11 +288,12 @@ class Hosting:
                 model=self.model.path, alias=self.model.facts.source, ctx_size=self.ctx_size,
                 threads=default_threads(), rpc=rpc, tensor_split=w.tensor_split if isinstance(w, serving.Split) else (),
                 extra=extra, draft=self.model.draft, draft_max=self.draft_max, draft_device=self.device,
+                tls_keys=state.rpc_client_keys(self.state_dir) if direct else None,
             )  # fmt: skip
         if want == self.server_cfg:
             return
         self.server_cfg = want
-        self._reconfig_task = asyncio.ensure_future(self._restart_server(want))
+        self._reconfig_task = asyncio.ensure_future(self._restart_server(want, direct))
 
     async def _make_rpc_listeners(self, nodes: list[NodeId]) -> None:
         for n in nodes:
@@ -188,18 +302,33 @@ class Hosting:
                 stats.rpc = stats.rpc or WireStats()
                 lst = TunnelListener(self._opener(n, STREAM_RPC), stats)
                 await lst.start()
+                await self._probe_direct(n)  # the tunnel stays ready as the fallback
                 self.rpc_listeners[n] = lst  # only once it has a port
         self.on_listeners()
 
-    async def _restart_server(self, cfg: ServerConfig | None) -> None:
+    async def _restart_server(self, cfg: ServerConfig | None, direct: dict[NodeId, str]) -> None:
         old, self.server = self.server, None
         if old:
             await old.stop()
         self.announced = False
+        self._direct_in_cfg = {}
         if cfg is None or self.bins is None:
             return
         self.net.update(state=NodeState.LOADING)  # peers stop routing here until we announce "serving" again
+        if direct:  # fresh keys for this llama-server: each worker's earlier key stops working
+            rows = []
+            for worker, ep in direct.items():
+                key = await self._ask_key(worker)
+                if key is None:
+                    self._direct_broke(worker, "no key from the worker")
+                    self.server_cfg = None
+                    self.on_listeners()  # reconfigures without it
+                    return
+                rows.append((ep, key.identity, key.key))
+            state.save_rpc_client_keys(self.state_dir, rows)
+            self._direct_in_cfg = dict(direct)
         self.server = LocalServer(self.bins, cfg, self.state_dir)
+        self.server.on_exit = self._server_exited
         self.server.start()
         self.generations += 1
 

@@ -27,7 +27,7 @@ from meshllm.llama.build import Binaries
 from meshllm.llama.gguf import model_fingerprint, model_shape, read_header
 from meshllm.llama.processes import device_listing, port_in_use
 from meshllm.models.download import resolve
-from meshllm.net.endpoint import STREAM_HTTP, STREAM_RPC, Conn, Stream
+from meshllm.net.endpoint import STREAM_HTTP, STREAM_RPC, STREAM_RPC_KEY, Conn, Stream
 from meshllm.net.meshnet import MeshNet, new_mesh
 from meshllm.paths import models_dir
 from meshllm.paths import state_dir as default_state_dir
@@ -83,6 +83,7 @@ class NodeOptions:
     draft_max: int = 8
     no_draft: bool = False
     auto_model: bool = False  # joined without --model: serve the mesh's model if we have a copy
+    rpc_path: str = "auto"  # --rpc-path: "auto" (direct TLS where reachable, else tunnel) or "tunnel"
     models_dir: Path | None = None
 
 
@@ -172,7 +173,9 @@ class Node:
         self.net.on_connect = lambda node, path: self.console.print(
             f"[cyan]~[/] connected to {self._name(node)}: {path}"
         )
-        self.hosting = Hosting(self.net, self.o.bins, self.state, self.o.ctx_size, self.o.draft_max, self._on_change)
+        self.hosting = Hosting(
+            self.net, self.o.bins, self.state, self.o.ctx_size, self.o.draft_max, self._on_change, self.o.rpc_path
+        )
         return tokens
 
     # ---------------------------------------------------------------- run
@@ -183,6 +186,7 @@ class Node:
         await self._start_api()
         self.report = Report(self.net, self.hosting, self.api, self.api_host, self.o.port)
         self.net.stream_handlers[STREAM_RPC] = self._on_rpc_stream
+        self.net.stream_handlers[STREAM_RPC_KEY] = self._on_rpc_key_stream
         self.net.stream_handlers[STREAM_HTTP] = self.hosting.on_http_stream
         self.offer = await measure_offer(self.o.bins, self.o.max_vram_gb)
         self.capacity, device = self.offer.capacity, self.offer.device
@@ -286,6 +290,21 @@ class Node:
             st.reset()
             return
         await self.hosting.bridge_rpc(peer, st)
+
+    async def _on_rpc_key_stream(self, conn: Conn, st: Stream) -> None:
+        """Worker side: the key of our rpc-server's direct (TLS) listener, for the elected host alone."""
+        assert self.hosting is not None
+        peer = conn.peer
+        key = None
+        if peer is not None and serving.may_open_rpc(peer, self.host, self.hosting.rpc_up()):
+            key = self.hosting.issue_rpc_key(peer)
+        if key is None:
+            if not (peer is not None and peer == self.host):
+                log.warning("refused an RPC key to %s: not the elected host", crypto.short(peer) if peer else "?")
+            st.reset()
+            return
+        with contextlib.suppress(ConnectionError):
+            st.write(key.encode(), end=True)
 
     # ---------------------------------------------------------------- joining, tokens, models
 

@@ -55,6 +55,7 @@ class Report:
                 "links": r.links, "relay": r.relay,
                 "rtt_ms": core.rtt_ms.get(r.node),
                 "tunnel": self.hosting.tunnel_counts(r.node),
+                "rpc_path": self.hosting.rpc_path_of(r.node) or None,  # host: how llama-server reaches it
                 "layers": layers_of(v.plan, r.node),
             })  # fmt: skip
         p = v.plan

@@ -11,7 +11,7 @@ function segment(p, plan) {
   d.dataset.node = p.short;
   d.style.flex = String(Math.max(p.capacity || 0, 2e8));
   const layers = p.layers ? `layers ${p.layers[0]}–${p.layers[1]}` : kind === "client" ? "lite client" : "standby";
-  const path = p.path === "self" ? "this node" : p.path;
+  const path = (p.path === "self" ? "this node" : p.path) + (p.rpc_path ? `; RPC ${p.rpc_path}` : "");
   const rtt = p.rtt_ms != null ? ` · ${p.rtt_ms.toFixed(1)} ms` : "";
   d.innerHTML = `<div class="id"></div><div class="sub"></div><div class="sub"></div>`;
   d.children[0].textContent = `${p.short} · ${kind}`;

@@ -1,0 +1,105 @@
+"""[datapath] The direct RPC path: a host reaches its worker's rpc-server over TCP + TLS 1.3 with a pre-shared key
+the worker handed it over the mesh, the tunnel staying as the fallback. Real nodes, real patched binaries, and
+openssl's own client as the stranger and as the key holder (so the TLS is standard TLS 1.3, not a private format)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import socket
+import struct
+import subprocess
+from pathlib import Path
+
+from meshllm.llama.build import Binaries
+
+from .meshlab import NodeProc, wait_for
+from .splitlab import stock_split_text
+from .test_serve_split import N, _assignments, complete, text_of, two_nodes
+
+HELLO = bytes([14]) + struct.pack("<Q", 0)  # an RPC command byte + size, as a stranger would send
+
+
+def _rpc_path(host: NodeProc, worker: str) -> str:
+    peer = next(p for p in host.status()["peers"] if p["node"] == worker)  # type: ignore[attr-defined]
+    return str(peer.get("rpc_path") or "")
+
+
+def _s_client(port: int, identity: str, key_hex: str) -> str:
+    """openssl's TLS 1.3 client with an external PSK; what it printed."""
+    r = subprocess.run(
+        ["openssl", "s_client", "-connect", f"127.0.0.1:{port}", "-tls1_3", "-ciphersuites", "TLS_AES_128_GCM_SHA256",
+         "-psk_identity", identity, "-psk", key_hex],
+        input=b"", capture_output=True, timeout=30,
+    )  # fmt: skip
+    return (r.stdout + r.stderr).decode(errors="replace")
+
+
+def test_a_split_goes_direct_with_tls_and_only_the_host_gets_through(
+    tmp_path: Path, tiny_model: Path, stock_bins: Binaries
+) -> None:
+    assert shutil.which("openssl"), "openssl is installed by scripts/setup test"
+    with two_nodes(tmp_path, tiny_model, ("--max-vram", "0.5"), ("--max-vram", "0.3")) as (a, b):
+        wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 120, "a two-way split")
+        worker = str(_assignments(a)[0]["node"])
+        path = _rpc_path(a, worker)
+        m = re.fullmatch(r"direct 127\.0\.0\.1:(\d+) \(TLS\)", path)
+        assert m, path
+        port = int(m.group(1))
+        # the same answer as the same split loaded the stock way (stock binaries, plain TCP, weights pushed)
+        counts = [float(x["count"]) for x in _assignments(a)]  # type: ignore[arg-type]
+        out = text_of(complete(a.port, "/v1/completions"))
+        assert out == stock_split_text(tmp_path, stock_bins, tiny_model, counts, N)
+        # nothing went through the tunnel: the RPC bytes took the direct path
+        peer = next(p for p in a.status()["peers"] if p["node"] == worker)  # type: ignore[attr-defined]
+        assert peer["tunnel"]["rpc_sent"] == 0, peer["tunnel"]  # type: ignore[index]
+
+        keys = (b.state / "rpc-server.keys").read_text().split()
+        assert len(keys) == 2 and len(keys[1]) == 64, "one identity and a 32-byte key"
+        # the key file is the worker's secret: mode 0600, and its key is in no log
+        assert (b.state / "rpc-server.keys").stat().st_mode & 0o077 == 0
+        for n in (a, b):
+            for log in n.state.glob("*.log"):
+                assert keys[1] not in log.read_text(errors="replace"), log
+
+        # the host's llama-server dies: restarted on the same path and key, the same answer
+        a.kill_child("llama-server")
+        wait_for(lambda: "restarting" in a.text(), 30, "the restart")
+        wait_for(lambda: "llama-server ready" in a.text().split("restarting")[-1], 120, "llama-server back")
+        assert text_of(complete(a.port, "/v1/completions")) == out
+        assert _rpc_path(a, worker) == path
+
+        # the host leaves: the worker withdraws its key at once (the rpc-server serves one client at a time, so
+        # the checks below run once the host's connection is gone)
+        a.stop()
+        wait_for(lambda: (b.state / "rpc-server.keys").read_text() == "", 60, "the key withdrawn")
+        refused = b.text_of("rpc-server.log").count("TLS client refused")
+        # a stranger speaking RPC in the clear: the TLS listener refuses it; not one RPC byte is parsed
+        with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+            s.sendall(HELLO + bytes(64))
+            try:
+                reply = s.recv(64)
+            except ConnectionResetError:
+                reply = b""
+        assert reply == b"" or reply[0] == 0x15, reply  # closed, or a TLS alert record
+        # openssl with the former host's identity and key, and with a made-up key: both refused
+        for key_hex in (keys[1], "00" * 32):
+            said = _s_client(port, keys[0], key_hex)
+            assert "Cipher is (NONE)" in said or "TLSv1.3" not in said, said
+        wait_for(lambda: b.text_of("rpc-server.log").count("TLS client refused") >= refused + 3, 30, "3 refusals")
+        assert "Expected HELLO" not in b.text_of("rpc-server.log")  # the RPC parser never saw their bytes
+
+
+def test_rpc_path_tunnel_keeps_every_byte_in_the_mesh(tmp_path: Path, tiny_model: Path) -> None:
+    """--rpc-path tunnel: no TLS listener on the worker, the split runs through the QUIC tunnel."""
+    with two_nodes(
+        tmp_path,
+        tiny_model,
+        ("--max-vram", "0.5", "--rpc-path", "tunnel"),
+        ("--max-vram", "0.3", "--rpc-path", "tunnel"),
+    ) as (a, b):
+        wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 120, "a two-way split")
+        worker = str(_assignments(a)[0]["node"])
+        assert _rpc_path(a, worker) == "tunnel"
+        assert "TLS endpoint" not in b.text_of("rpc-server.log")
+        assert text_of(complete(a.port, "/v1/completions")).strip()
