@@ -9,7 +9,8 @@ away from the host).
 
 - mesh: three mesh-llm nodes on loopback sized with --max-vram so the plan is host + 2 workers; every node runs
   with MESH_LLM_NETEM (see src/meshllm/net/netem.py), so each QUIC link pays r on its round trip and the rate
-  cap on each direction.
+  cap on each direction. The nodes run with --rpc-path tunnel: the shaping applies to QUIC datagrams, so the
+  direct RPC path (TCP + TLS, the default where a worker is reachable) would escape it.
 - stock, same way: stock llama-server + stock rpc-servers with the mesh plan's layer counts; the two workers sit
   behind a TCP delay proxy (this file: r/2 each direction, same rate cap, TCP_NODELAY), the host's own rpc-server
   is local.
@@ -143,7 +144,9 @@ class DelayProxy:
 
 def mesh_run(tmp: Path, model: Path, rtt: float, rate: float, runs: int, n: int) -> tuple[list[float], list[int]]:
     env = {"MESH_LLM_NETEM": f"rtt={rtt},rate={rate}"}
-    args = ("--ctx-size", "1024")
+    # MESH_LLM_NETEM shapes the QUIC socket only: the direct RPC path (plain TCP + TLS) would bypass it, so the mesh
+    # runs here on the tunnel (its fallback path); the direct path pays what stock TCP pays, round trip for round trip
+    args = ("--ctx-size", "1024", "--rpc-path", "tunnel")
     a = NodeProc(tmp, "a", model, "--max-vram", "0.5", *args, env=env)
     nodes = [a]
     try:

@@ -144,7 +144,8 @@ def gather_tokens(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    from meshllm.serve.node import NodeOptions, run_node
+    from meshllm.serve.node import run_node
+    from meshllm.serve.options import NodeOptions
 
     tokens = gather_tokens(args)
     if args.client and not tokens:

@@ -92,7 +92,7 @@ def test_gossiped_addresses_with_impossible_ports_are_refused() -> None:
 def test_a_bad_token_is_the_users_error_only_at_the_users_boundary() -> None:
     from meshllm.errors import UserError
     from meshllm.proto import token as tok
-    from meshllm.serve.node import parse_tokens
+    from meshllm.serve.options import parse_tokens
 
     assert not issubclass(tok.TokenError, UserError)  # a peer's bad token is refused where it arrives, not ours
     with pytest.raises(UserError, match="invite token malformed") as e:

@@ -165,3 +165,23 @@ def test_every_layer_lands_where_planned_and_the_output_on_the_host(counts: tupl
     # what the plan used to hand over (plain counts) sent the output to a worker when the host held no layer
     if counts[-1] == 0:
         assert device_of_unit(tuple(counts), n_layer, n_layer) != len(counts) - 1
+
+
+def test_slots_for_takes_the_nodes_with_the_model_and_the_hosts_rtts() -> None:
+    from meshllm.proto import crypto
+    from meshllm.proto.gossip import ModelFacts, PeerRecord, Role
+    from meshllm.proto.planner import Slot, slots_for
+
+    ids = [bytes([i]) * 32 for i in range(5)]
+    same, other = ModelFacts("aa", 1, 18, "m"), ModelFacts("bb", 1, 18, "m")
+    host = PeerRecord(ids[0], 1, 1, role=Role.HOST, capacity=10, model=same,
+                      rtt_ms={crypto.short(ids[1]): 3.5})  # fmt: skip
+    recs = [
+        host,
+        PeerRecord(ids[1], 1, 1, role=Role.WORKER, capacity=5, model=same),
+        PeerRecord(ids[2], 1, 1, role=Role.WORKER, capacity=5, model=other),  # another model
+        PeerRecord(ids[3], 1, 1, role=Role.CLIENT, capacity=0, model=same),  # a lite client
+        PeerRecord(ids[4], 1, 1, role=Role.WORKER, capacity=7, model=same),  # no RTT measured yet
+    ]
+    assert slots_for(recs, ids[0], "aa") == (Slot(ids[0], 10), [Slot(ids[1], 5, 3.5), Slot(ids[4], 7, 0.0)])
+    assert slots_for(recs[1:], ids[0], "aa") is None  # the host's own record missing

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshllm.proto import crypto
 from meshllm.proto.crypto import NodeId
+from meshllm.proto.gossip import PeerRecord, Role
 
 MAX_RTT_MS = 80.0
 RTT_BUCKET_MS = 25.0
@@ -198,3 +200,15 @@ def _plan_override(shape: ModelShape, host: Slot, ordered: list[Slot], ctx: int,
 def plan_broken(current: Plan | Waiting | None, alive: set[NodeId]) -> bool:
     """The plan names a node that is gone: it cannot run, so its replacement need not wait out the debounce."""
     return isinstance(current, Plan) and any(a.node not in alive for a in current.assignments)
+
+
+def slots_for(records: list[PeerRecord], host: NodeId, fingerprint: str) -> tuple[Slot, list[Slot]] | None:
+    """The planner's input from live gossip records: the host's slot and every other node holding the same model
+    (lite clients excluded), each with its RTT as the host measured it. None while the host's record is missing."""
+    recs = [r for r in records if r.model and r.model.fingerprint == fingerprint and r.role != Role.CLIENT]
+    host_rec = next((r for r in recs if r.node == host), None)
+    if host_rec is None:
+        return None
+    rtt = host_rec.rtt_ms
+    others = [Slot(r.node, r.capacity, rtt.get(crypto.short(r.node), 0.0)) for r in recs if r.node != host]
+    return Slot(host, host_rec.capacity), others

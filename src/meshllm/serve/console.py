@@ -14,6 +14,9 @@ from importlib import resources
 
 import aiohttp
 from aiohttp import web
+from rich.console import Console as RichConsole
+
+from meshllm.errors import UserError
 
 STATIC = ("console.html", "console.js", "console.css")
 TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
@@ -99,3 +102,17 @@ class Console:
                 return web.json_response({"error": str(e)}, status=502)
         await resp.write_eof()
         return resp
+
+
+async def start_console(
+    port: int, status: Callable[[], dict[str, object]], token: Callable[[], str | None], api_url: str,
+    api_key: str | None, out: RichConsole,
+) -> Console:  # fmt: skip
+    """The web console on 127.0.0.1:``port``; one line if the port is taken."""
+    web = Console(status, token, api_url, api_key)
+    try:
+        await web.start(port)
+    except OSError as e:
+        raise UserError(f"--console: cannot listen on 127.0.0.1:{port}: {e.strerror}") from None
+    out.print(f"console: http://127.0.0.1:{port}/")
+    return web

@@ -8,12 +8,12 @@ API requests through, and the byte counts of all of them. It carries out decisio
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from meshllm import state
@@ -29,17 +29,10 @@ from meshllm.proto import crypto, serving
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import ModelFacts, NodeState
 from meshllm.proto.planner import Plan, Waiting
+from meshllm.serve.api import Unavailable, Upstream
+from meshllm.serve.modelfiles import ModelFiles
 
 log = logging.getLogger("meshllm.hosting")
-
-
-@dataclass(frozen=True)
-class ModelFiles:
-    """The model this node has on disk, and how it serves it."""
-
-    path: Path
-    facts: ModelFacts
-    draft: Path | None = None
 
 
 class Hosting:
@@ -51,6 +44,7 @@ class Hosting:
         ctx_size: int,
         draft_max: int,
         on_listeners: Callable[[], None],
+        elected: Callable[[], NodeId | None],
         rpc_path: str = "auto",
     ) -> None:
         self.net = net
@@ -59,6 +53,7 @@ class Hosting:
         self.ctx_size = ctx_size
         self.draft_max = draft_max
         self.on_listeners = on_listeners  # tunnel listeners a plan waited for are up: reconsider it
+        self.elected = elected  # the host this node itself elected (None: none yet)
         self.model: ModelFiles | None = None
         self.device: str | None = None  # our accelerator, as llama.cpp names it (None: CPU only)
         self.rpc: RpcServer | None = None  # our own rpc-server (worker, and the host's last device)
@@ -104,6 +99,29 @@ class Hosting:
 
     def rpc_up(self) -> bool:
         return self.rpc is not None and self.rpc.alive()
+
+    async def on_rpc_stream(self, conn: Conn, st: Stream) -> None:
+        """Worker side: only the elected host may reach our rpc-server (anyone reaching it owns the machine)."""
+        peer = conn.peer
+        if peer is None or not serving.may_open_rpc(peer, self.elected(), self.rpc_up()):
+            log.warning("refused an RPC tunnel from %s: not the elected host", crypto.short(peer) if peer else "?")
+            st.reset()
+            return
+        await self.bridge_rpc(peer, st)
+
+    async def on_rpc_key_stream(self, conn: Conn, st: Stream) -> None:
+        """Worker side: the key of our rpc-server's direct (TLS) listener, for the elected host alone."""
+        peer, host = conn.peer, self.elected()
+        key = None
+        if peer is not None and serving.may_open_rpc(peer, host, self.rpc_up()):
+            key = self.issue_rpc_key(peer)
+        if key is None:
+            if peer is None or peer != host:
+                log.warning("refused an RPC key to %s: not the elected host", crypto.short(peer) if peer else "?")
+            st.reset()
+            return
+        with contextlib.suppress(ConnectionError):
+            st.write(key.encode(), end=True)
 
     async def bridge_rpc(self, peer: NodeId, st: Stream) -> None:
         """Worker side, for an admitted peer: its stream to our rpc-server. rpc-server serves one client at a time,
@@ -234,6 +252,29 @@ class Hosting:
             st.reset()
             return
         await connect_and_bridge(st, self.server.port, self.http_stats.setdefault(conn.peer, TunnelStats()))
+
+    def upstream(
+        self, model: str | None, served: list[str], facts: ModelFacts | None, remote: tuple[NodeId, str] | None,
+        plan: Plan | Waiting | None, host: NodeId | None, me: NodeId,
+    ) -> Upstream | Unavailable | None:  # fmt: skip
+        """Where the API sends a request for ``model`` (see ``serving.route``): our llama-server, a tunnel listener
+        to the serving host (opened in the background on first need), or a 503 with the reason."""
+        srv = self.server
+        local = serving.LocalServing(facts.source, srv.state, srv.reason) if srv and facts else None
+        listeners = self.http_listeners
+        ready = remote is not None and remote[0] in listeners
+        r = serving.route(model, served, local, remote, ready, plan, host, me)
+        if isinstance(r, serving.Local):
+            assert srv is not None
+            return Upstream(r.model, srv.base_url)
+        if isinstance(r, serving.Remote):
+            return Upstream(r.model, f"http://127.0.0.1:{listeners[r.host].port}")
+        if isinstance(r, serving.Connecting):
+            self.open_http_listener(r.host)
+            return Unavailable("connecting to the host", retry_after_s=r.retry_after_s)
+        if isinstance(r, serving.Busy):
+            return Unavailable(r.reason, retry_after_s=r.retry_after_s)
+        return None
 
     def _opener(self, node: NodeId, kind: int) -> Callable[[], Stream | None]:
         def open_stream() -> Stream | None:

@@ -3,14 +3,45 @@ that joined without --model — the mesh's model found on this machine by finger
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from meshllm.errors import UserError
-from meshllm.llama.gguf import GGUFHeader, model_fingerprint, vocab_signature
+from meshllm.llama.gguf import GGUFHeader, model_fingerprint, model_shape, vocab_signature
 from meshllm.llama.gguf import read_header as read_gguf_header
 from meshllm.models import catalog
 from meshllm.models.download import installed, resolve
 from meshllm.paths import models_dir
+from meshllm.proto.gossip import ModelFacts
+from meshllm.proto.planner import ModelShape
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """The model this node has on disk, and how it serves it."""
+
+    path: Path
+    facts: ModelFacts
+    draft: Path | None = None
+
+
+def open_model(
+    model_arg: Path, where: Path | None, draft: str | None, no_draft: bool
+) -> tuple[ModelFiles, ModelShape, str | None]:
+    """--model as given (a path, a catalog name, a hub reference): its file, facts, shape and draft, and a line to
+    tell the user (or None). A model named by catalog name is served under that name, else under its file stem."""
+    path = resolve(str(model_arg), where)
+    if not path.is_file():
+        raise UserError(f"--model {path}: no such file")
+    hdr = read_gguf_header(path)
+    shape = model_shape(hdr)
+    named = path != model_arg and "/" not in str(model_arg)
+    draft_path, note = choose_draft(str(model_arg), path, hdr, draft, no_draft, where)
+    facts = ModelFacts(
+        fingerprint=model_fingerprint(path), size=path.stat().st_size, n_layer=shape.n_layer,
+        source=str(model_arg) if named else path.stem,
+    )  # fmt: skip
+    return ModelFiles(path, facts, draft_path), shape, note
 
 
 def choose_draft(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from meshllm import __version__
 from meshllm.net.meshnet import MeshNet
@@ -16,6 +17,7 @@ from meshllm.proto.planner import Plan, Waiting
 from meshllm.serve.api import Api
 from meshllm.serve.hosting import Hosting
 from meshllm.serve.metrics import Exposition
+from meshllm.state import save_status
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,14 @@ class Report:
         self.api = api
         self.api_host = api_host
         self.port = port
+        self._saved = ""
+
+    def save(self, v: NodeView, now: float, state_dir: Path) -> None:
+        """The status into the state dir's status.json, when it changed (``mesh-llm status`` reads it)."""
+        text = json.dumps(self.status(v, now), indent=1, sort_keys=True)
+        if text != self._saved:
+            self._saved = text
+            save_status(state_dir, text)
 
     def status(self, v: NodeView, now: float) -> dict[str, object]:
         assert self.net.core is not None

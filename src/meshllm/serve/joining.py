@@ -1,0 +1,85 @@
+"""Joining a mesh and inviting others: the first token that works, the invite token this node prints (kept out of
+logs), and — for a node that joined without --model — the mesh's model found on this machine by fingerprint."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from meshllm.errors import MeshError, UserError
+from meshllm.net.meshnet import MeshNet
+from meshllm.paths import models_dir
+from meshllm.proto import crypto
+from meshllm.proto import token as tok
+from meshllm.proto.gossip import ModelFacts, Role
+from meshllm.proto.planner import GB
+from meshllm.serve.modelfiles import find_by_fingerprint
+from meshllm.state import load_token, save_addrs, save_token
+
+
+async def join_first(net: MeshNet, tokens: list[tok.Token], console: Console) -> None:
+    """Join through the first token whose issuer answers; one line naming every failure otherwise."""
+    errors = []
+    for t in tokens:
+        try:
+            await net.join(t)
+            console.print(f"joined mesh [bold]{t.mesh_id.hex()[:8]}[/] via {crypto.short(t.issuer)}")
+            return
+        except (MeshError, TimeoutError, OSError) as e:
+            errors.append(f"{crypto.short(t.issuer)}: {e}")
+    raise UserError("could not join: " + "; ".join(errors))
+
+
+def publish_token(net: MeshNet, state: Path, ttl_s: float, console: Console) -> None:
+    """Mint an invite token into the state dir; print it only to a terminal (a file or a pipe may be a log)."""
+    t = net.mint_token(ttl_s)
+    path = save_token(state, t.encode())
+    if sys.stdout.isatty():
+        console.print(f"invite token (valid {ttl_s / 3600:.0f} h, also in {path}):")
+        print(t.encode(), flush=True)
+    else:
+        console.print(f"invite token written to {path} (mode 0600); `mesh-llm token` prints a new one")
+
+
+def addresses_learned(net: MeshNet, state: Path, addrs: list[str], ttl_s: float, console: Console) -> None:
+    """Members told us our public addresses: recorded, and the invite token re-minted so that it carries them."""
+    save_addrs(state, addrs)
+    console.print(f"addresses as members see them: {', '.join(addrs[:3])}")
+    if net.m is not None and load_token(state) is not None:
+        save_token(state, net.mint_token(ttl_s).encode())
+
+
+def mesh_model(net: MeshNet, now: float) -> ModelFacts | None:
+    """The model the mesh serves (its host's first), from the live records."""
+    core = net.core
+    if core is None:
+        return None
+    recs = [r for r in core.table.alive(now) if r.model is not None and r.role != Role.CLIENT]
+    recs.sort(key=lambda r: (r.role != Role.HOST, r.node))
+    return recs[0].model if recs else None
+
+
+async def find_mesh_model(net: MeshNet, where_opt: Path | None, console: Console) -> tuple[Path, ModelFacts] | None:
+    """Joined without --model: the mesh's model on this machine, by fingerprint (any file name), or None with a
+    line saying why this node stays a lite client."""
+    facts = None
+    for _ in range(40):
+        if (facts := mesh_model(net, time.time())) is not None:
+            break
+        await asyncio.sleep(0.25)
+    if facts is None:
+        console.print("[yellow]the mesh serves no model yet: staying a lite client[/]")
+        return None
+    where = models_dir(where_opt)
+    found = await asyncio.to_thread(find_by_fingerprint, where, facts.fingerprint, facts.size)
+    if found is None:
+        console.print(
+            f"[yellow]no copy of {facts.source} ({facts.size / GB:.2f} GB, fingerprint {facts.fingerprint[:12]}) in "
+            f"{where}: staying a lite client (downloading it is the [models] issue's work)[/]"
+        )
+        return None
+    return found, facts

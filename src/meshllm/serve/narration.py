@@ -1,0 +1,43 @@
+"""The lines a node prints on its console about the mesh: peers joining, leaving and dying, elections, plans, and
+the ready line with its agent launch lines. Formatting only: each function returns the text."""
+
+from __future__ import annotations
+
+from meshllm.proto import crypto
+from meshllm.proto.crypto import NodeId
+from meshllm.proto.gossip import PeerRecord
+from meshllm.proto.meshcore import EventKind
+from meshllm.proto.planner import GB, Plan, Waiting
+
+
+def name(node: NodeId, me: NodeId) -> str:
+    return crypto.short(node) + (" (me)" if node == me else "")
+
+
+def event_line(
+    kind: EventKind, node: NodeId, me: NodeId, detail: str, rec: PeerRecord | None, path: str, rtt: float | None
+) -> str | None:
+    """A mesh event as one console line (None: not worth one)."""
+    who = name(node, me)
+    if kind == EventKind.JOINED:
+        cap = f"{rec.capacity / GB:.1f} GB" if rec and rec.capacity else "no capacity"
+        return f"[green]+[/] peer {who} joined: {rec.role if rec else '?'}, {cap}, {path}" + (
+            f", RTT {rtt:.1f} ms" if rtt is not None else ""
+        )
+    if kind in (EventKind.LEFT, EventKind.DIED):
+        how = "left" if kind == EventKind.LEFT else "went silent and is declared dead"
+        return f"[red]-[/] peer {who} {how}"
+    if kind == EventKind.HOST:
+        return f"[bold]host elected:[/] {who}"
+    if kind == EventKind.REFUTED:
+        return f"[yellow]was declared dead by a peer; back as {detail}[/]"
+    return None
+
+
+def plan_line(p: Plan | Waiting, me: NodeId) -> str:
+    if isinstance(p, Waiting):
+        return f"[yellow]{p.message()}[/]"
+    parts = [f"{name(a.node, me)} layers {a.first}-{a.first + a.count - 1} ({a.bytes / GB:.2f} GB)"
+             for a in p.assignments if a.count]  # fmt: skip
+    standby = f"; standby: {', '.join(name(n, me) for n in p.standby)}" if p.standby else ""
+    return f"[bold]plan:[/] {'; '.join(parts)} + output on host{standby}"

@@ -1,0 +1,60 @@
+"""What a node is told at start: its options (from the command line), and the inputs checked before anything
+listens — the --join tokens, the memory it offers."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from meshllm.errors import UserError
+from meshllm.llama.build import Binaries
+from meshllm.llama.processes import device_listing
+from meshllm.proto import token as tok
+from meshllm.proto.capacity import Offer, offer, parse_devices
+from meshllm.proto.reach import RelayMode
+
+
+@dataclass
+class NodeOptions:
+    model: Path | None = None
+    client: bool = False
+    join: list[str] = field(default_factory=list)
+    state_dir: Path | None = None
+    bind_host: str = "0.0.0.0"
+    bind_port: int = 0
+    advertise: list[str] = field(default_factory=list)
+    relay: str | None = None  # --relay HOST:PORT
+    relay_mode: RelayMode = RelayMode.AUTO
+    token_ttl_s: float = 86400.0
+    max_vram_gb: float | None = None
+    ctx_size: int = 4096
+    tensor_split: list[float] | None = None
+    port: int = 9337
+    listen_all: bool = False
+    api_key: str | None = None
+    bins: Binaries | None = None  # None: a lite client
+    console_port: int | None = None  # --console [PORT]
+    draft: str | None = None  # --draft PATH|NAME
+    draft_max: int = 8
+    no_draft: bool = False
+    auto_model: bool = False  # joined without --model: serve the mesh's model if we have a copy
+    rpc_path: str = "auto"  # --rpc-path: "auto" (direct TLS where reachable, else tunnel) or "tunnel"
+    models_dir: Path | None = None
+
+
+async def measure_offer(bins: Binaries | None, max_gb: float | None) -> Offer:
+    """Measured once at start: the free memory of the accelerator llama.cpp sees (a CPU node: its RAM), capped by
+    ``--max-vram``."""
+    listing = await asyncio.to_thread(device_listing, bins) if bins is not None else ""
+    return offer(parse_devices(listing), psutil.virtual_memory().total, max_gb)
+
+
+def parse_tokens(texts: list[str], now: float, mesh_id: bytes | None) -> list[tok.Token]:
+    """Every --join token checked before anything starts: one clear line otherwise."""
+    try:
+        return [tok.check(tok.parse(t), now, mesh_id) for t in texts]
+    except tok.TokenError as e:
+        raise UserError(str(e)) from None
