@@ -110,3 +110,14 @@ def test_liveness_follows_the_heartbeat() -> None:
     push = t.push_all()
     assert isinstance(push, GossipPush) and len(push.tombstones) == 1
     assert dataclasses.replace(res.new_tombstones[0]).by == crypto.node_id(FOUNDER)
+
+
+def test_rtts_and_links_are_keyed_by_node_id_and_other_keys_are_dropped() -> None:
+    t = Table(crypto.node_id(FOUNDER), MESH)
+    k, c = member()
+    peer = crypto.node_id(crypto.new_key())
+    rtt = {peer: 3.5, crypto.short(peer): 1.0, b"short": 2.0}  # the log's short id is not a key any more
+    links = {peer: "direct", "x" * 8: "direct"}
+    t.merge_record(rec(k, c, rtt_ms=rtt, links=links), T)
+    r = t.entries[crypto.node_id(k)].record
+    assert r.rtt_ms == {peer: 3.5} and r.links == {peer: "direct"}

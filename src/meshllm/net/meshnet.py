@@ -17,12 +17,14 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Unpack
 
 import psutil
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshllm.errors import LocalProtocolError, MeshError, Refused, RemoteProtocolError
 from meshllm.net.endpoint import STREAM_AUTH, STREAM_GOSSIP, Addr, Conn, DialError, Endpoint, Stream, parse_addr
+from meshllm.net.netevents import CHANGED, Changed, Connected, MeshEvent, NetEvent
 from meshllm.net.traversal import Traversal
 from meshllm.proto import crypto, serving
 from meshllm.proto import token as tok
@@ -37,8 +39,8 @@ from meshllm.proto.auth import (
     make_proof,
 )
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.gossip import PeerRecord
-from meshllm.proto.meshcore import EventKind, MeshCore, Out
+from meshllm.proto.gossip import PeerRecord, RecordUpdate
+from meshllm.proto.meshcore import MeshCore, Out
 from meshllm.proto.reach import Observed, PunchRequest, RelayMode
 from meshllm.proto.wire import FrameDecoder, Message, encode
 from meshllm.state import Membership, save_membership
@@ -93,7 +95,6 @@ class MeshNet:
         *,
         bind: tuple[str, int] = ("0.0.0.0", 0),
         advertise: list[str] | None = None,
-        on_event: Callable[[EventKind, NodeId, str], None] | None = None,
         relay: RelayMode = RelayMode.AUTO,
         relay_hint: str | None = None,
     ) -> None:
@@ -105,24 +106,28 @@ class MeshNet:
         self.advertise = advertise
         self.ep = Endpoint(key, on_accept=self._on_accept, on_control=self._on_control)
         self.nat = Traversal(self, relay, relay_hint)
-        self.on_addrs: Callable[[list[str]], None] = lambda addrs: None
-        self.on_connect: Callable[[NodeId, str], None] = lambda node, path: None
+        self.events: asyncio.Queue[NetEvent] = asyncio.Queue()  # for the node's loop (net/netevents.py)
+        self._change_queued = False
         self.core: MeshCore | None = None
         self.peers: dict[NodeId, Conn] = {}
         self.gossip: dict[NodeId, Stream] = {}
         self.stream_handlers: dict[int, StreamHandler] = {}
-        self.on_event = on_event or (lambda kind, node, detail: None)
-        self.on_change: Callable[[], None] = lambda: None
         self._tasks: set[asyncio.Task[None]] = set()
         self._dialling: set[NodeId] = set()
         self.refusals: list[str] = []
-        self._pending_fields: dict[str, object] = {}
+        self._pending_fields: RecordUpdate = {}
         self.addrs: list[str] = []
 
     # ---------------------------------------------------------------- lifecycle
 
     @property
     def now(self) -> float:
+        """The mesh core's clock: monotonic, so a wall-clock step cannot age records or declare peers dead."""
+        return time.monotonic()
+
+    @staticmethod
+    def wall() -> float:
+        """Wall time, only where a signature carries it: token expiry, admission links."""
         return time.time()
 
     async def start(self) -> list[str]:
@@ -151,7 +156,8 @@ class MeshNet:
 
     def _make_core(self, m: Membership) -> MeshCore:
         self.core = MeshCore(key=self.key, mesh_id=m.mesh_id, chain=m.chain, incarnation=m.incarnation, now=self.now)
-        self.core.update(self.now, **{"addrs": tuple(self.all_addrs), **self._pending_fields})
+        first: RecordUpdate = {"addrs": tuple(self.all_addrs), **self._pending_fields}
+        self.core.update(self.now, **first)
         return self.core
 
     def _spawn(self, coro: Awaitable[None]) -> None:
@@ -180,12 +186,24 @@ class MeshNet:
         if self.core is not None:
             self.core.links[node] = how
 
-    def update(self, **fields: object) -> None:
+    def update(self, **fields: Unpack[RecordUpdate]) -> None:
         """Change our own gossip record (kept for later if we are not in a mesh yet)."""
         self._pending_fields.update(fields)
         if self.core is not None:
             self.send(self.core.update(self.now, **fields))
-        self.on_change()
+        self.emit(CHANGED)
+
+    def emit(self, ev: NetEvent) -> None:
+        """Queue ``ev`` for the node's loop; a Changed only when none is waiting (they carry nothing else)."""
+        if isinstance(ev, Changed):
+            if self._change_queued:
+                return
+            self._change_queued = True
+        self.events.put_nowait(ev)
+
+    def take_change(self) -> None:
+        """The node's loop took the queued Changed: the next change queues a new one."""
+        self._change_queued = False
 
     # ---------------------------------------------------------------- sending
 
@@ -215,7 +233,7 @@ class MeshNet:
                     self._spawn(self._dial_member(rec.node, list(rec.addrs)))
             self.nat.try_upgrades()
             self.flush_events()
-            self.on_change()
+            self.emit(CHANGED)
             await asyncio.sleep(TICK_S)
 
     def flush_events(self) -> None:
@@ -224,7 +242,7 @@ class MeshNet:
         for ev in self.core.events:
             if ev.kind in ("died", "left") and ev.node in self.peers:
                 self.peers[ev.node].close(f"peer {ev.kind}")  # if it lives, it refutes and reconnects
-            self.on_event(ev.kind, ev.node, ev.detail)
+            self.emit(MeshEvent(ev.kind, ev.node, ev.detail))
         self.core.events.clear()
 
     # ---------------------------------------------------------------- dialling
@@ -357,7 +375,7 @@ class MeshNet:
             return
         v = check_proof(
             key=self.key, my_chain=self.m.chain, mesh_id=self.m.mesh_id, secret=self.m.secret, hello=hello,
-            nonce=nonce, proof=proof, is_member=self.core.table.is_member, now=self.now,
+            nonce=nonce, proof=proof, is_member=self.core.table.is_member, now=self.wall(),
         )  # fmt: skip
         if not v.ok:
             self._refused(conn, hello.dialler, v.reason)
@@ -387,7 +405,7 @@ class MeshNet:
         conn.set_authenticated()
         self.peers[node] = conn
         self.set_link(node, f"relay {crypto.short(conn.relay)}" if conn.relay else "direct")
-        self.on_connect(node, conn.path)
+        self.emit(Connected(node, conn.path))
         if not listener:
             st = conn.open_stream(STREAM_GOSSIP)
             self._start_gossip(conn, node, st)
@@ -445,7 +463,7 @@ class MeshNet:
 
     def mint_token(self, ttl_s: float) -> tok.Token:
         assert self.m is not None
-        return tok.mint(self.key, self.m.mesh_id, self.m.secret, self.all_addrs, self.now, ttl_s)
+        return tok.mint(self.key, self.m.mesh_id, self.m.secret, self.all_addrs, self.wall(), ttl_s)
 
 
 def new_mesh(key: Ed25519PrivateKey, now: float) -> Membership:

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, Unpack
 
 import psutil
 
 from meshllm.net.endpoint import Addr, Conn, DialError, Endpoint, Stream, try_addr
+from meshllm.net.netevents import AddrsLearned, Connected, NetEvent
 from meshllm.proto import crypto
 from meshllm.proto import token as tok
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.gossip import PeerRecord
+from meshllm.proto.gossip import PeerRecord, RecordUpdate
 from meshllm.proto.meshcore import Out
 from meshllm.proto.reach import (
     PROBE_EVERY_S,
@@ -48,14 +48,13 @@ class MeshSide(Protocol):
     gossip: dict[NodeId, Stream]  # members we exchange gossip with
     ep: Endpoint
     addrs: list[str]  # our configured (not reflexive) addresses
-    on_connect: Callable[[NodeId, str], None]
-    on_addrs: Callable[[list[str]], None]
 
     def record(self, node: NodeId) -> PeerRecord | None: ...
     def rtt_ms(self, node: NodeId) -> float | None: ...
     def set_link(self, node: NodeId, how: str) -> None: ...
     def send(self, out: Out) -> None: ...
-    def update(self, **fields: object) -> None: ...
+    def update(self, **fields: Unpack[RecordUpdate]) -> None: ...
+    def emit(self, ev: NetEvent) -> None: ...
     async def dial_any(self, node: NodeId, addrs: list[str], timeout: float = 3.0) -> Conn: ...
 
 
@@ -112,7 +111,7 @@ class Traversal:
     def _connected_to(self, member: NodeId, node: NodeId) -> bool:
         """Does ``member``'s record say it has a connection to ``node``?"""
         rec = self.net.record(member)
-        return rec is not None and crypto.short(node) in {*rec.links, *rec.rtt_ms}
+        return rec is not None and node in {*rec.links, *rec.rtt_ms}
 
     def _rendezvous_for(self, node: NodeId) -> list[NodeId]:
         """Members that can pass a punch request to ``node``: those that say they are connected to it first."""
@@ -208,7 +207,7 @@ class Traversal:
             conn.go_direct(h.confirmed)  # the relayed connection moves onto the punched path
             self.puncher.quiet(h.peer)
             self.net.set_link(h.peer, "direct")
-            self.net.on_connect(h.peer, conn.path)
+            self.net.emit(Connected(h.peer, conn.path))
         elif h.dial is not None and h.peer in self._punch_found:
             self._punch_found[h.peer].put_nowait(h.dial)
 
@@ -237,7 +236,7 @@ class Traversal:
             self.reflexive = reflexive
             log.info("%s sees us at %s", crypto.short(sender), msg.addr)
             self.net.update(addrs=tuple(self.all_addrs), reflexive=tuple(self.reflexive))
-            self.net.on_addrs(self.all_addrs)
+            self.net.emit(AddrsLearned(tuple(self.all_addrs)))
 
     @property
     def all_addrs(self) -> list[str]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -61,6 +61,25 @@ class NodeState(StrEnum):
     LEAVING = "leaving"
 
 
+class RecordUpdate(TypedDict, total=False):
+    """The fields of its own record a node may change (``MeshCore.update``); the rest (id, incarnation, seq,
+    chain) only the core sets."""
+
+    role: Role
+    addrs: tuple[str, ...]
+    capacity: int
+    device: str
+    model: ModelFacts | None
+    state: NodeState
+    version: str
+    rtt_ms: dict[NodeId, float]
+    links: dict[NodeId, str]
+    relay: bool
+    reflexive: tuple[str, ...]
+    host: NodeId | None
+    left: bool
+
+
 @dataclass(frozen=True)
 class PeerRecord:
     node: NodeId
@@ -73,8 +92,8 @@ class PeerRecord:
     model: ModelFacts | None = None
     state: NodeState = NodeState.STARTING
     version: str = ""
-    rtt_ms: dict[str, float] = field(default_factory=dict)  # short node id -> RTT
-    links: dict[str, str] = field(default_factory=dict)  # short node id -> "direct" or "relay <short id>"
+    rtt_ms: dict[NodeId, float] = field(default_factory=dict)  # peer -> RTT as this node measured it
+    links: dict[NodeId, str] = field(default_factory=dict)  # peer -> "direct" or "relay <short id>" (for people)
     relay: bool = False  # relays datagrams between members (publicly reachable, or --relay-server)
     reflexive: tuple[str, ...] = ()  # of addrs, those members see this node at behind a NAT (dial only after punching)
     host: NodeId | None = None  # who this node believes hosts its model
@@ -111,6 +130,10 @@ def _field(d: dict[str, Any], k: str, tp: type | tuple[type, ...]) -> Any:
     if not isinstance(v, tp) or (isinstance(v, bool) and tp in (int, float)):
         raise RemoteProtocolError(f"record field {k} has the wrong type")
     return v
+
+
+def _is_id(k: object) -> bool:
+    return isinstance(k, bytes) and len(k) == 32
 
 
 def open_record(raw: bytes) -> tuple[bytes, bytes, dict[str, Any]]:
@@ -170,8 +193,8 @@ def record_from_wire(
         node=node, incarnation=_field(d, "inc", int), seq=_field(d, "seq", int), role=_enum(d, "role", Role),
         addrs=tuple(str(a) for a in _field(d, "addrs", list)[:16]), capacity=_field(d, "cap", int),
         device=_field(d, "dev", str), model=model, state=_enum(d, "state", NodeState), version=_field(d, "ver", str),
-        rtt_ms={str(k): float(v) for k, v in list(rtt.items())[:64] if isinstance(v, int | float)},
-        links={str(k): str(v)[:40] for k, v in list(_field(d, "links", dict).items())[:64]},
+        rtt_ms={k: float(v) for k, v in list(rtt.items())[:64] if _is_id(k) and isinstance(v, int | float)},
+        links={k: str(v)[:40] for k, v in list(_field(d, "links", dict).items())[:64] if _is_id(k)},
         relay=_field(d, "relay", bool), reflexive=tuple(str(a) for a in _field(d, "nat", list)[:4]),
         host=host, chain=tuple(chain), left=_field(d, "left", bool),
     )  # fmt: skip

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Unpack
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -26,6 +27,7 @@ from meshllm.proto.gossip import (
     PeerRecord,
     Ping,
     Pong,
+    RecordUpdate,
     Role,
     Table,
     Tombstone,
@@ -91,12 +93,13 @@ class MeshCore:
     def _sign(self) -> None:
         self._raw_self = self.record.to_wire(self.key)
 
-    def update(self, now: float, **fields: object) -> Out:
+    def update(self, now: float, **fields: Unpack[RecordUpdate]) -> Out:
         """Change our own record (role, state, model, ...) and tell every peer."""
-        for name, kind in (("role", Role), ("state", NodeState)):
-            if name in fields:
-                fields[name] = kind(str(fields[name]))  # a bad value is our bug: ValueError, loud
-        self.record = dataclasses.replace(self.record, seq=self.record.seq + 1, **fields)  # type: ignore[arg-type]
+        if "role" in fields:
+            fields["role"] = Role(fields["role"])  # a bad value is our bug: ValueError, loud
+        if "state" in fields:
+            fields["state"] = NodeState(fields["state"])
+        self.record = dataclasses.replace(self.record, seq=self.record.seq + 1, **fields)
         self._sign()
         self._last_beat = now
         return self._to_all(GossipPush(records=[self._raw_self]))
@@ -161,8 +164,8 @@ class MeshCore:
     def tick(self, now: float) -> Out:
         out: Out = []
         if now - self._last_beat >= HEARTBEAT_S:
-            rtt = {crypto.short(p): round(v, 2) for p, v in self.rtt_ms.items()}
-            links = {crypto.short(p): v for p, v in self.links.items() if p in self.peers}
+            rtt = {p: round(v, 2) for p, v in self.rtt_ms.items()}
+            links = {p: v for p, v in self.links.items() if p in self.peers}
             out += self.update(now, rtt_ms=rtt, links=links)
             out += [(p, Ping(t=now)) for p in sorted(self.peers)]
         before = set(self.table.entries)

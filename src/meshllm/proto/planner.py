@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshllm.proto import crypto
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import PeerRecord, Role
 
@@ -210,5 +209,5 @@ def slots_for(records: list[PeerRecord], host: NodeId, fingerprint: str) -> tupl
     if host_rec is None:
         return None
     rtt = host_rec.rtt_ms
-    others = [Slot(r.node, r.capacity, rtt.get(crypto.short(r.node), 0.0)) for r in recs if r.node != host]
+    others = [Slot(r.node, r.capacity, rtt.get(r.node, 0.0)) for r in recs if r.node != host]
     return Slot(host, host_rec.capacity), others

@@ -11,13 +11,14 @@ from pathlib import Path
 from rich.console import Console
 
 from meshllm.errors import MeshError, UserError
+from meshllm.llama.gguf import model_shape, read_header
 from meshllm.net.meshnet import MeshNet
 from meshllm.paths import models_dir
 from meshllm.proto import crypto
 from meshllm.proto import token as tok
 from meshllm.proto.gossip import ModelFacts, Role
-from meshllm.proto.planner import GB
-from meshllm.serve.modelfiles import find_by_fingerprint
+from meshllm.proto.planner import GB, ModelShape
+from meshllm.serve.modelfiles import ModelFiles, find_by_fingerprint
 from meshllm.state import load_token, save_addrs, save_token
 
 
@@ -63,12 +64,14 @@ def mesh_model(net: MeshNet, now: float) -> ModelFacts | None:
     return recs[0].model if recs else None
 
 
-async def find_mesh_model(net: MeshNet, where_opt: Path | None, console: Console) -> tuple[Path, ModelFacts] | None:
+async def find_mesh_model(
+    net: MeshNet, where_opt: Path | None, can_serve: bool, console: Console
+) -> tuple[ModelFiles, ModelShape] | None:
     """Joined without --model: the mesh's model on this machine, by fingerprint (any file name), or None with a
-    line saying why this node stays a lite client."""
+    line saying why this node stays a lite client (``can_serve``: we have llama.cpp binaries)."""
     facts = None
     for _ in range(40):
-        if (facts := mesh_model(net, time.time())) is not None:
+        if (facts := mesh_model(net, time.monotonic())) is not None:
             break
         await asyncio.sleep(0.25)
     if facts is None:
@@ -82,4 +85,8 @@ async def find_mesh_model(net: MeshNet, where_opt: Path | None, console: Console
             f"{where}: staying a lite client (downloading it is the [models] issue's work)[/]"
         )
         return None
-    return found, facts
+    if not can_serve:
+        console.print("[yellow]found the model but no llama.cpp binaries: staying a lite client[/]")
+        return None
+    console.print(f"found the mesh's model {facts.source} as {found} (same fingerprint): joining as a worker")
+    return ModelFiles(found, facts), model_shape(read_header(found))

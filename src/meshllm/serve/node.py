@@ -18,10 +18,10 @@ from rich.console import Console
 
 from meshllm import __version__
 from meshllm.errors import UserError
-from meshllm.llama.gguf import model_shape, read_header
 from meshllm.llama.processes import port_in_use
 from meshllm.net.endpoint import STREAM_HTTP, STREAM_RPC, STREAM_RPC_KEY
 from meshllm.net.meshnet import MeshNet, new_mesh
+from meshllm.net.netevents import CHANGED, AddrsLearned, Changed, Connected, MeshEvent
 from meshllm.paths import state_dir as default_state_dir
 from meshllm.proto import crypto
 from meshllm.proto import token as tok
@@ -69,7 +69,6 @@ class Node:
         self.elections = 0
         # joins come in bursts and a new plan costs a model load: adopt one once it has held for a moment
         self._plan_debounce = Debouncer[Plan | Waiting](PLAN_DEBOUNCE_S, first_at_once=True)
-        self._last_status = ""
         self._stop = asyncio.Event()
 
     @property
@@ -79,7 +78,7 @@ class Node:
     # ---------------------------------------------------------------- setup (before anything listens)
 
     def prepare(self) -> list[tok.Token]:
-        now = time.time()
+        now = time.time()  # wall: token expiry and the mesh's founding link
         check_dir(self.state)  # before anything is written: the tokens first
         if port_in_use(self.o.port, self.api_host):
             raise UserError(f"port {self.o.port} is in use: stop what runs there or pass --port N")
@@ -99,14 +98,11 @@ class Node:
             save_membership(self.state, m)
         self.net = MeshNet(
             self.key, m, self.state, bind=(self.o.bind_host, self.o.bind_port),
-            advertise=self.o.advertise or None, on_event=self._on_event, relay=self.o.relay_mode,
+            advertise=self.o.advertise or None, relay=self.o.relay_mode,
             relay_hint=self.o.relay,
         )  # fmt: skip
-        self.net.on_change = self._on_change
-        self.net.on_addrs = self._on_addrs
-        self.net.on_connect = self._on_connect
-        o = self.o
-        self.hosting = Hosting(self.net, o.bins, self.state, o.ctx_size, o.draft_max, self._on_change,
+        o, net = self.o, self.net
+        self.hosting = Hosting(net, o.bins, self.state, o.ctx_size, o.draft_max, lambda: net.emit(CHANGED),
                                lambda: self.host, o.rpc_path)  # fmt: skip
         return tokens
 
@@ -115,6 +111,7 @@ class Node:
     async def run(self) -> int:
         tokens = self.prepare()
         assert self.net is not None and self.hosting is not None
+        events = asyncio.ensure_future(self._events())
         await self._start_api()
         self.report = Report(self.net, self.hosting, self.api, self.api_host, self.o.port)
         self.net.stream_handlers[STREAM_RPC] = self.hosting.on_rpc_stream
@@ -142,7 +139,7 @@ class Node:
             from meshllm.serve.console import start_console
 
             self.web_console = await start_console(
-                self.o.console_port, lambda: self.status(time.time()), lambda: load_token(self.state),
+                self.o.console_port, lambda: self.status(time.monotonic()), lambda: load_token(self.state),
                 f"http://127.0.0.1:{self.o.port}/v1", self.o.api_key, self.console,
             )  # fmt: skip
         if self.o.auto_model:
@@ -152,6 +149,7 @@ class Node:
             loop.add_signal_handler(sig, self._stop.set)
         await self._stop.wait()
         self.console.print("leaving the mesh")
+        events.cancel()
         await self.net.stop(leave=True)
         await self.hosting.stop()
         if self.api:
@@ -161,8 +159,11 @@ class Node:
         return 0
 
     async def _start_api(self) -> None:
-        self.api = Api(self._route, self._models, lambda: self.status(time.time()), api_key=self.o.api_key,
-                       metrics=self._metrics)  # fmt: skip
+        def metrics() -> str:
+            return self.report.metrics(self.me, self.elections, time.monotonic()) if self.report else ""
+
+        self.api = Api(self._route, self._models, lambda: self.status(time.monotonic()), api_key=self.o.api_key,
+                       metrics=metrics)  # fmt: skip
         try:
             await self.api.start(self.api_host, self.o.port)
         except OSError as e:
@@ -172,11 +173,11 @@ class Node:
 
     def _models(self) -> list[str]:
         core = self.net.core if self.net else None
-        return sorted({r.model.source for r in core.alive(time.time()) if r.model}) if core else []
+        return sorted({r.model.source for r in core.alive(time.monotonic()) if r.model}) if core else []
 
     def _serving_host(self, model: str | None) -> NodeId | None:
         core = self.net.core if self.net else None
-        return core.serving_host(model, time.time()) if core else None
+        return core.serving_host(model, time.monotonic()) if core else None
 
     def _route(self, model: str | None) -> Upstream | Unavailable | None:
         assert self.hosting is not None
@@ -189,18 +190,11 @@ class Node:
     async def _adopt_model(self) -> None:
         """Joined without --model: serve the mesh's model as a worker if this machine has a copy."""
         assert self.net is not None and self.hosting is not None
-        found = await find_mesh_model(self.net, self.o.models_dir, self.console)
-        if found is None:
-            return
-        path, facts = found
-        if self.o.bins is None:
-            self.console.print("[yellow]found the model but no llama.cpp binaries: staying a lite client[/]")
-            return
-        self.console.print(f"found the mesh's model {facts.source} as {path} (same fingerprint): joining as a worker")
-        self.shape = model_shape(read_header(path))
-        self.model = ModelFiles(path, facts)
-        await self.hosting.start_rpc_server(self.model, self.offer.use)
-        self.net.update(role=Role.WORKER, capacity=self.capacity, model=facts)
+        found = await find_mesh_model(self.net, self.o.models_dir, self.o.bins is not None, self.console)
+        if found is not None:
+            self.model, self.shape = found
+            await self.hosting.start_rpc_server(self.model, self.offer.use)
+            self.net.update(role=Role.WORKER, capacity=self.capacity, model=self.model.facts)
 
     # ---------------------------------------------------------------- mesh events
 
@@ -208,30 +202,40 @@ class Node:
         assert self.net is not None and self.net.core is not None
         return self.net.core.record if node == self.me else self.net.record(node)
 
-    def _on_event(self, kind: EventKind, node: NodeId, detail: str) -> None:
+    async def _events(self) -> None:
+        """The node's one loop: the mesh's events, in order, each applied here."""
+        assert self.net is not None
+        while True:
+            ev = await self.net.events.get()
+            try:
+                if isinstance(ev, Changed):
+                    self.net.take_change()
+                    self._on_change()
+                elif isinstance(ev, MeshEvent):
+                    self._on_event(ev)
+                elif isinstance(ev, Connected):
+                    self.console.print(f"[cyan]~[/] connected to {narration.name(ev.node, self.me)}: {ev.path}")
+                elif isinstance(ev, AddrsLearned):
+                    addresses_learned(self.net, self.state, list(ev.addrs), self.o.token_ttl_s, self.console)
+            except Exception:  # our own bug: loud, and the node goes on with the next event
+                log.exception("BUG: applying %s", ev)
+
+    def _on_event(self, ev: MeshEvent) -> None:
         assert self.net is not None and self.net.core is not None
-        if kind == EventKind.HOST:
+        if ev.kind == EventKind.HOST:
             self.elections += 1
-        conn = self.net.peers.get(node)
+        conn = self.net.peers.get(ev.node)
         path = conn.path if conn else "not connected yet"
-        line = narration.event_line(
-            kind, node, self.me, detail, self._record(node), path, self.net.core.rtt_ms.get(node)
-        )
+        rtt = self.net.core.rtt_ms.get(ev.node)
+        line = narration.event_line(ev.kind, ev.node, self.me, ev.detail, self._record(ev.node), path, rtt)
         if line:
             self.console.print(line)
-
-    def _on_connect(self, node: NodeId, path: str) -> None:
-        self.console.print(f"[cyan]~[/] connected to {narration.name(node, self.me)}: {path}")
-
-    def _on_addrs(self, addrs: list[str]) -> None:
-        assert self.net is not None
-        addresses_learned(self.net, self.state, addrs, self.o.token_ttl_s, self.console)
 
     def _on_change(self) -> None:
         net, hosting = self.net, self.hosting
         if net is None or net.core is None or hosting is None:
             return
-        now = time.time()
+        now = time.monotonic()
         host = net.core.elected_host(now)
         net.flush_events()
         if host != self.host:
@@ -246,7 +250,8 @@ class Node:
         remote = self._serving_host(None)
         if remote is not None:
             hosting.open_http_listener(remote)  # ready before the first request
-        self._write_status(now)
+        if self.report is not None:
+            self.report.save(self._view(), now, self.state)
 
     def _say_ready(self) -> None:
         model = self.facts.source if self.facts else "?"
@@ -283,13 +288,6 @@ class Node:
     def status(self, now: float) -> dict[str, object]:
         assert self.report is not None
         return self.report.status(self._view(), now)
-
-    def _metrics(self) -> str:
-        return self.report.metrics(self.me, self.elections, time.time()) if self.report else ""
-
-    def _write_status(self, now: float) -> None:
-        if self.report is not None:
-            self.report.save(self._view(), now, self.state)
 
 
 def run_node(opts: NodeOptions, console: Console) -> int:

@@ -62,7 +62,7 @@ class Report:
                 "model": r.model.fingerprint if r.model else None,
                 "path": "self" if r.node == v.me else (conn.path if conn else "not connected"),
                 "pinned_key": (k.hex() if (k := conn.pinned_key) else None) if conn else None,
-                "links": r.links, "relay": r.relay,
+                "links": {crypto.short(k): v for k, v in r.links.items()}, "relay": r.relay,
                 "rtt_ms": core.rtt_ms.get(r.node),
                 "tunnel": self.hosting.tunnel_counts(r.node),
                 "rpc_path": self.hosting.rpc_path_of(r.node) or None,  # host: how llama-server reaches it
