@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from meshllm.serve import webguard
 from meshllm.serve.metrics import Counters
 
 log = logging.getLogger("meshllm.api")
@@ -105,6 +106,7 @@ class Api:
         status: Callable[[], dict[str, object]],
         api_key: str | None = None,
         metrics: Callable[[], str] | None = None,
+        listen_all: bool = False,
     ) -> None:
         self.router = router
         self.metrics = metrics
@@ -115,7 +117,8 @@ class Api:
         self.requests: dict[int, int] = {}
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
-        self.app = web.Application(middlewares=[self._auth], client_max_size=64 << 20)
+        guard = webguard.middleware(listen_all)  # web pages of other sites, DNS rebinding (serve/webguard.py)
+        self.app = web.Application(middlewares=[guard, self._auth], client_max_size=64 << 20)  # type: ignore[list-item]
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/v1/models", self.list_models)
         self.app.router.add_get("/mesh/status", self.mesh_status)
@@ -207,15 +210,17 @@ class Api:
     async def _forward(self, request: web.Request, up: Upstream, body: bytes) -> web.StreamResponse | str:
         """The upstream's response streamed to the client, or why it failed before anything was sent."""
         assert self._session is not None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS | {"authorization"}}
+        drop = HOP_HEADERS | {"authorization", "origin", "referer", "cookie"}
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in drop}
         url = up.base_url + request.path_qs
         resp: web.StreamResponse | None = None
         try:
             async with self._session.request(request.method, url, data=body or None, headers=headers) as r:
                 resp = web.StreamResponse(status=r.status)
-                for k, v in r.headers.items():
+                for k, v in webguard.strip_cors(dict(r.headers)).items():
                     if k.lower() not in HOP_HEADERS:
                         resp.headers[k] = v
+                resp.headers.update(webguard.cors_for(request))
                 await resp.prepare(request)
                 tally = _TokenTally("event-stream" in r.headers.get("Content-Type", ""))
                 try:

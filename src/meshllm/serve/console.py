@@ -17,8 +17,10 @@ from aiohttp import web
 from rich.console import Console as RichConsole
 
 from meshllm.errors import UserError
+from meshllm.serve import webguard
 
 STATIC = ("console.html", "console.js", "console.css")
+MAX_CHAT_TOKENS = 4096  # the console's chat box adds the API key itself: it must not pass on what a page asks
 TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
 
 
@@ -29,7 +31,7 @@ class Console:
         self.token = token
         self.api_url = api_url
         self.api_key = api_key
-        self.app = web.Application()
+        self.app = web.Application(middlewares=[webguard.middleware(False)])  # type: ignore[list-item]
         self.app.router.add_get("/", self.index)
         self.app.router.add_get("/static/{name}", self.static)
         self.app.router.add_get("/events", self.events)
@@ -85,8 +87,14 @@ class Console:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         assert self._session is not None
-        body = await request.json()
-        body = {"messages": body.get("messages", []), "stream": True, "max_tokens": int(body.get("max_tokens", 256))}
+        if request.content_type != "application/json":  # a cross-site form or text/plain POST needs no preflight
+            return web.json_response({"error": "Content-Type must be application/json"}, status=415)
+        try:
+            got = await request.json()
+            msgs, n = got.get("messages", []), int(got.get("max_tokens", 256))
+        except (ValueError, TypeError, AttributeError):
+            return web.json_response({"error": "expected {messages, max_tokens}"}, status=400)
+        body = {"messages": msgs, "stream": True, "max_tokens": max(1, min(n, MAX_CHAT_TOKENS))}
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"

@@ -163,7 +163,7 @@ class Node:
             return self.report.metrics(self.me, self.elections, time.monotonic()) if self.report else ""
 
         self.api = Api(self._route, self._models, lambda: self.status(time.monotonic()), api_key=self.o.api_key,
-                       metrics=metrics)  # fmt: skip
+                       metrics=metrics, listen_all=self.o.listen_all)  # fmt: skip
         try:
             await self.api.start(self.api_host, self.o.port)
         except OSError as e:

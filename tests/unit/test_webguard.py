@@ -1,0 +1,28 @@
+"""[trust] What a web page in the browser may ask of the API and the console (serve/webguard.py)."""
+
+from __future__ import annotations
+
+from meshllm.serve.webguard import host_ok, origin_ok, strip_cors
+
+
+def test_only_loopback_hosts_on_a_loopback_server() -> None:
+    for host in ("127.0.0.1:9337", "localhost:9337", "LOCALHOST", "[::1]:9337", "127.0.0.1", None, ""):
+        assert host_ok(host, listen_all=False), host
+    for host in ("rebind.evil.example", "rebind.evil.example:9337", "127.0.0.1.evil.example", "10.0.0.2:9337",
+                 "localhost.evil.example:9337", "[::2]:9337"):  # fmt: skip
+        assert not host_ok(host, listen_all=False), host
+        assert host_ok(host, listen_all=True), host  # --listen-all: any name, the API key decides
+
+
+def test_only_loopback_origins_and_no_origin_at_all() -> None:
+    for origin in (None, "http://localhost:5173", "http://127.0.0.1:3131", "https://localhost", "http://[::1]:8080"):
+        assert origin_ok(origin), origin
+    for origin in ("https://evil.example", "http://127.0.0.1.evil.example", "null", "file://", "ftp://localhost",
+                   "http://localhost.evil.example", "", "http://[::1"):  # fmt: skip
+        assert not origin_ok(origin), origin
+
+
+def test_the_upstreams_cors_headers_never_pass() -> None:
+    got = strip_cors({"Access-Control-Allow-Origin": "https://evil.example", "access-control-allow-credentials": "true",
+                      "Content-Type": "application/json"})  # fmt: skip
+    assert got == {"Content-Type": "application/json"}
