@@ -121,3 +121,37 @@ def test_rtts_and_links_are_keyed_by_node_id_and_other_keys_are_dropped() -> Non
     t.merge_record(rec(k, c, rtt_ms=rtt, links=links), T)
     r = t.entries[crypto.node_id(k)].record
     assert r.rtt_ms == {peer: 3.5} and r.links == {peer: "direct"}
+
+
+def test_forged_tombstones_bury_nobody() -> None:
+    """[trust] audit finding 5: a tombstone signed by any key was taken and forwarded, and one for a life far ahead
+    kept its node out for good. Now: the signer must be a known member, and only a life seen may be buried."""
+    me = crypto.new_key()
+    t = Table(crypto.node_id(me), MESH)
+    t.my_incarnation = 1
+    victim_key, vc = member()
+    signer_key, sc = member()
+    victim, signer = crypto.node_id(victim_key), crypto.node_id(signer_key)
+    t.merge_record(rec(victim_key, vc, inc=1), T)
+    t.merge_record(rec(signer_key, sc, inc=1), T)
+
+    def push(tomb: Tombstone) -> list[str]:
+        return t.merge_push(GossipPush(tombstones=[tomb.to_wire()]), T).dropped
+
+    stranger = crypto.new_key()  # a valid signature, but no member's
+    assert push(Tombstone(victim, 1, crypto.node_id(stranger), T).signed(stranger)) == [
+        "tombstone signed by a node that is not a known member"
+    ]
+    far = Tombstone(victim, 2**62, signer, T).signed(signer_key)  # a member, but a life nobody has seen
+    assert push(far) == ["tombstone for a life not seen yet"]
+    unknown = crypto.node_id(crypto.new_key())
+    assert push(Tombstone(unknown, 1, signer, T).signed(signer_key)) == ["tombstone for a node we do not know"]
+    assert victim in t.entries and not t.tombstones  # nothing buried, nothing to forward
+    # our own future life: not refuted (a refutation would follow the forger's number)
+    res = t.merge_push(
+        GossipPush(tombstones=[Tombstone(crypto.node_id(me), 2**62, signer, T).signed(signer_key).to_wire()]), T
+    )
+    assert not res.refuted and res.dropped == ["tombstone for a life of ours not being lived"]
+    # a member burying the current life still works (a real death), and the next life comes back
+    assert push(Tombstone(victim, 1, signer, T).signed(signer_key)) == [] and victim not in t.entries
+    assert t.merge_record(rec(victim_key, vc, inc=2), T).changed == [victim]

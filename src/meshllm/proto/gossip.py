@@ -288,6 +288,7 @@ class Table:
         self.leaves: dict[NodeId, bytes] = {}  # signed leave records (self-issued tombstones)
         self._chains_ok: set[bytes] = set()
         self.graveyard: dict[NodeId, PeerRecord] = {}  # last record of nodes declared dead, until forgotten
+        self.my_incarnation = 0  # our own current life (MeshCore keeps it): only it can be buried
 
     # -- merging
 
@@ -345,13 +346,36 @@ class Table:
         res.new_tombstones.append(t)
         return res
 
+    def tombstone_refused(self, t: Tombstone) -> str | None:
+        """Why a tombstone from the wire is refused (None: taken). Its signer must be a member we have held a
+        verified record of (alive, or buried: after a partition both sides have buried the other, and their
+        tombstones are how they find each other again), and it may bury only a life we have seen (ours: the current
+        one): a forged tombstone for a life far ahead would otherwise keep a node out for good, restarts included."""
+        if t.by != self.me and not (t.by in self.entries or t.by in self.graveyard or t.by in self.tombstones):
+            return "tombstone signed by a node that is not a known member"
+        if t.node == self.me:
+            return None if t.incarnation == self.my_incarnation else "tombstone for a life of ours not being lived"
+        e = self.entries.get(t.node)
+        known = e.record if e is not None else self.graveyard.get(t.node)
+        if known is None:
+            return "tombstone for a node we do not know"
+        if t.incarnation > known.incarnation:
+            return "tombstone for a life not seen yet"
+        return None
+
     def merge_push(self, push: GossipPush, now: float) -> MergeResult:
         res = MergeResult()
         for obj in push.tombstones[:MAX_RECORDS]:
             try:
-                self.add_tombstone(tombstone_from_wire(obj), now, res)
+                t = tombstone_from_wire(obj)
             except RemoteProtocolError as e:
                 res.dropped.append(str(e))
+                continue
+            why = self.tombstone_refused(t)
+            if why is None:
+                self.add_tombstone(t, now, res)
+            elif not (t.node in self.tombstones and self.tombstones[t.node].incarnation >= t.incarnation):
+                res.dropped.append(why)  # (one we already hold, forwarded back to us, is no news)
         for raw in push.records[:MAX_RECORDS]:
             self.merge_record(raw, now, res)
         return res

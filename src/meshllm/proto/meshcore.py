@@ -85,6 +85,7 @@ class MeshCore:
         self.me = crypto.node_id(self.key)
         self.table = Table(self.me, self.mesh_id)
         self.record = PeerRecord(node=self.me, incarnation=self.incarnation, seq=0, chain=tuple(self.chain))
+        self.table.my_incarnation = self.incarnation
         self._sign()
         self._last_beat = self.now
 
@@ -147,6 +148,7 @@ class MeshCore:
         if res.refuted:
             # someone buried our current life (a false death or a healed partition): come back as a new life
             self.incarnation += 1
+            self.table.my_incarnation = self.incarnation
             self.events.append(Event(EventKind.REFUTED, self.me, f"incarnation {self.incarnation}"))
             self.record = dataclasses.replace(self.record, incarnation=self.incarnation, seq=0)
             self._sign()
