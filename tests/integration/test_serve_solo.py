@@ -103,6 +103,21 @@ def test_solo_answers_like_llama_server_itself(solo: Solo) -> None:
     status, st = _get(solo.port, "/mesh/status")
     assert status == 200 and st["role"] == "host"
 
+    # what the OpenAI SDK reads: model objects (retrieve too), errors with a string code and the field at fault
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{solo.port}/v1", api_key="unused")
+    m = client.models.retrieve("gemma3-270m")
+    assert m.id == "gemma3-270m" and m.created > 0 and m.owned_by == "mesh-llm"
+    with pytest.raises(openai.NotFoundError) as nf:
+        client.models.retrieve("no-such-model")
+    assert nf.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as nf:
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+    assert nf.value.code == "model_not_found" and nf.value.param == "model"
+    code, err = _post(solo.port, "/v1/completions", {"model": "gemma3-270m", "max_tokens": 1})  # no prompt
+    assert code == 400 and err["error"]["param"] == "prompt", err  # type: ignore[index]
+    assert "json.exception" not in json.dumps(err)  # not llama-server's JSON library talking
+
 
 def test_streaming_arrives_token_by_token(solo: Solo) -> None:
     solo.wait_ready()

@@ -261,6 +261,8 @@ class MeshNet:
             if t not in targets:
                 targets.append(t)
         tasks = [asyncio.ensure_future(self.ep.dial(t, node, timeout=timeout)) for t in targets]
+        for task in tasks:  # a loser that fails after we stopped listening (shutdown) is not an unretrieved error
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
         won: Conn | None = None
         try:
             for fut in asyncio.as_completed(tasks):

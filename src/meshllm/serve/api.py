@@ -11,6 +11,7 @@ import asyncio
 import hmac
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -94,8 +95,23 @@ def _json(status: int, obj: object, headers: dict[str, str] | None = None) -> we
     return web.Response(status=status, text=json.dumps(obj), content_type="application/json", headers=headers)
 
 
-def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> web.Response:
-    return _json(status, {"error": {"message": message, "type": kind, "code": status}}, headers)
+def _error(
+    status: int,
+    message: str,
+    kind: str,
+    headers: dict[str, str] | None = None,
+    *,
+    code: str | None = None,
+    param: str | None = None,
+) -> web.Response:
+    """An error in OpenAI's shape: ``code`` a string such as "model_not_found" (or null), ``param`` the field at
+    fault (or null); what the SDKs read into their exceptions."""
+    err = {"message": message, "type": kind, "param": param, "code": code}
+    return _json(status, {"error": err}, headers)
+
+
+# what each endpoint cannot do without (llama-server's own answer would leak its JSON library's exception text)
+REQUIRED = {"/v1/completions": ("prompt", (str, list)), "/v1/chat/completions": ("messages", (list,))}
 
 
 class Api:
@@ -121,6 +137,8 @@ class Api:
         self.app = web.Application(middlewares=[guard, self._auth], client_max_size=64 << 20)  # type: ignore[list-item]
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/v1/models", self.list_models)
+        self.app.router.add_get("/v1/models/{model:.+}", self.get_model)
+        self.created = int(time.time())  # the models' "created" (OpenAI's model objects carry one)
         self.app.router.add_get("/mesh/status", self.mesh_status)
         self.app.router.add_get("/metrics", self.get_metrics)
         self.app.router.add_route("*", "/v1/{tail:.*}", self.proxy)
@@ -145,7 +163,8 @@ class Api:
             got = request.headers.get("Authorization", "")
             expected = f"Bearer {self.api_key}"
             if not hmac.compare_digest(got.encode(), expected.encode()):
-                return _error(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error")
+                return _error(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error",
+                              code="invalid_api_key")  # fmt: skip
         resp = await handler(request)
         self.requests[resp.status] = self.requests.get(resp.status, 0) + 1
         return resp
@@ -157,9 +176,18 @@ class Api:
         reason = up.reason if isinstance(up, Unavailable) else "no model"
         return _json(503, {"status": "unavailable", "reason": reason})
 
+    def _model(self, name: str) -> dict[str, object]:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "mesh-llm"}
+
     async def list_models(self, request: web.Request) -> web.Response:
-        data = [{"id": m, "object": "model", "owned_by": "mesh-llm"} for m in self.models()]
-        return _json(200, {"object": "list", "data": data})
+        return _json(200, {"object": "list", "data": [self._model(m) for m in self.models()]})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name not in self.models():
+            return _error(404, f"model {name!r} is not served by this mesh", "invalid_request_error",
+                          code="model_not_found", param="model")  # fmt: skip
+        return _json(200, self._model(name))
 
     async def get_metrics(self, request: web.Request) -> web.Response:
         text = self.metrics() if self.metrics else ""
@@ -179,12 +207,18 @@ class Api:
                 return _error(400, "request body is not valid JSON", "invalid_request_error")
             if isinstance(parsed, dict) and isinstance(parsed.get("model"), str):
                 model = parsed["model"]
+            need = REQUIRED.get(request.path)
+            if need is not None and isinstance(parsed, dict) and not isinstance(parsed.get(need[0]), need[1]):
+                return _error(400, f"'{need[0]}' is required", "invalid_request_error", param=need[0],
+                              code="missing_required_parameter")  # fmt: skip
         up = self.router(model)
         if up is None:
             names = ", ".join(self.models()) or "none"
-            return _error(404, f"model {model!r} is not served by this mesh (served: {names})", "not_found_error")
+            return _error(404, f"model {model!r} is not served by this mesh (served: {names})",
+                          "invalid_request_error", code="model_not_found", param="model")  # fmt: skip
         if isinstance(up, Unavailable):
-            return _error(503, up.reason, "unavailable", headers={"Retry-After": str(up.retry_after_s)})
+            return _error(503, up.reason, "unavailable", headers={"Retry-After": str(up.retry_after_s)},
+                          code="model_unavailable")  # fmt: skip
         result = await self._forward(request, up, body)
         if isinstance(result, web.StreamResponse):
             return result
@@ -196,7 +230,7 @@ class Api:
             if isinstance(result, web.StreamResponse):
                 return result
         reason = again.reason if isinstance(again, Unavailable) else f"the model server failed: {result}"
-        return _error(503, reason, "unavailable", headers={"Retry-After": "5"})
+        return _error(503, reason, "unavailable", headers={"Retry-After": "5"}, code="model_unavailable")
 
     async def _wait_for_upstream(self, model: str | None) -> Upstream | Unavailable | None:
         deadline = asyncio.get_running_loop().time() + RETRY_WAIT_S

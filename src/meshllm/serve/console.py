@@ -8,6 +8,7 @@ package (no CDN). The page gets the status object over SSE whenever it changes, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Callable
 from importlib import resources
@@ -105,10 +106,11 @@ class Console:
                 await resp.prepare(request)
                 async for chunk in r.content.iter_any():
                     await resp.write(chunk)
-        except (aiohttp.ClientError, ConnectionError) as e:
+        except (aiohttp.ClientError, ConnectionError) as e:  # the API failed, or the browser went away
             if not resp.prepared:
                 return web.json_response({"error": str(e)}, status=502)
-        await resp.write_eof()
+        with contextlib.suppress(aiohttp.ClientConnectionResetError, ConnectionError):
+            await resp.write_eof()
         return resp
 
 
