@@ -174,7 +174,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         max_vram_gb=args.max_vram, ctx_size=args.ctx_size, tensor_split=args.tensor_split, port=args.port,
         listen_all=args.listen_all, api_key=api_key, bins=bins, auto_model=auto, models_dir=args.models_dir,
         draft=args.draft, draft_max=args.draft_max, no_draft=args.no_draft, console_port=args.console,
-        rpc_path=args.rpc_path,
+        rpc_path=args.rpc_path, rpc_port=args.rpc_port,
     )  # fmt: skip
     return run_node(opts, console)
 
@@ -451,6 +451,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--rpc-path", choices=("auto", "tunnel"), default="auto",
         help="how a host reaches its workers' rpc-servers: auto (direct TCP + TLS 1.3 where reachable, else the QUIC "
         "tunnel; workers open a TLS port on all interfaces) or tunnel (always the tunnel, no extra port)",
+    )  # fmt: skip
+    p.add_argument(
+        "--rpc-port", type=tcp_port, metavar="PORT",
+        help="this worker's TLS RPC port for the direct path (default: any free one); open it between your machines",
     )  # fmt: skip
     p.add_argument(
         "--models-dir", type=Path, metavar="DIR", help="where models live (default $MESH_LLM_MODELS or ~/.models)"

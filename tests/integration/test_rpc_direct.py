@@ -4,7 +4,6 @@ openssl's own client as the stranger and as the key holder (so the TLS is standa
 
 from __future__ import annotations
 
-import re
 import shutil
 import socket
 import struct
@@ -12,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 from meshllm.llama.build import Binaries
+from meshllm.llama.processes import free_port
 
 from .meshlab import NodeProc, wait_for
 from .splitlab import stock_split_text
@@ -39,13 +39,15 @@ def test_a_split_goes_direct_with_tls_and_only_the_host_gets_through(
     tmp_path: Path, tiny_model: Path, stock_bins: Binaries
 ) -> None:
     assert shutil.which("openssl"), "openssl is installed by scripts/setup test"
-    with two_nodes(tmp_path, tiny_model, ("--max-vram", "0.5"), ("--max-vram", "0.3")) as (a, b):
+    port = free_port("0.0.0.0")  # --rpc-port: the worker's TLS port, as a firewall would need it fixed
+    with two_nodes(tmp_path, tiny_model, ("--max-vram", "0.5"), ("--max-vram", "0.3", "--rpc-port", str(port))) as (
+        a,
+        b,
+    ):
         wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 120, "a two-way split")
         worker = str(_assignments(a)[0]["node"])
         path = _rpc_path(a, worker)
-        m = re.fullmatch(r"direct 127\.0\.0\.1:(\d+) \(TLS\)", path)
-        assert m, path
-        port = int(m.group(1))
+        assert path == f"direct 127.0.0.1:{port} (TLS)", path
         # the same answer as the same split loaded the stock way (stock binaries, plain TCP, weights pushed)
         counts = [float(x["count"]) for x in _assignments(a)]  # type: ignore[arg-type]
         out = text_of(complete(a.port, "/v1/completions"))

@@ -176,6 +176,11 @@ def test_bad_input_is_one_clear_line(tmp_path: Path) -> None:
         busy.listen()
         r = run("--model", "gemma3-270m", "--port", str(busy.getsockname()[1]))
     assert r.returncode == 2 and "in use" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        r = run("--model", "gemma3-270m", "--rpc-port", str(busy.getsockname()[1]))
+    assert r.returncode == 2 and "--rpc-port" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_sigterm_leaves_no_children(tmp_path: Path) -> None:

@@ -201,8 +201,9 @@ class RpcServer(Supervised):
     It keeps both ports across restarts: the host's llama-server (or its tunnel) points at them."""
 
     def __init__(
-        self, bins: Binaries, model: Path, log_dir: Path, device: str | None = None, keys_file: Path | None = None
-    ) -> None:
+        self, bins: Binaries, model: Path, log_dir: Path, device: str | None = None, keys_file: Path | None = None,
+        tls_port: int | None = None,
+    ) -> None:  # fmt: skip
         def argv(port: int) -> list[str]:
             return rpc_server_argv(bins, port, threads=default_threads(), gguf=model, device=device)
 
@@ -212,7 +213,7 @@ class RpcServer(Supervised):
         self.tls_port: int | None = None
         env: dict[str, str] = {}
         if keys_file is not None and speaks_tls(bins.rpc_server):
-            self.tls_port = free_port(ANY_ADDR)
+            self.tls_port = tls_port or free_port(ANY_ADDR)
             env = {"GGML_RPC_TLS_LISTEN": f"{ANY_ADDR}:{self.tls_port}", "GGML_RPC_TLS_SERVER_KEYS": str(keys_file)}
         super().__init__(
             "rpc-server", bins.rpc_server, argv, ready, log_dir / "rpc-server.log", fixed_port=free_port(), env=env

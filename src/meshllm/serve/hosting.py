@@ -46,6 +46,7 @@ class Hosting:
         on_listeners: Callable[[], None],
         elected: Callable[[], NodeId | None],
         rpc_path: str = "auto",
+        rpc_port: int | None = None,
     ) -> None:
         self.net = net
         self.bins = bins
@@ -72,6 +73,7 @@ class Hosting:
         self._reconfig_task: asyncio.Future[None] | None = None
         # the direct RPC path (host side): worker -> "ip:port" of its TLS listener, when probed reachable
         self.rpc_path = rpc_path  # "auto" or "tunnel" (--rpc-path)
+        self.rpc_port = rpc_port  # our rpc-server's TLS listener port (--rpc-port; None: any free one)
         self.direct: dict[NodeId, str] = {}
         self.direct_failed: dict[NodeId, float] = {}  # worker -> monotonic time until which we do not retry
         self._direct_in_cfg: dict[NodeId, str] = {}  # the direct workers of the configuration being started
@@ -90,7 +92,7 @@ class Hosting:
         self.device = device
         state.save_rpc_server_key(self.state_dir, "", None)  # no key from an earlier run survives
         keys = state.rpc_server_keys(self.state_dir) if self.rpc_path == "auto" else None
-        self.rpc = RpcServer(self.bins, model.path, self.state_dir, device, keys_file=keys)
+        self.rpc = RpcServer(self.bins, model.path, self.state_dir, device, keys_file=keys, tls_port=self.rpc_port)
         self.rpc.start()
         try:
             await self.rpc.wait_ready()

@@ -82,6 +82,8 @@ class Node:
         check_dir(self.state)  # before anything is written: the tokens first
         if port_in_use(self.o.port, self.api_host):
             raise UserError(f"port {self.o.port} is in use: stop what runs there or pass --port N")
+        if self.o.rpc_port is not None and port_in_use(self.o.rpc_port, "0.0.0.0"):
+            raise UserError(f"--rpc-port {self.o.rpc_port} is in use: stop what runs there or pass another")
         m = load_membership(self.state)
         tokens = parse_tokens(self.o.join, now, m.mesh_id if m else None)  # before anything is written
         if self.o.model is not None:
@@ -103,7 +105,7 @@ class Node:
         )  # fmt: skip
         o, net = self.o, self.net
         self.hosting = Hosting(net, o.bins, self.state, o.ctx_size, o.draft_max, lambda: net.emit(CHANGED),
-                               lambda: self.host, o.rpc_path)  # fmt: skip
+                               lambda: self.host, o.rpc_path, o.rpc_port)  # fmt: skip
         return tokens
 
     # ---------------------------------------------------------------- run

@@ -42,6 +42,7 @@ class NodeOptions:
     no_draft: bool = False
     auto_model: bool = False  # joined without --model: serve the mesh's model if we have a copy
     rpc_path: str = "auto"  # --rpc-path: "auto" (direct TLS where reachable, else tunnel) or "tunnel"
+    rpc_port: int | None = None  # --rpc-port: the TLS listener's port (None: any free one)
     models_dir: Path | None = None
 
 
