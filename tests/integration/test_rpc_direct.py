@@ -108,3 +108,49 @@ def test_rpc_path_tunnel_keeps_every_byte_in_the_mesh(tmp_path: Path, tiny_model
         assert _rpc_path(a, worker) == "tunnel"
         assert "TLS endpoint" not in b.text_of("rpc-server.log")
         assert text_of(complete(a.port, "/v1/completions")).strip()
+
+
+def test_a_member_that_is_not_the_host_gets_neither_a_key_nor_a_tunnel(tmp_path: Path, tiny_model: Path) -> None:
+    """A real member (joined with the host's own token, in this process) asks the worker for its direct path's key
+    and opens an RPC tunnel to it, RPC bytes ready: both streams are reset, not one byte comes back, the worker logs
+    both refusals — and the host's split goes on serving."""
+    import asyncio
+
+    from meshllm.net.endpoint import STREAM_RPC, STREAM_RPC_KEY
+    from meshllm.net.meshnet import MeshNet
+    from meshllm.proto import crypto
+    from meshllm.proto import token as tok
+
+    with two_nodes(tmp_path, tiny_model, ("--max-vram", "0.5"), ("--max-vram", "0.3")) as (a, b):
+        wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 120, "a two-way split")
+        worker = bytes.fromhex(str(_assignments(a)[0]["node"]))
+        token = tok.parse((a.state / "token").read_text().strip())
+        state = tmp_path / "intruder"
+        state.mkdir(mode=0o700)
+
+        async def intrude() -> tuple[str, dict[int, bytes]]:
+            net = MeshNet(crypto.new_key(), None, state, bind=("127.0.0.1", 0))
+            await net.start()
+            try:
+                await net.join(token)
+                async with asyncio.timeout(30):
+                    while worker not in net.peers:  # the mesh connects members to each other
+                        await asyncio.sleep(0.1)
+                got: dict[int, bytes] = {}
+                for kind in (STREAM_RPC_KEY, STREAM_RPC):
+                    st = net.peers[worker].open_stream(kind)
+                    st.write(HELLO + bytes(64))
+                    data = b""
+                    async with asyncio.timeout(10):
+                        while chunk := await st.read():
+                            data += chunk
+                    got[kind] = data
+                return crypto.short(net.me), got
+            finally:
+                await net.stop(leave=True)
+
+        who, got = asyncio.run(intrude())
+        assert got == {STREAM_RPC_KEY: b"", STREAM_RPC: b""}, got
+        assert f"refused an RPC key to {who}: not the elected host" in b.text()
+        assert f"refused an RPC tunnel from {who}: not the elected host" in b.text()
+        assert text_of(complete(a.port, "/v1/completions")).strip()  # the host's path is untouched
