@@ -102,8 +102,14 @@ def test_metrics_parse_and_move(tmp_path: Path, tiny_model: Path) -> None:
         def scrape() -> dict[str, float]:
             with urllib.request.urlopen(f"http://127.0.0.1:{a.port}/metrics", timeout=10) as r:
                 text = r.read().decode()
+                assert "version=0.0.4" in r.headers["Content-Type"], r.headers["Content-Type"]
+            assert "e+" not in text  # counters exact, not %g
+            families = list(text_string_to_metric_families(text))
+            names = [f.name for f in families]
+            assert len(names) == len(set(names)), names  # each family once (samples not interleaved)
+            assert not [n for n in names if n.endswith(("_ms", "_milliseconds"))], names  # base units
             out: dict[str, float] = {}
-            for fam in text_string_to_metric_families(text):
+            for fam in families:
                 for s in fam.samples:
                     key = s.name + (json.dumps(s.labels, sort_keys=True) if s.labels else "")
                     out[key] = s.value
@@ -121,5 +127,7 @@ def test_metrics_parse_and_move(tmp_path: Path, tiny_model: Path) -> None:
             'mesh_llm_requests_total{"status": "200"}', 0
         )
         assert after["mesh_llm_tokens_per_second"] > 0
+        assert after["mesh_llm_decode_seconds_total"] > before.get("mesh_llm_decode_seconds_total", 0)
+        assert any(k.startswith("mesh_llm_build_info") for k in after)
     finally:
         a.stop()

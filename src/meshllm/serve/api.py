@@ -19,7 +19,7 @@ import aiohttp
 from aiohttp import web
 
 from meshllm.serve import webguard
-from meshllm.serve.metrics import Counters
+from meshllm.serve.metrics import CONTENT_TYPE, Counters
 
 log = logging.getLogger("meshllm.api")
 
@@ -52,6 +52,7 @@ class _TokenTally:
         self.buf = b""
         self.tokens = 0
         self.tps = 0.0
+        self.decode_s = 0.0
 
     def feed(self, chunk: bytes) -> None:
         if not self.sse:
@@ -76,6 +77,7 @@ class _TokenTally:
         t = ev.get("timings")
         if isinstance(t, dict) and t.get("predicted_per_second"):
             self.tps = float(t["predicted_per_second"])
+            self.decode_s = float(t.get("predicted_ms") or 0.0) / 1000.0
 
     def done(self, c: Counters) -> None:
         if not self.sse:
@@ -84,9 +86,11 @@ class _TokenTally:
                 self.tokens = int((obj.get("usage") or {}).get("completion_tokens") or obj.get("tokens_predicted") or 0)
                 t = obj.get("timings") or {}
                 self.tps = float(t.get("predicted_per_second") or 0.0)
+                self.decode_s = float(t.get("predicted_ms") or 0.0) / 1000.0
             except (ValueError, AttributeError, TypeError):
                 return
         c.tokens_generated += self.tokens
+        c.decode_seconds += self.decode_s
         if self.tps:
             c.last_tokens_per_second = self.tps
 
@@ -191,8 +195,9 @@ class Api:
 
     async def get_metrics(self, request: web.Request) -> web.Response:
         text = self.metrics() if self.metrics else ""
-        return web.Response(text=text, content_type="text/plain", charset="utf-8",
-                            headers={"X-Content-Type-Options": "nosniff"})  # fmt: skip
+        return web.Response(
+            body=text.encode(), headers={"Content-Type": CONTENT_TYPE, "X-Content-Type-Options": "nosniff"}
+        )
 
     async def mesh_status(self, request: web.Request) -> web.Response:
         return _json(200, self.status())

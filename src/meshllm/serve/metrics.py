@@ -1,13 +1,17 @@
-"""Prometheus text exposition for GET /metrics on the API port (written by hand: a few lines of format)."""
+"""Prometheus text exposition (format 0.0.4) for GET /metrics on the API port, written by hand: each family once
+(HELP, TYPE, then all its samples together), base units (seconds, bytes), counters as exact integers."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
 
 @dataclass
 class Counters:
     tokens_generated: int = 0
+    decode_seconds: float = 0.0  # llama-server's own decode time of those tokens: rate(tokens) / rate(seconds)
     last_tokens_per_second: float = 0.0
     elections: int = 0
 
@@ -20,16 +24,21 @@ def _labels(d: dict[str, str]) -> str:
     return "{" + inner + "}"
 
 
+def _value(v: float) -> str:
+    """Exact: an integral value as an integer (``%g`` made 183804123 "1.83804e+08"), else Python's shortest repr."""
+    return str(int(v)) if float(v).is_integer() and abs(v) < 2**63 else repr(float(v))
+
+
 @dataclass
 class Exposition:
-    lines: list[str] = field(default_factory=list)
-    _seen: set[str] = field(default_factory=set)
+    families: dict[str, tuple[str, str, list[str]]] = field(default_factory=dict)  # name -> (kind, help, samples)
 
     def metric(self, name: str, kind: str, help_: str, value: float, labels: dict[str, str] | None = None) -> None:
-        if name not in self._seen:
-            self._seen.add(name)
-            self.lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
-        self.lines.append(f"{name}{_labels(labels or {})} {value:g}")
+        fam = self.families.setdefault(name, (kind, help_, []))
+        fam[2].append(f"{name}{_labels(labels or {})} {_value(value)}")
 
     def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
+        lines = []
+        for name, (kind, help_, samples) in self.families.items():
+            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *samples]
+        return "\n".join(lines) + "\n"

@@ -106,11 +106,14 @@ class Report:
         if c is not None:
             x.metric("mesh_llm_tokens_generated_total", "counter", "tokens generated through this node's API",
                      c.tokens_generated)  # fmt: skip
+            x.metric("mesh_llm_decode_seconds_total", "counter", "llama-server's decode time of those tokens",
+                     c.decode_seconds)  # fmt: skip
             x.metric("mesh_llm_tokens_per_second", "gauge", "decode speed of the last completion",
                      c.last_tokens_per_second)  # fmt: skip
         for code, n in sorted((self.api.requests if self.api else {}).items()):
             x.metric("mesh_llm_requests_total", "counter", "API requests by status", n, {"status": str(code)})
         x.metric("mesh_llm_elections_total", "counter", "host changes seen", elections)
+        x.metric("mesh_llm_build_info", "gauge", "this node's mesh-llm version", 1, {"version": __version__})
         server = self.hosting.server
         x.metric("mesh_llm_child_restarts_total", "counter", "llama-server restarts after a crash",
                  server.restarts if server else 0)  # fmt: skip
@@ -125,7 +128,7 @@ class Report:
                          1 if conn else 0, peer)  # fmt: skip
                 rtt = core.rtt_ms.get(r.node)
                 if rtt is not None:
-                    x.metric("mesh_llm_peer_rtt_ms", "gauge", "round-trip time to the peer", rtt, peer)
+                    x.metric("mesh_llm_peer_rtt_seconds", "gauge", "round-trip time to the peer", rtt / 1000, peer)
                 t = self.hosting.tunnel_counts(r.node)
                 for kind in ("rpc", "http"):
                     x.metric("mesh_llm_tunnel_bytes_sent_total", "counter", "tunnel bytes sent to the peer",
