@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import psutil
+import pytest
 
 from meshllm.llama.build import Binaries
 
@@ -186,6 +187,28 @@ def test_joins_leaves_and_deaths(tmp_path: Path, tiny_model: Path, stock_bins: B
         # still named the killed host would fail here with a KeyError, which is the failure we want)
         new_host, _ = roles(nodes)
         assert new_host in nodes and new_host is not host
+
+        # 5. [face] the last worker leaves: the host alone cannot hold the model, and every answer says so —
+        # /health, a request, the host's own row — instead of "ok" over a model server that is gone
+        host, worker = roles(nodes)
+        worker.stop(signal.SIGTERM)
+        nodes.remove(worker)
+        wait_for(lambda: "waiting" in json.dumps(host.status().get("plan")), 60, "the host to wait for peers")
+
+        def health() -> tuple[int, str]:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{host.port}/health", timeout=10) as r:
+                    return r.status, r.read().decode()
+            except urllib.error.HTTPError as e:
+                return e.code, e.read().decode()
+
+        wait_for(lambda: health()[0] == 503, 30, "/health to say unavailable")
+        assert "waiting for more peers" in health()[1], health()
+        with pytest.raises(urllib.error.HTTPError) as busy:
+            ask(host.port, 4)
+        assert busy.value.code == 503 and "waiting for more peers" in busy.value.read().decode()
+        me = next(p for p in host.status()["peers"] if p["path"] == "self")  # type: ignore[attr-defined]
+        assert me["state"] != "serving", me
     finally:
         for n in nodes:
             n.stop()

@@ -356,6 +356,8 @@ class Hosting:
         self.announced = False
         self._direct_in_cfg = {}
         if cfg is None or self.bins is None:
+            if old:  # we served, and serve nothing now (a plan waiting for peers): peers stop routing here
+                self.net.update(state=NodeState.READY)
             return
         self.net.update(state=NodeState.LOADING)  # peers stop routing here until we announce "serving" again
         if direct:  # fresh keys for this llama-server: each worker's earlier key stops working
