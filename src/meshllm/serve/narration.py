@@ -41,3 +41,10 @@ def plan_line(p: Plan | Waiting, me: NodeId) -> str:
              for a in p.assignments if a.count]  # fmt: skip
     standby = f"; standby: {', '.join(name(n, me) for n in p.standby)}" if p.standby else ""
     return f"[bold]plan:[/] {'; '.join(parts)} + output on host{standby}"
+
+
+def api_line(api_host: str, port: int, host: PeerRecord | None, me: NodeId) -> str:
+    """A worker's or lite client's API is up: requests to it go to the host."""
+    model = host.model.source if host and host.model else "?"
+    via = name(host.node, me) if host else "?"
+    return f"[bold green]API up:[/] http://{api_host}:{port}/v1 — model {model}, served by host {via}"

@@ -67,6 +67,7 @@ class Node:
         self.host: NodeId | None = None
         self.plan: Plan | Waiting | None = None
         self.elections = 0
+        self._api_said: NodeId | None = None  # the host our "API up" line named
         # joins come in bursts and a new plan costs a model load: adopt one once it has held for a moment
         self._plan_debounce = Debouncer[Plan | Waiting](PLAN_DEBOUNCE_S, first_at_once=True)
         self._stop = asyncio.Event()
@@ -98,12 +99,9 @@ class Node:
         if m is not None:
             m.incarnation += 1  # a new life: outranks our old records and tombstones
             save_membership(self.state, m)
-        self.net = MeshNet(
-            self.key, m, self.state, bind=(self.o.bind_host, self.o.bind_port),
-            advertise=self.o.advertise or None, relay=self.o.relay_mode,
-            relay_hint=self.o.relay,
-        )  # fmt: skip
-        o, net = self.o, self.net
+        o = self.o
+        self.net = net = MeshNet(self.key, m, self.state, bind=(o.bind_host, o.bind_port),
+                                 advertise=o.advertise or None, relay=o.relay_mode, relay_hint=o.relay)  # fmt: skip
         self.hosting = Hosting(net, o.bins, self.state, o.ctx_size, o.draft_max, lambda: net.emit(CHANGED),
                                lambda: self.host, o.rpc_path, o.rpc_port)  # fmt: skip
         return tokens
@@ -252,6 +250,9 @@ class Node:
         remote = self._serving_host(None)
         if remote is not None:
             hosting.open_http_listener(remote)  # ready before the first request
+            if remote != self._api_said and remote != self.me and remote in hosting.http_listeners:
+                self._api_said = remote  # workers and lite clients say their API is up too (once per host)
+                self.console.print(narration.api_line(self.api_host, self.o.port, self._record(remote), self.me))
         if self.report is not None:
             self.report.save(self._view(), now, self.state)
 
@@ -280,8 +281,6 @@ class Node:
             return
         self.plan = settled
         self.console.print(narration.plan_line(settled, self.me))
-
-    # ---------------------------------------------------------------- status
 
     def _view(self) -> NodeView:
         draft = self.model.draft.name if self.model and self.model.draft else None
