@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import datetime
 import logging
-import os
 import socket
 import ssl
 from collections.abc import Awaitable, Callable
@@ -618,7 +617,3 @@ class Endpoint:
             conn.close(str(e))
             raise DialError(f"{addr[0]}:{addr[1]}: {e}") from None
         return conn
-
-
-def random_nonce() -> bytes:
-    return os.urandom(32)

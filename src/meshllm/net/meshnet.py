@@ -19,13 +19,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Unpack
 
-import psutil
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshllm.errors import LocalProtocolError, MeshError, Refused, RemoteProtocolError
 from meshllm.net.endpoint import STREAM_AUTH, STREAM_GOSSIP, Addr, Conn, DialError, Endpoint, Stream, parse_addr
 from meshllm.net.netevents import CHANGED, Changed, Connected, MeshEvent, NetEvent
-from meshllm.net.traversal import Traversal
+from meshllm.net.traversal import Traversal, local_ips
 from meshllm.proto import crypto, serving
 from meshllm.proto import token as tok
 from meshllm.proto.auth import (
@@ -50,20 +49,13 @@ log = logging.getLogger("meshllm.mesh")
 AUTH_TIMEOUT_S = 5.0
 TICK_S = 0.5
 GOSSIP_MAX_FRAME = 1 << 20
-PUNCH_DIAL_S = 2.0
-RELAY_DIAL_S = 4.0
 
 StreamHandler = Callable[[Conn, Stream], Awaitable[None]]
 
 
 def local_addresses(port: int) -> list[str]:
     """host:port for every IPv4 address of this machine, loopback last."""
-    ips: list[str] = []
-    for addrs in psutil.net_if_addrs().values():
-        for a in addrs:
-            if a.family.name == "AF_INET" and a.address not in ips:
-                ips.append(a.address)
-    ips.sort(key=lambda ip: (ip.startswith("127."), ip))
+    ips = sorted(local_ips(), key=lambda ip: (ip.startswith("127."), ip))
     return [f"{ip}:{port}" for ip in ips] or [f"127.0.0.1:{port}"]
 
 
