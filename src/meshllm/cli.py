@@ -373,31 +373,47 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from rich.table import Table
 
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    req = urllib.request.Request(f"http://127.0.0.1:{args.port}/mesh/status", headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=5) as r:
-            st = json.loads(r.read())
-    except (urllib.error.URLError, OSError) as e:
-        raise UserError(f"no mesh-llm answering on 127.0.0.1:{args.port} ({e}); pass --port") from None
+    if args.state_dir is not None:  # what the node last wrote there (it need not be running)
+        from meshllm.paths import state_dir
+
+        path = state_dir(args.state_dir) / "status.json"
+        try:
+            st = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"no status in {path} ({e}): start the node with this --state-dir first") from None
+    else:
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        req = urllib.request.Request(f"http://127.0.0.1:{args.port}/mesh/status", headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                st = json.loads(r.read())
+        except (urllib.error.URLError, OSError) as e:
+            raise UserError(f"no mesh-llm answering on 127.0.0.1:{args.port} ({e}); pass --port") from None
     if args.json:
         print(json.dumps(st, indent=1))
         return 0
     out = Console(highlight=False)
     plan = st.get("plan") or {}
-    host = (st.get("host") or "")[:8]
-    out.print(f"node {st['node'][:8]} ({st['role']}) in mesh {st['mesh'][:8]} — host {host or 'none'}")
+    # a lite client elects no host of its own: the host is whoever says so
+    host = st.get("host") or next((p["node"] for p in st["peers"] if p["role"] == "host"), "") or ""
+    out.print(f"node {st['node'][:8]} ({st['role']}) in mesh {st['mesh'][:8]} — host {host[:8] or 'none'}")
     if isinstance(plan, dict) and plan.get("waiting"):
         out.print(f"[yellow]{plan['waiting']}[/]")
-    t = Table("node", "role", "state", "capacity", "device", "layers", "path", "RTT ms", "liveness")
+    t = Table(box=None, pad_edge=False)  # fits 80 columns: long paths fold onto a second line, nothing is cut
+    for name, justify in (("node", "left"), ("role", "left"), ("state", "left"), ("memory", "right"),
+                          ("layers", "left"), ("path", "left"), ("RTT ms", "right")):  # fmt: skip
+        t.add_column(name, justify=justify, overflow="fold", no_wrap=name != "path")  # type: ignore[arg-type]
     for p in st["peers"]:
         layers = p.get("layers")
+        span = f"{layers[0]}-{layers[1]}" if layers else ""
+        if isinstance(plan, dict) and p["node"] == plan.get("host"):
+            span = f"{span} + output" if span else "output"  # the host's share always has the output layer
+        mem = f"{p['capacity'] / 1e9:.1f} GB {p.get('device') or ''}".strip() if p["capacity"] else "-"
+        state = p["state"] if p["liveness"] == "alive" else f"{p['state']} ({p['liveness']})"
         t.add_row(
-            p["short"], p["role"], p["state"], f"{p['capacity'] / 1e9:.1f} GB" if p["capacity"] else "-",
-            (p.get("device") or "-") if p["capacity"] else "-",
-            f"{layers[0]}-{layers[1]}" if layers else "-",
+            p["short"], p["role"], state, mem, span or "-",
             p["path"] + (f"; RPC {p['rpc_path']}" if p.get("rpc_path") else ""),
-            f"{p['rtt_ms']:.1f}" if p.get("rtt_ms") is not None else "-", p["liveness"],
+            f"{p['rtt_ms']:.1f}" if p.get("rtt_ms") is not None else "-",
         )  # fmt: skip
     out.print(t)
     return 0
@@ -484,10 +500,15 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--backend", choices=("cpu", "cuda", "metal"), help="default: as mesh-llm build")
     pk.add_argument("-j", "--jobs", type=positive_int, help="parallel compile jobs (default: all cores)")
     pk.set_defaults(func=cmd_bundle)
-    ps = sub.add_parser("status", help="show the running node's view of the mesh")
+    what = "The node's view of the mesh: peers, roles, layers, paths (QUIC and RPC), RTT."
+    ps = sub.add_parser("status", help="show the running node's view of the mesh", description=what)
     ps.add_argument("--port", type=tcp_port, default=9337, help="the node's API port (default 9337)")
-    ps.add_argument("--api-key", default=os.environ.get("MESH_LLM_API_KEY"))
-    ps.add_argument("--json", action="store_true")
+    ps.add_argument("--api-key", default=os.environ.get("MESH_LLM_API_KEY"),
+                    help="the node's API key, if it runs with --listen-all (or $MESH_LLM_API_KEY)")  # fmt: skip
+    ps.add_argument(
+        "--state-dir", type=Path, metavar="DIR", help="read the status the node last wrote into DIR instead"
+    )
+    ps.add_argument("--json", action="store_true", help="the raw /mesh/status JSON")
     ps.set_defaults(func=cmd_status)
     return p
 

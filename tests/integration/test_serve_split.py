@@ -139,13 +139,24 @@ def test_openai_sdk_through_a_worker_and_a_lite_client(mesh: dict[str, NodeProc]
 
 
 def test_status_command_shows_both_model_nodes(mesh: dict[str, NodeProc]) -> None:
+    import os
     import subprocess
     import sys
 
+    # [face] at 80 columns, as a lite client sees it: the host named, nothing cut, the host's share with the output
+    env = {**os.environ, "COLUMNS": "80"}
     r = subprocess.run([sys.executable, "-m", "meshllm.cli", "status", "--port", str(mesh["c"].port)],
-                       capture_output=True, text=True, timeout=30)  # fmt: skip
+                       capture_output=True, text=True, timeout=30, env=env)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "host" in r.stdout and "worker" in r.stdout and "client" in r.stdout
+    assert "…" not in r.stdout and max(len(x) for x in r.stdout.splitlines()) <= 80, r.stdout
+    assert "host none" not in r.stdout, r.stdout  # (a lite client knows no plan: layers "-")
+    for header in ("node", "role", "state", "memory", "layers", "path", "RTT ms"):
+        assert header in r.stdout.splitlines()[1], r.stdout
+    # the host's view, from the state dir it writes (no API needed): every share, the host's with the output
+    r2 = subprocess.run([sys.executable, "-m", "meshllm.cli", "status", "--state-dir", str(mesh["a"].state)],
+                        capture_output=True, text=True, timeout=30, env=env)  # fmt: skip
+    assert r2.returncode == 0 and "+ output" in r2.stdout and "…" not in r2.stdout, r2.stderr + r2.stdout
 
 
 def test_concurrent_requests_from_two_nodes(mesh: dict[str, NodeProc]) -> None:
