@@ -92,8 +92,8 @@ def test_three_nodes_form_a_mesh_from_one_token_and_refuse_intruders(
         hosts = {n.status().get("host") for n in (a, b, c)}
         return len(hosts) == 1 and None not in hosts
 
-    wait_for(one_host, 10, "agreement on one host")
-    wait_for(lambda: len({json.dumps(n.status()["plan"], sort_keys=True) for n in (a, b, c)}) == 1, 10, "one plan")
+    wait_for(one_host, 30, "agreement on one host")
+    wait_for(lambda: len({json.dumps(n.status()["plan"], sort_keys=True) for n in (a, b, c)}) == 1, 30, "one plan")
     plan = a.status()["plan"]
     assert isinstance(plan, dict) and len(plan["assignments"]) == 2 and len(plan["standby"]) == 1, plan
     assert plan["host"] == a.status()["host"]
