@@ -72,6 +72,12 @@ def test_console_shows_the_mesh_and_chats(tmp_path: Path, tiny_model: Path, brow
         assert "standby" in segs()[b_short]
         assert "gemma" in drv.find_element(By.ID, "m-name").text  # type: ignore[attr-defined]
         assert "pi --provider mesh" in drv.find_element(By.ID, "agents").text  # type: ignore[attr-defined]
+        # [face] what a copy button copies is the command alone (it used to copy "goose: ..." with the label)
+        copies = drv.execute_script(  # type: ignore[attr-defined]
+            "return Array.from(document.querySelectorAll('#agents pre')).map(e => e.textContent)"
+        )
+        assert copies[0].startswith('{"providers"') and copies[1].startswith("pi --provider mesh"), copies
+        assert copies[2].startswith("GOOSE_PROVIDER=openai ") and copies[2].endswith("goose session"), copies
         drv.find_element(By.ID, "show-token").click()  # type: ignore[attr-defined]
         wait_for(lambda: drv.find_element(By.ID, "token").text.startswith("mesh1."), 10, "the token")  # type: ignore[attr-defined]
         # chat: the reply streams in

@@ -90,6 +90,7 @@ class Report:
             "draft": v.draft,
             "served_models": v.served,
             "agent_lines": agent_lines(v.served[0], self.port) if v.served else [],
+            "agents": [{"label": a, "copy": b} for a, b in agent_commands(v.served[0], self.port)] if v.served else [],
             "node": v.me.hex(), "mesh": core.mesh_id.hex(), "role": core.record.role,
             "host": v.host.hex() if v.host else None, "peers": peers, "plan": plan_obj,
             "reach": {
@@ -146,13 +147,18 @@ def layers_of(plan: Plan | Waiting | None, node: NodeId) -> list[int] | None:
     return None
 
 
-def agent_lines(model: str, port: int) -> list[str]:
-    """Ready-to-paste launch lines for coding agents, for the model actually served."""
+def agent_commands(model: str, port: int) -> list[tuple[str, str]]:
+    """Launch lines for coding agents, for the model actually served: (what to do, the exact text to paste)."""
     url = f"http://localhost:{port}/v1"
     provider = {"mesh": {"baseUrl": url, "api": "openai-completions", "apiKey": "mesh", "models": [{"id": model}]}}
     return [
-        f"pi:    add to ~/.pi/agent/models.json: {json.dumps({'providers': provider})}",
-        f"       then: pi --provider mesh --model {model}",
-        f"goose: GOOSE_PROVIDER=openai OPENAI_HOST=http://localhost:{port} OPENAI_API_KEY=mesh "
-        f"GOOSE_MODEL={model} goose session",
-    ]
+        ("pi: add to ~/.pi/agent/models.json", json.dumps({"providers": provider})),
+        ("pi: then run", f"pi --provider mesh --model {model}"),
+        ("goose: run", f"GOOSE_PROVIDER=openai OPENAI_HOST=http://localhost:{port} OPENAI_API_KEY=mesh "
+                       f"GOOSE_MODEL={model} goose session"),
+    ]  # fmt: skip
+
+
+def agent_lines(model: str, port: int) -> list[str]:
+    """The same, as lines for the terminal."""
+    return [f"{label}: {text}" for label, text in agent_commands(model, port)]

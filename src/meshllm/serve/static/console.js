@@ -34,14 +34,17 @@ function render(st) {
   $("m-req").textContent = JSON.stringify(st.requests);
   const agents = $("agents");
   agents.replaceChildren();
-  (st.agent_lines || []).forEach((line, i) => {
-    const pre = document.createElement("pre");
+  (st.agents || []).forEach((a, i) => {
+    const label = document.createElement("div");
+    label.className = "sub";
+    label.textContent = a.label;
+    const pre = document.createElement("pre");  // exactly what runs: the copy button copies this, no label
     pre.id = "agent-" + i;
-    pre.textContent = line;
+    pre.textContent = a.copy;
     const b = document.createElement("button");
     b.textContent = "copy";
     b.dataset.copy = pre.id;
-    agents.append(pre, b);
+    agents.append(label, pre, b);
   });
 }
 
