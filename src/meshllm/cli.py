@@ -422,7 +422,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="mesh-llm", description="Run one LLM across several machines.")
     p.add_argument("--version", action="version", version=f"mesh-llm {__version__}")
-    p.add_argument("--model", type=Path, metavar="PATH", help="GGUF model file (first part of a split model)")
+    p.add_argument(
+        "--model", type=Path, metavar="MODEL",
+        help="a GGUF file (first part of a split model), a catalog name (`mesh-llm download` lists them, e.g. "
+        "gemma3-270m, 32b), a Hugging Face org/repo/file.gguf, or an https:// URL",
+    )  # fmt: skip
     p.add_argument("--client", action="store_true", help="lite client: no model, no GPU")
     p.add_argument("--join", type=nonempty, action="append", metavar="TOKEN", help="invite token (repeatable)")
     p.add_argument("--join-file", action="append", metavar="PATH", help="file holding invite token(s)")
@@ -478,20 +482,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(func=cmd_node)
     sub = p.add_subparsers(dest="command")
-    pb = sub.add_parser("build", help="build (or find) the llama.cpp binaries")
+    pb = sub.add_parser(
+        "build",
+        help="build (or find) the llama.cpp binaries",
+        description="Build the pinned llama.cpp with mesh-llm's patches (or find a cached build).",
+    )
     _add_build_args(pb)
     pb.set_defaults(func=cmd_build)
-    pt = sub.add_parser("token", help="mint a new invite token (reads this node's state dir)")
-    pt.add_argument("--state-dir", type=Path, metavar="DIR")
-    pt.add_argument("--ttl", type=parse_duration, default=86400.0, metavar="DURATION", help="default 1d")
+    pt = sub.add_parser("token", help="mint a new invite token (reads this node's state dir)",
+                        description="Print a new invite token for the mesh this node belongs to.")  # fmt: skip
+    pt.add_argument("--state-dir", type=Path, metavar="DIR", help="the node's state (default ~/.mesh-llm)")
+    pt.add_argument("--ttl", type=parse_duration, default=86400.0, metavar="DURATION",
+                    help="how long the token admits new nodes, e.g. 30m, 12h, 7d (default 1d)")  # fmt: skip
     pt.set_defaults(func=cmd_token)
-    pd = sub.add_parser("download", help="list the model catalog, or download a model")
+    pd = sub.add_parser(
+        "download",
+        help="list the model catalog, or download a model",
+        description="Without a name: the catalog. With one: download it (and --draft, its draft).",
+    )
     pd.add_argument("name", nargs="?", type=nonempty, help="catalog name (e.g. 32b, qwen3-32b)")
     pd.add_argument("--draft", action="store_true", help="also fetch its paired draft model")
-    pd.add_argument("--models-dir", type=Path, metavar="DIR")
+    pd.add_argument("--models-dir", type=Path, metavar="DIR", help="where models go (default ~/.models)")
     pd.add_argument("--check", action="store_true", help="verify every catalog entry against the live hub")
     pd.set_defaults(func=cmd_download)
-    pk = sub.add_parser("bundle", help="pack binaries, wheels and an install script for machines with no compiler")
+    pk = sub.add_parser(
+        "bundle",
+        help="pack binaries, wheels and an install script for machines with no compiler",
+        description="A tarball that installs mesh-llm where there is no compiler and no index.",
+    )
     pk.add_argument("out", nargs="?", type=Path, default=Path("mesh-llm-bundle.tar.gz"), metavar="OUT.tar.gz")
     pk.add_argument(
         "--python", type=python_versions, default=("3.11", "3.12", "3.13"), metavar="3.X,...",

@@ -98,3 +98,21 @@ def test_a_bad_token_is_the_users_error_only_at_the_users_boundary() -> None:
     with pytest.raises(UserError, match="invite token malformed") as e:
         parse_tokens(["mesh1.not-a-token"], 0.0, None)
     assert "\n" not in str(e.value)
+
+
+def test_every_command_and_option_explains_itself() -> None:
+    """[face] item 10: subcommands with a description, every option with help, --model naming all its forms."""
+    import argparse
+
+    from meshllm.cli import build_parser
+
+    p = build_parser()
+    subs = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sp in [("mesh-llm", p), *subs.choices.items()]:
+        assert name == "mesh-llm" or sp.description, f"{name}: no description"
+        for a in sp._actions:
+            if a.option_strings and a.dest not in ("help", "version"):
+                assert a.help, f"{name} {a.option_strings[0]}: no help"
+    model = next(a for a in p._actions if "--model" in a.option_strings)
+    assert model.help is not None
+    assert all(w in model.help for w in ("catalog", "org/repo/file.gguf", "https://")), model.help

@@ -203,6 +203,9 @@ class Api:
         return _json(200, self.status())
 
     async def proxy(self, request: web.Request) -> web.StreamResponse:
+        if request.path == "/v1/embeddings":  # llama-server would say "start it with --embeddings", not our flag
+            msg = "mesh-llm serves completions and chat; embeddings are not served"
+            return _error(501, msg, "invalid_request_error", code="unsupported_endpoint")
         body = await request.read()
         model: str | None = None
         if body and request.content_type == "application/json":
