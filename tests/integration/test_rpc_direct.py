@@ -96,17 +96,17 @@ def test_a_split_goes_direct_with_tls_and_only_the_host_gets_through(
 
 
 def test_rpc_path_tunnel_keeps_every_byte_in_the_mesh(tmp_path: Path, tiny_model: Path) -> None:
-    """--rpc-path tunnel: no TLS listener on the worker, the split runs through the QUIC tunnel."""
-    with two_nodes(
-        tmp_path,
-        tiny_model,
-        ("--max-vram", "0.5", "--rpc-path", "tunnel"),
-        ("--max-vram", "0.3", "--rpc-path", "tunnel"),
-    ) as (a, b):
+    """A worker started with --rpc-path tunnel opens no TLS listener and says so when its (default) host asks for a
+    key: the split runs through the QUIC tunnel, without the host waiting on the worker."""
+    with two_nodes(tmp_path, tiny_model, ("--max-vram", "0.5"), ("--max-vram", "0.3", "--rpc-path", "tunnel")) as (
+        a,
+        b,
+    ):
         wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 120, "a two-way split")
         worker = str(_assignments(a)[0]["node"])
         assert _rpc_path(a, worker) == "tunnel"
         assert "TLS endpoint" not in b.text_of("rpc-server.log")
+        assert "(it offers none): tunnel" in a.text()
         assert text_of(complete(a.port, "/v1/completions")).strip()
 
 

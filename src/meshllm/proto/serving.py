@@ -192,6 +192,7 @@ class RpcPath(StrEnum):
     TUNNEL = "tunnel"  # plain TCP to a local listener, carried in a QUIC stream (over a direct or relayed path)
 
 
+NO_DIRECT_PATH = b"no direct path"  # a worker's answer to its host's key request when it has no TLS listener
 DIRECT_RETRY_S = 300.0  # a direct path that failed is not tried again for this long (the tunnel serves meanwhile)
 
 

@@ -114,16 +114,14 @@ class Hosting:
     async def on_rpc_key_stream(self, conn: Conn, st: Stream) -> None:
         """Worker side: the key of our rpc-server's direct (TLS) listener, for the elected host alone."""
         peer, host = conn.peer, self.elected()
-        key = None
-        if peer is not None and serving.may_open_rpc(peer, host, self.rpc_up()):
-            key = self.issue_rpc_key(peer)
-        if key is None:
+        if peer is None or not serving.may_open_rpc(peer, host, self.rpc_up()):
             if peer is None or peer != host:
                 log.warning("refused an RPC key to %s: not the elected host", crypto.short(peer) if peer else "?")
             st.reset()
             return
-        with contextlib.suppress(ConnectionError):
-            st.write(key.encode(), end=True)
+        key = self.issue_rpc_key(peer)
+        with contextlib.suppress(ConnectionError):  # no TLS listener here (--rpc-path tunnel, a build without TLS)
+            st.write(key.encode() if key else serving.NO_DIRECT_PATH, end=True)
 
     async def bridge_rpc(self, peer: NodeId, st: Stream) -> None:
         """Worker side, for an admitted peer: its stream to our rpc-server. rpc-server serves one client at a time,
@@ -170,7 +168,9 @@ class Hosting:
 
     # ---------------------------------------------------------------- the direct RPC path (host side)
 
-    async def _ask_key(self, worker: NodeId) -> serving.RpcKey | None:
+    async def _ask_key(self, worker: NodeId) -> serving.RpcKey | bool | None:
+        """The worker's answer: a key; False when it has no direct path to give (it said so: no use asking again);
+        None when it refused or did not answer (perhaps not yet: its view of the election may lag ours)."""
         conn = self.net.peers.get(worker)
         if conn is None or conn.closed.is_set():
             return None
@@ -186,6 +186,8 @@ class Hosting:
                     raw += chunk
         except (TimeoutError, ConnectionError):
             return None
+        if raw == serving.NO_DIRECT_PATH:
+            return False
         return serving.RpcKey.decode(raw)
 
     async def _probe_direct(self, worker: NodeId) -> None:
@@ -200,14 +202,14 @@ class Hosting:
             self.rpc_path, tls_here, conn.relay is None, ip, self.direct_failed.get(worker), time.monotonic()
         ):
             return
-        key = None
-        for _ in range(16):  # a worker whose view of the election lags ours refuses for a moment
-            key = await self._ask_key(worker)
-            if key is not None:
-                break
-            await asyncio.sleep(0.5)
-        if key is None:
-            log.info("no direct RPC path to %s (no key): tunnel", crypto.short(worker))
+        key: serving.RpcKey | bool | None = None
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(10.0):  # a worker whose view of the election lags ours refuses for a moment
+                while (key := await self._ask_key(worker)) is None:
+                    await asyncio.sleep(0.5)
+        if not isinstance(key, serving.RpcKey):
+            why = "it offers none" if key is False else "no key"
+            log.info("no direct RPC path to %s (%s): tunnel", crypto.short(worker), why)
             return
         try:
             async with asyncio.timeout(2.0):
@@ -364,7 +366,7 @@ class Hosting:
             rows = []
             for worker, ep in direct.items():
                 key = await self._ask_key(worker)
-                if key is None:
+                if not isinstance(key, serving.RpcKey):
                     self._direct_broke(worker, "no key from the worker")
                     self.server_cfg = None
                     self.on_listeners()  # reconfigures without it
