@@ -159,3 +159,12 @@ def test_an_rpc_key_round_trips_and_anything_else_is_refused() -> None:
 @given(st.binary(max_size=200))
 def test_rpc_key_decode_never_raises(raw: bytes) -> None:
     s.RpcKey.decode(raw)
+
+
+def test_a_worker_llama_server_could_not_reach_goes_through_its_tunnel() -> None:
+    a, b = bytes([1]) * 32, bytes([2]) * 32
+    direct = {a: "10.0.0.2:5000", b: "10.0.0.3:5000"}
+    tail = "load...\n../src/ggml/src/ggml-rpc/ggml-rpc.cpp:580: Failed to connect to 10.0.0.3:5000\n"
+    assert s.unreachable_workers(tail, direct) == [b]
+    assert s.unreachable_workers("Remote RPC server crashed or returned malformed response", direct) == []
+    assert s.unreachable_workers("Failed to connect to 10.0.0.3:50001", direct) == []  # another port: not b's

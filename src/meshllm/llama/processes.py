@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import mmap
 import os
@@ -89,8 +90,10 @@ def _binary_has(binary: Path, marker: bytes) -> bool:
         return False
 
 
+@functools.cache
 def speaks_tls(rpc_server: Path) -> bool:
-    """Whether this rpc-server can open the direct RPC listener (TLS 1.3 with pre-shared keys; patch 0005)."""
+    """Whether this rpc-server can open the direct RPC listener (TLS 1.3 with pre-shared keys; patch 0005). Read
+    once per binary (a build's path names its inputs)."""
     return _binary_has(rpc_server, TLS_MARKER)
 
 

@@ -394,9 +394,6 @@ class UdpSocket:
             self.ep.datagram_received(data, (addr[0], addr[1]))
         self.ep.batch_done()
 
-    def get_extra_info(self, name: str) -> object:
-        return self.sock.getsockname() if name == "sockname" else self.sock if name == "socket" else None
-
     def is_closing(self) -> bool:
         return self._closing
 

@@ -8,6 +8,7 @@ decision out. Nothing here does I/O or reads a clock.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -204,6 +205,13 @@ def try_direct(mode: str, tls_here: bool, quic_direct: bool, ip: str, failed_unt
     if mode != "auto" or not tls_here or not quic_direct or ":" in ip or not ip:
         return False
     return failed_until is None or now >= failed_until
+
+
+def unreachable_workers(log_tail: str, direct: dict[NodeId, str]) -> list[NodeId]:
+    """The workers of ``direct`` (worker -> "ip:port") whose endpoint a dead llama-server could not connect to, from
+    its log: ggml-rpc aborts with "Failed to connect to ENDPOINT". Those go through their tunnel next."""
+    failed = set(re.findall(r"Failed to connect to (\S+)", log_tail))
+    return [w for w, ep in direct.items() if ep in failed]
 
 
 @dataclass(frozen=True)

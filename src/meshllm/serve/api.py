@@ -138,7 +138,7 @@ class Api:
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         guard = webguard.middleware(listen_all)  # web pages of other sites, DNS rebinding (serve/webguard.py)
-        self.app = web.Application(middlewares=[guard, self._auth], client_max_size=64 << 20)  # type: ignore[list-item]
+        self.app = web.Application(middlewares=[guard, self._auth], client_max_size=64 << 20)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/v1/models", self.list_models)
         self.app.router.add_get("/v1/models/{model:.+}", self.get_model)
@@ -259,9 +259,9 @@ class Api:
         try:
             async with self._session.request(request.method, url, data=body or None, headers=headers) as r:
                 resp = web.StreamResponse(status=r.status)
-                for k, v in webguard.strip_cors(dict(r.headers)).items():
+                for k, v in webguard.strip_cors(r.headers.items()):
                     if k.lower() not in HOP_HEADERS:
-                        resp.headers[k] = v
+                        resp.headers.add(k, v)
                 resp.headers.update(webguard.cors_for(request))
                 await resp.prepare(request)
                 tally = _TokenTally("event-stream" in r.headers.get("Content-Type", ""))

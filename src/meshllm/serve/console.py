@@ -32,7 +32,7 @@ class Console:
         self.token = token
         self.api_url = api_url
         self.api_key = api_key
-        self.app = web.Application(middlewares=[webguard.middleware(False)])  # type: ignore[list-item]
+        self.app = web.Application(middlewares=[webguard.middleware(False)])
         self.app.router.add_get("/", self.index)
         self.app.router.add_get("/static/{name}", self.static)
         self.app.router.add_get("/events", self.events)

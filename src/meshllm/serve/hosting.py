@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -228,13 +227,10 @@ class Hosting:
 
     def _server_exited(self, log_tail: str) -> None:
         """Our llama-server died: if it could not reach a worker directly, that worker goes through its tunnel."""
-        broke = set(re.findall(r"Failed to connect to (\S+)", log_tail))
-        changed = False
-        for worker, ep in list(self._direct_in_cfg.items()):
-            if ep in broke and worker in self.direct:
-                self._direct_broke(worker, "llama-server could not connect")
-                changed = True
-        if changed:
+        broke = [w for w in serving.unreachable_workers(log_tail, self._direct_in_cfg) if w in self.direct]
+        for worker in broke:
+            self._direct_broke(worker, "llama-server could not connect")
+        if broke:
             asyncio.get_running_loop().call_soon(self.on_listeners)
 
     def rpc_path_of(self, worker: NodeId) -> str:

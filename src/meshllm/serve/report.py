@@ -89,7 +89,6 @@ class Report:
             "llama_starts": self.hosting.generations + (server.restarts if server else 0),
             "draft": v.draft,
             "served_models": v.served,
-            "agent_lines": agent_lines(v.served[0], self.port) if v.served else [],
             "agents": [{"label": a, "copy": b} for a, b in agent_commands(v.served[0], self.port)] if v.served else [],
             "node": v.me.hex(), "mesh": core.mesh_id.hex(), "role": core.record.role,
             "host": v.host.hex() if v.host else None, "peers": peers, "plan": plan_obj,

@@ -10,10 +10,11 @@ with every cross-origin request and every POST). Clients that are not browsers s
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from urllib.parse import urlsplit
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -43,7 +44,7 @@ def origin_ok(origin: str | None) -> bool:
         return False  # "null" (sandboxed frames, files) and garbage
 
 
-def middleware(listen_all: bool, allow_headers: str = "Authorization, Content-Type") -> Callable[..., object]:
+def middleware(listen_all: bool, allow_headers: str = "Authorization, Content-Type") -> Middleware:
     """An aiohttp middleware applying the rules above."""
 
     @web.middleware
@@ -69,9 +70,10 @@ def middleware(listen_all: bool, allow_headers: str = "Authorization, Content-Ty
     return guard
 
 
-def strip_cors(headers: dict[str, str]) -> dict[str, str]:
-    """An upstream's response headers without its CORS ones (llama-server echoes any Origin, with credentials)."""
-    return {k: v for k, v in headers.items() if not k.lower().startswith("access-control-")}
+def strip_cors(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """An upstream's response headers without its CORS ones (llama-server echoes any Origin, with credentials);
+    repeated headers stay repeated."""
+    return [(k, v) for k, v in headers if not k.lower().startswith("access-control-")]
 
 
 def cors_for(request: web.Request) -> dict[str, str]:
