@@ -306,7 +306,12 @@ def cmd_download(args: argparse.Namespace) -> int:
 
     where = models_dir(args.models_dir)
     if args.check:
-        return check_catalog()
+        from meshllm.models.download import check_catalog
+
+        out = Console(highlight=False)
+        bad = check_catalog(lambda line: out.print(line, markup=False))
+        out.print(f"{bad} of the catalog's entries differ from the hub" if bad else "the catalog matches the hub")
+        return 1 if bad else 0
     if not args.name:
         out = Console(highlight=False)
         t = Table("name", "also", "size GB", "memory GB", "draft", "installed", title=f"models ({where})")
@@ -336,34 +341,6 @@ def _tiny_installed() -> bool:
     from meshllm.models.tiny import tiny_target
 
     return tiny_target().is_file()
-
-
-def check_catalog() -> int:
-    """Compare every catalog entry with the live hub (file present, size within 2%)."""
-    import huggingface_hub as hf
-
-    from meshllm.models import catalog
-
-    bad = 0
-    for e in catalog.CATALOG:
-        if e.pypi:
-            continue
-        total = 0
-        try:
-            for f in e.files:
-                meta = hf.get_hf_file_metadata(hf.hf_hub_url(e.repo, f), timeout=10)
-                total += meta.size or 0
-        except Exception as ex:
-            if "connect" in str(ex).lower() or "resolve" in str(ex).lower() or "offline" in str(ex).lower():
-                console.print("skipped: the hub is not reachable from this machine (no network)")
-                return 0
-            console.print(f"[red]{e.name}[/]: {e.repo}: {type(ex).__name__}")
-            bad += 1
-            continue
-        ok = abs(total / 1e9 - e.size_gb) <= 0.02 * e.size_gb
-        bad += not ok
-        console.print(f"{'ok ' if ok else '[red]bad[/]'} {e.name}: {total / 1e9:.2f} GB (catalog {e.size_gb})")
-    return 1 if bad else 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -544,7 +521,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    logging.getLogger("quic").setLevel(logging.WARNING)
+    for chatty in ("quic", "httpx2", "httpx", "huggingface_hub"):  # a line per HTTP request is not news
+        logging.getLogger(chatty).setLevel(logging.WARNING)
     try:
         rc: int = func(args)
         return rc
