@@ -1,14 +1,23 @@
-"""The QUIC endpoint on loopback: key pinning, streams held until authentication, finished streams forgotten,
-control packets routed apart."""
+"""The QUIC endpoint on loopback: key pinning, streams held until authentication (and their cap), finished streams
+forgotten, control packets routed apart, resets, closed connections, dial and accept timeouts, a port in use,
+junk datagrams, relay refusals."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+import ssl
+from collections.abc import Callable
 
 import pytest
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
 
-from meshllm.net.endpoint import STREAM_AUTH, STREAM_GOSSIP, Conn, DialError, Endpoint
-from meshllm.proto import crypto
+from meshllm.errors import MeshError
+from meshllm.net import endpoint
+from meshllm.net.endpoint import MAX_HELD_STREAMS, STREAM_AUTH, STREAM_GOSSIP, Conn, DialError, Endpoint
+from meshllm.proto import crypto, reach
 
 
 async def _pair() -> tuple[Endpoint, Endpoint, asyncio.Queue[Conn], tuple[str, int]]:
@@ -111,3 +120,164 @@ def test_a_bad_address_cannot_close_the_socket() -> None:
             b.close()
 
     asyncio.run(main())
+
+
+def test_too_many_streams_before_authentication_close_the_connection() -> None:
+    async def main() -> None:
+        a, b, accepted, addr = await _pair()
+        try:
+            conn = await a.dial(addr, b.me)
+            for _ in range(MAX_HELD_STREAMS + 1):
+                conn.open_stream(STREAM_GOSSIP).write(b"x")
+            server = await asyncio.wait_for(accepted.get(), 5)
+            await asyncio.wait_for(server.closed.wait(), 5)
+            assert server.close_reason == "too many streams before authentication"
+            await asyncio.wait_for(conn.closed.wait(), 5)  # the dialler hears of it
+            assert await asyncio.wait_for(server.accept(), 1) is None
+        finally:
+            a.close()
+            b.close()
+
+    asyncio.run(main())
+
+
+def test_a_reset_ends_the_peers_read_and_a_closed_connection_refuses_writes() -> None:
+    async def main() -> None:
+        a, b, accepted, addr = await _pair()
+        try:
+            conn = await a.dial(addr, b.me)
+            auth = conn.open_stream(STREAM_AUTH)
+            server = await asyncio.wait_for(accepted.get(), 5)
+            peer = await asyncio.wait_for(server.accept(), 5)
+            assert peer is not None
+            auth.write(b"partial")
+            assert await asyncio.wait_for(peer.read(), 5) == b"partial"
+            auth.reset()
+            assert await asyncio.wait_for(peer.read(), 5) == b"", "a reset must end the reader, not leave it waiting"
+            other = conn.open_stream(STREAM_AUTH)
+            conn.close("done")
+            with pytest.raises(ConnectionError):
+                other.write(b"late")
+            other.close()  # closing a stream of a closed connection is quiet
+            await asyncio.wait_for(server.closed.wait(), 5)
+            assert not a.conns, "a closed connection is still listed"
+        finally:
+            a.close()
+            b.close()
+
+    asyncio.run(main())
+
+
+def test_a_dial_nobody_answers_times_out_and_is_forgotten() -> None:
+    async def main() -> None:
+        silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # a bound port that never answers
+        silent.bind(("127.0.0.1", 0))
+        a = Endpoint(crypto.new_key())
+        await a.open("127.0.0.1", 0)
+        try:
+            with pytest.raises(DialError, match=r"no answer from 127\.0\.0\.1:\d+ within 1 s"):
+                await a.dial(silent.getsockname(), crypto.node_id(crypto.new_key()), timeout=1.0)
+            assert not a.conns and not a._cids
+        finally:
+            a.close()
+            silent.close()
+
+    asyncio.run(main())
+
+
+def test_a_handshake_that_stalls_is_dropped_by_the_listener(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(endpoint, "ACCEPT_TIMEOUT_S", 0.5)
+
+    async def main() -> None:
+        a, b, accepted, addr = await _pair()
+        try:
+            # a client that sends its first flight and then goes silent
+            cfg = QuicConfiguration(is_client=True, alpn_protocols=[endpoint.ALPN], verify_mode=ssl.CERT_NONE)
+            quic = QuicConnection(configuration=cfg)
+            quic.connect(addr, now=0.0)
+            mute = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            mute.bind(("127.0.0.1", 0))
+            for data, to in quic.datagrams_to_send(now=0.0):
+                mute.sendto(data, to)
+            await _until(lambda: len(b.conns) == 1)
+            stalled = next(iter(b.conns))
+            await asyncio.wait_for(stalled.closed.wait(), 5)
+            assert stalled.close_reason == "handshake failed" and not b.conns and accepted.empty()
+            mute.close()
+        finally:
+            a.close()
+            b.close()
+
+    asyncio.run(main())
+
+
+def test_a_port_in_use_is_one_clear_error() -> None:
+    async def main() -> None:
+        a = Endpoint(crypto.new_key())
+        host, port = await a.open("127.0.0.1", 0)
+        try:
+            with pytest.raises(MeshError, match=rf"cannot bind UDP 127\.0\.0\.1:{port}: Address already in use"):
+                await Endpoint(crypto.new_key()).open(host, port)
+        finally:
+            a.close()
+
+    asyncio.run(main())
+
+
+def test_junk_datagrams_make_no_connection_and_leave_the_socket_working() -> None:
+    async def main() -> None:
+        a, b, _, addr = await _pair()
+        junk = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            cfg = QuicConfiguration(is_client=True, alpn_protocols=[endpoint.ALPN], verify_mode=ssl.CERT_NONE)
+            quic = QuicConnection(configuration=cfg)
+            quic.connect(addr, now=0.0)
+            initial = quic.datagrams_to_send(now=0.0)[0][0]
+            for d in [
+                b"\x40",  # a short header with no room for a connection id
+                b"\x40" + os.urandom(40),  # a 1-RTT packet for a connection id nobody issued
+                b"\xc0" + os.urandom(30),  # a long header that does not parse
+                initial[:600],  # an Initial below the 1200-byte minimum (anti-amplification)
+                bytes([reach.RELAYED]) + os.urandom(40),  # "relayed" by a node we hold no connection with
+            ]:
+                junk.sendto(d, addr)
+            junk.sendto(b"\x41", addr)  # a sentinel: once it is counted, everything before it was handled
+            await _until(lambda: b.stats.datagrams_in >= 6)
+            assert not b.conns, "junk made a connection"
+            assert b.transport is not None and not b.transport.is_closing()
+            assert (await a.dial(addr, b.me)).peer == b.me
+        finally:
+            junk.close()
+            a.close()
+            b.close()
+
+    asyncio.run(main())
+
+
+def test_only_a_relaying_member_forwards_relay_packets() -> None:
+    async def main() -> None:
+        a, b, accepted, addr = await _pair()
+        try:
+            conn = await a.dial(addr, b.me)
+            server = await asyncio.wait_for(accepted.get(), 5)
+            server.set_authenticated()
+            server.peer = a.me
+            packet = reach.relay_packet(reach.RELAY, crypto.node_id(crypto.new_key()), b"\x40quic")
+            a.send_control(packet, addr)  # b does not relay
+            await _until(lambda: b.stats.relay_refused == 1)
+            b.relay_server = True
+            a.send_control(packet, addr)  # b relays, but not to a node it has no connection with
+            await _until(lambda: b.stats.relay_refused == 2)
+            assert b.stats.relayed_packets == 0 and conn.peer == b.me
+        finally:
+            a.close()
+            b.close()
+
+    asyncio.run(main())
+
+
+async def _until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)

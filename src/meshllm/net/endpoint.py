@@ -57,6 +57,7 @@ STREAM_KINDS = {
     STREAM_AUTH: "auth", STREAM_GOSSIP: "gossip", STREAM_RPC: "rpc", STREAM_HTTP: "http", STREAM_RPC_KEY: "rpc-key"
 }  # fmt: skip
 MAX_HELD_STREAMS = 8
+ACCEPT_TIMEOUT_S = 10.0  # an incoming handshake that has not completed by then is dropped
 
 Addr = tuple[str, int]
 
@@ -583,7 +584,7 @@ class Endpoint:
 
     async def _accept(self, conn: Conn) -> None:
         try:
-            await asyncio.wait_for(asyncio.shield(conn.handshake), timeout=10)
+            await asyncio.wait_for(asyncio.shield(conn.handshake), timeout=ACCEPT_TIMEOUT_S)
         except (TimeoutError, DialError):
             conn.close("handshake failed")
             return
