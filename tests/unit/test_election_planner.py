@@ -94,8 +94,11 @@ def test_not_enough_memory_says_how_much() -> None:
 def test_tensor_split_override() -> None:
     p = plan(SHAPE, Slot(A, GB), [Slot(B, GB, rtt_ms=1), Slot(C, GB, rtt_ms=2)], CTX, split=[1, 1, 3])
     assert isinstance(p, Plan) and [(a.node, a.count) for a in p.assignments] == [(B, 2), (C, 2), (A, 6)]
-    with pytest.raises(ValueError):
-        plan(SHAPE, Slot(A, GB), [], CTX, split=[1, 1])
+    w = plan(SHAPE, Slot(A, GB), [], CTX, split=[1, 1])  # a split that names more devices than the mesh has
+    assert w == Waiting(0, 0, why="--tensor-split names 2 devices, the mesh has 1 nodes")
+    assert w.message() == "waiting for more peers — --tensor-split names 2 devices, the mesh has 1 nodes"
+    with pytest.raises(ValueError):  # the CLI refuses these before any node starts
+        plan(SHAPE, Slot(A, GB), [], CTX, split=[0, 0])
 
 
 def test_shape_of_the_test_model(tiny_model: Path) -> None:

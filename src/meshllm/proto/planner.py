@@ -103,8 +103,11 @@ def device_of_unit(split: tuple[int, ...], unit: int, n_layer: int) -> int:
 class Waiting:
     need: int
     have: int
+    why: str = ""  # when memory is not what is missing
 
     def message(self) -> str:
+        if self.why:
+            return f"waiting for more peers — {self.why}"
         return f"waiting for more peers — need {self.need / GB:.1f} GB, have {self.have / GB:.1f} GB"
 
 
@@ -174,15 +177,18 @@ def plan(
     return Plan(host=host.node, assignments=tuple(assignments), standby=standby)
 
 
-def _plan_override(shape: ModelShape, host: Slot, ordered: list[Slot], ctx: int, split: list[float]) -> Plan:
-    """--tensor-split: proportions for the workers in RTT order, then the host (llama.cpp device order)."""
+def _plan_override(
+    shape: ModelShape, host: Slot, ordered: list[Slot], ctx: int, split: list[float]
+) -> Plan | Waiting:
+    """--tensor-split: proportions for the workers in RTT order, then the host (llama.cpp device order); Waiting
+    while the mesh has fewer nodes than the split names."""
     n = shape.n_layer
     k = len(split)
     if k < 1 or any(x < 0 for x in split) or sum(split) <= 0:
         raise ValueError("--tensor-split needs non-negative proportions with a positive sum")
     nodes = ordered[: k - 1]
     if len(nodes) < k - 1:
-        raise ValueError(f"--tensor-split names {k} devices but the mesh has {len(ordered) + 1} nodes")
+        return Waiting(0, 0, why=f"--tensor-split names {k} devices, the mesh has {len(ordered) + 1} nodes")
     counts = [int(n * x / sum(split)) for x in split]
     counts[-1] += n - sum(counts)
     assignments: list[Assignment] = []

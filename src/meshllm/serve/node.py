@@ -269,12 +269,8 @@ class Node:
         slots = slots_for(self.net.core.alive(now), self.host, self.facts.fingerprint)
         if slots is None:
             return
-        try:
-            prefer = {a.node for a in self.plan.assignments} if isinstance(self.plan, Plan) else set()
-            p: Plan | Waiting = plan(self.shape, *slots, self.o.ctx_size, split=self.o.tensor_split, prefer=prefer)
-        except ValueError as e:
-            p = Waiting(0, 0)
-            log.warning("plan: %s", e)
+        prefer = {a.node for a in self.plan.assignments} if isinstance(self.plan, Plan) else set()
+        p = plan(self.shape, *slots, self.o.ctx_size, split=self.o.tensor_split, prefer=prefer)
         alive = {r.node for r in self.net.core.alive(now)}
         settled = self._plan_debounce.propose(p, now, urgent=plan_broken(self.plan, alive))
         if settled is None or settled == self.plan:
