@@ -177,9 +177,7 @@ def plan(
     return Plan(host=host.node, assignments=tuple(assignments), standby=standby)
 
 
-def _plan_override(
-    shape: ModelShape, host: Slot, ordered: list[Slot], ctx: int, split: list[float]
-) -> Plan | Waiting:
+def _plan_override(shape: ModelShape, host: Slot, ordered: list[Slot], ctx: int, split: list[float]) -> Plan | Waiting:
     """--tensor-split: proportions for the workers in RTT order, then the host (llama.cpp device order); Waiting
     while the mesh has fewer nodes than the split names."""
     n = shape.n_layer

@@ -264,11 +264,21 @@ class Api:
                         resp.headers.add(k, v)
                 resp.headers.update(webguard.cors_for(request))
                 await resp.prepare(request)
-                tally = _TokenTally("event-stream" in r.headers.get("Content-Type", ""))
+                sse = "event-stream" in r.headers.get("Content-Type", "")
+                tally = _TokenTally(sse)
+                held = b""  # an event's first part: sent once it is whole, so a cut never leaves half an event
                 try:
                     async for chunk in r.content.iter_any():
                         tally.feed(chunk)
-                        await resp.write(chunk)
+                        if sse:
+                            held += chunk
+                            cut = held.rfind(b"\n\n")
+                            end = cut + 2 if cut >= 0 else 0
+                            chunk, held = held[:end], held[end:]
+                        if chunk:
+                            await resp.write(chunk)
+                    if held:
+                        await resp.write(held)
                     await resp.write_eof()
                     tally.done(self.counters)
                 except (ConnectionResetError, aiohttp.ClientConnectionResetError):

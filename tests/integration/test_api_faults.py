@@ -1,0 +1,163 @@
+"""The API's answers when its model server fails (serve/api.py), against a real llama-server with faults injected
+on the TCP path to it: nothing sent yet → one retry on whatever serves the model next; already streaming → an error
+event and the end of the response, never a hang; nobody serving → 503 with the reason and Retry-After."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from meshllm.llama import supervisor
+from meshllm.llama.build import Binaries
+from meshllm.llama.processes import free_port
+from meshllm.serve import api as api_mod
+from meshllm.serve.api import Api, Unavailable, Upstream
+
+BODY = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 48, "temperature": 0}
+
+
+@pytest_asyncio.fixture
+async def llama(patched_bins: Binaries, tiny_model: Path, tmp_path: Path) -> AsyncIterator[str]:
+    cfg = supervisor.ServerConfig(model=tiny_model, alias="tiny", ctx_size=512, threads=2)
+    server = supervisor.LocalServer(patched_bins, cfg, tmp_path)
+    server.start()
+    try:
+        await server.wait_ready()
+        yield f"http://127.0.0.1:{server.port}"
+    finally:
+        await server.stop()
+
+
+async def _closing_server() -> tuple[asyncio.Server, str]:
+    """A model server that accepts and hangs up before answering."""
+
+    async def hang_up(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.close()
+
+    srv = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    return srv, f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+
+
+async def _cutting_proxy(target: str, cut_after: int) -> tuple[asyncio.Server, str]:
+    """A TCP relay to ``target`` that drops both connections after ``cut_after`` bytes of response."""
+    host, port = target.removeprefix("http://").split(":")
+
+    async def relay(cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        ur, uw = await asyncio.open_connection(host, int(port))
+
+        async def up() -> None:
+            while data := await cr.read(65536):
+                uw.write(data)
+
+        task = asyncio.ensure_future(up())
+        sent = 0
+        while sent < cut_after and (data := await ur.read(min(65536, cut_after - sent))):
+            cw.write(data)
+            await cw.drain()
+            sent += len(data)
+        task.cancel()
+        for w in (cw, uw):
+            w.transport.abort()
+
+    srv = await asyncio.start_server(relay, "127.0.0.1", 0)
+    return srv, f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+
+
+class Routes:
+    """The router the API asks, answering from a script: one answer per call, the last one repeated."""
+
+    def __init__(self, *answers: Upstream | Unavailable) -> None:
+        self.answers = list(answers)
+        self.calls = 0
+
+    def __call__(self, model: str | None) -> Upstream | Unavailable | None:
+        self.calls += 1
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+
+async def _api(routes: Routes) -> tuple[Api, str]:
+    a = Api(routes, models=lambda: ["tiny"], status=dict)
+    port = free_port()
+    await a.start("127.0.0.1", port)
+    return a, f"http://127.0.0.1:{port}"
+
+
+async def _post(url: str, body: dict[str, object]) -> tuple[int, dict[str, str], bytes]:
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s,
+        s.post(url + "/v1/completions", json=body) as r,
+    ):
+        return r.status, dict(r.headers), await r.read()
+
+
+async def test_a_request_that_failed_before_any_output_is_retried_once(
+    llama: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    dead, dead_url = await _closing_server()
+    routes = Routes(Upstream("tiny", dead_url), Upstream("tiny", llama))
+    a, url = await _api(routes)
+    try:
+        with caplog.at_level(logging.WARNING, "meshllm.api"):
+            status, _, body = await _post(url, BODY)
+        assert status == 200 and json.loads(body)["choices"][0]["text"], body
+        assert routes.calls == 2
+        assert any("failed before any output" in r.getMessage() and "retrying once" in r.getMessage()
+                   for r in caplog.records)  # fmt: skip
+    finally:
+        await a.stop()
+        dead.close()
+
+
+async def test_the_retry_is_only_one(llama: str) -> None:
+    dead, dead_url = await _closing_server()
+    routes = Routes(Upstream("tiny", dead_url))  # the mesh keeps pointing at a dead server
+    a, url = await _api(routes)
+    try:
+        status, headers, body = await _post(url, BODY)
+        err = json.loads(body)["error"]
+        assert status == 503 and headers["Retry-After"] == "5" and err["code"] == "model_unavailable"
+        assert err["message"].startswith("the model server failed: ") and routes.calls == 2
+    finally:
+        await a.stop()
+        dead.close()
+
+
+async def test_a_retry_that_finds_nobody_serving_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(api_mod, "RETRY_WAIT_S", 1.5)
+    dead, dead_url = await _closing_server()
+    waiting = Unavailable("waiting for more peers — need 2.0 GB, have 1.0 GB", retry_after_s=7)
+    routes = Routes(Upstream("tiny", dead_url), waiting)
+    a, url = await _api(routes)
+    try:
+        status, headers, body = await _post(url, BODY)
+        assert status == 503 and json.loads(body)["error"]["message"] == waiting.reason
+        assert headers["Retry-After"] == "5" and routes.calls >= 3  # it kept asking until its deadline
+        status, headers, body = await _post(url, BODY)  # and a new request is refused at once, with its wait
+        assert status == 503 and headers["Retry-After"] == "7"
+        assert json.loads(body)["error"]["message"] == waiting.reason
+    finally:
+        await a.stop()
+        dead.close()
+
+
+async def test_a_stream_cut_mid_way_ends_with_an_error_event(llama: str) -> None:
+    proxy, proxy_url = await _cutting_proxy(llama, cut_after=1500)  # the headers and a few events
+    routes = Routes(Upstream("tiny", proxy_url), Upstream("tiny", llama))
+    a, url = await _api(routes)
+    try:
+        status, _, body = await asyncio.wait_for(_post(url, {**BODY, "max_tokens": 200, "stream": True}), 60)
+        events = [line[6:] for line in body.decode().splitlines() if line.startswith("data: ")]
+        assert status == 200 and len(events) >= 2, body
+        assert json.loads(events[0])["choices"], events[0]  # real tokens came first
+        assert json.loads(events[-1])["error"]["type"] == "upstream_error", events[-1]
+        assert routes.calls == 1, "a request that already streamed must not be sent again"
+    finally:
+        await a.stop()
+        proxy.close()
