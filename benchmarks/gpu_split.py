@@ -35,6 +35,7 @@ import tarfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SHA = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"  # the pinned sdist (meshllm.llama.build)
@@ -147,6 +148,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--cap", type=float, default=3.5, help="GB each mesh node offers, so the 4.9 GB model splits")
+    ap.add_argument(
+        "--multi",
+        action="store_true",
+        help="instead: nodes with several GPUs (a 2-GPU solo node; a 2-GPU worker under a 1-GPU host)",
+    )
     args = ap.parse_args()
     work: Path = args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -175,43 +181,43 @@ def main() -> None:
     def gpu(i: str) -> dict[str, str]:
         return dict(env, CUDA_VISIBLE_DEVICES=i)
 
-    # 1. the mesh: two nodes, one GPU each; the default RPC path (direct TCP + TLS where reachable), then the tunnel
-    def mesh(rpc_path: str) -> tuple[float, list[int], str]:
-        nodes, ports = [], [free_port(), free_port()]
-        state = work / f"mesh-{rpc_path}"
+    # the mesh: one node per (GPUs, --max-vram) in ``spec``; the first makes the mesh, the others join
+    def run_mesh(name: str, rpc_path: str, spec: list[tuple[str, float | None]]) -> tuple[float, dict[str, object]]:
+        nodes, ports = [], [free_port() for _ in spec]
+        state = work / f"mesh-{name}"
         shutil.rmtree(state, ignore_errors=True)
+        texts = [logs / f"mesh-{name}-{i}.log" for i in range(len(spec))]
         try:
-            for i, port in enumerate(ports):
+            for i, ((gpus, cap), port) in enumerate(zip(spec, ports, strict=True)):
                 cmd = [sys.executable, "-m", "meshllm.cli", "--model", str(model), "--state-dir", str(state / f"n{i}"),
-                       "--port", str(port), "--bind-host", "127.0.0.1", "--max-vram", str(args.cap),
-                       "--ctx-size", "2048", "--rpc-path", rpc_path]  # fmt: skip
+                       "--port", str(port), "--bind-host", "127.0.0.1", "--ctx-size", "2048",
+                       "--rpc-path", rpc_path]  # fmt: skip
+                cmd += ["--max-vram", str(cap)] if cap is not None else []
                 if i:
                     cmd += ["--join-file", str(state / "n0" / "token")]
-                nodes.append(Child.start(f"n{i}", cmd, logs / f"mesh-{rpc_path}-{i}.log", env=gpu(str(i))))
+                nodes.append(Child.start(f"n{i}", cmd, texts[i], env=gpu(gpus)))
                 while i == 0 and not (state / "n0" / "token").is_file():
                     time.sleep(0.5)
-            texts = [logs / f"mesh-{rpc_path}-{i}.log" for i in (0, 1)]
             deadline = time.monotonic() + 600
-            while "ready:" not in texts[0].read_text() + texts[1].read_text():
+            while not any("ready:" in t.read_text() for t in texts):
                 assert time.monotonic() < deadline and all(n.alive() for n in nodes), "the mesh never served"
                 time.sleep(1)
-            host = 0 if "ready:" in texts[0].read_text() else 1
+            host = next(i for i, t in enumerate(texts) if "ready:" in t.read_text())
             with urllib.request.urlopen(f"http://127.0.0.1:{ports[host]}/mesh/status", timeout=30) as r:
                 st = json.loads(r.read())
-            counts = [a["count"] for a in st["plan"]["assignments"]]
-            path = "; ".join(p["rpc_path"] for p in st["peers"] if p.get("rpc_path"))
-            return tps(f"http://127.0.0.1:{ports[host]}", "/v1/completions", args.tokens, args.runs), counts, path
+            for t in texts:
+                print(next((line for line in t.read_text().splitlines() if "capacity" in line), "?"), flush=True)
+            return tps(f"http://127.0.0.1:{ports[host]}", "/v1/completions", args.tokens, args.runs), st
         finally:
             for n in nodes:
                 n.stop()
 
-    v, counts, path = mesh("auto")
-    rows.append((f"mesh-llm: two nodes, default path ({path})", v))
-    v, _, path = mesh("tunnel")
-    rows.append((f"mesh-llm: two nodes, --rpc-path tunnel ({path})", v))
-    split = [*counts[:-1], counts[-1] + 1]  # what the mesh hands llama.cpp: the host's entry counts the output
-    ts = [float(x) for x in split]
-    print(f"plan: {counts} layers (workers first, host last); --tensor-split {','.join(map(str, split))}")
+    def mesh(rpc_path: str) -> tuple[float, list[int], str]:
+        """Two nodes, one GPU each."""
+        v, st = run_mesh(rpc_path, rpc_path, [("0", args.cap), ("1", args.cap)])
+        counts = [a["count"] for a in st["plan"]["assignments"]]  # type: ignore[index]
+        path = "; ".join(p["rpc_path"] for p in st["peers"] if p.get("rpc_path"))  # type: ignore[attr-defined]
+        return v, counts, path
 
     def server(name: str, dev: str, rpc: list[str], tensor_split: list[float], extra: tuple[str, ...] = ()) -> float:
         port = free_port()
@@ -221,11 +227,23 @@ def main() -> None:
             wait_http_ready(c, f"http://127.0.0.1:{port}/health", 600)
             return tps(f"http://127.0.0.1:{port}", "/completion", args.tokens, args.runs)
 
-    def rpc_server(name: str, dev: str) -> tuple[Child, str]:
+    def rpc_server(name: str, dev: str, device: str | None = None) -> tuple[Child, str]:
         port = free_port()
-        c = Child.start(name, rpc_server_argv(bins, port), logs / f"{name}.log", env=gpu(dev))
+        c = Child.start(name, rpc_server_argv(bins, port, device=device), logs / f"{name}.log", env=gpu(dev))
         wait_tcp_ready(c, port, 60)
         return c, f"127.0.0.1:{port}"
+
+    if args.multi:
+        multi(run_mesh, server, rpc_server, args.tokens, args.runs)
+        return
+
+    v, counts, path = mesh("auto")
+    rows.append((f"mesh-llm: two nodes, default path ({path})", v))
+    v, _, path = mesh("tunnel")
+    rows.append((f"mesh-llm: two nodes, --rpc-path tunnel ({path})", v))
+    split = [*counts[:-1], counts[-1] + 1]  # what the mesh hands llama.cpp: the host's entry counts the output
+    ts = [float(x) for x in split]
+    print(f"plan: {counts} layers (workers first, host last); --tensor-split {','.join(map(str, split))}")
 
     worker, worker_at = rpc_server("rpc-worker", "1")
     try:
@@ -245,6 +263,32 @@ def main() -> None:
     print("| setup | tok/s | ms/token | ÷ in-process | ÷ direct TCP RPC |\n|---|---:|---:|---:|---:|")
     for name, v in rows:
         print(f"| {name} | {v:.1f} | {1000 / v:.2f} | {v / base:.2f} | {v / tcp:.2f} |")
+
+
+def multi(run_mesh: Any, server: Any, rpc_server: Any, tokens: int, runs: int) -> None:
+    """Nodes with several GPUs: a solo node offers and uses both; a 2-GPU worker (capped below the 1-GPU host so the
+    host is elected and the model splits) serves each GPU as a device of its own, next to stock llama.cpp RPC with
+    the same three-device split and in-process llama.cpp on both GPUs."""
+    rows: list[tuple[str, float]] = []
+    v, st = run_mesh("solo2", "auto", [("0,1", None)])
+    print(f"solo plan: {st['plan']}")
+    rows.append(("mesh-llm: one node, 2 GPUs", v))
+    v, st = run_mesh("worker2", "auto", [("0", 3.5), ("0,1", 3.0)])
+    plan = st["plan"]
+    print(f"split plan: {plan}")
+    split = [float(x) for x in plan["tensor_split"]]
+    rows.append((f"mesh-llm: 1-GPU host + 2-GPU worker, direct path, split {plan['tensor_split']}", v))
+    worker, at = rpc_server("rpc-2gpu", "0,1", "CUDA0,CUDA1")
+    try:
+        rows.append(("stock RPC: the same three devices and split, direct TCP", server("stock-3dev", "0", [at], split)))
+    finally:
+        worker.stop()
+    rows.append(("llama.cpp in one process, 2 GPUs, -sm layer", server("inproc2", "0,1", [], [], ("-sm", "layer"))))
+    stock = rows[2][1]
+    print(f"\n# {tokens} greedy tokens, median of {runs}, llama-server's decode timing")
+    print("| setup | tok/s | ÷ stock RPC same split |\n|---|---:|---:|")
+    for name, val in rows:
+        print(f"| {name} | {val:.1f} | {val / stock:.2f} |")
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ plain loopback TCP.
 Mesh: two mesh-llm nodes on loopback sized with --max-vram so the plan splits (worker: first layers, host: the
 rest and the output on its own rpc-server), once with the default --rpc-path auto (the worker reached over TCP +
 TLS 1.3) and once with --rpc-path tunnel. Direct: the same binaries and layer split, llama-server --rpc
-straight to two rpc-servers on loopback (no tunnel). Decode speed is llama-server's own timing of each greedy
-completion (predicted_per_second); also the latency the :9337 proxy adds (solo node vs its llama-server).
-Medians of --runs runs, in one script run.
+straight to two rpc-servers on loopback (plain TCP: no tunnel, no TLS, no relay of any kind). Decode speed is
+llama-server's own timing of each greedy completion (predicted_per_second); also the latency the :9337 proxy
+adds (solo node vs its llama-server). Medians of --runs runs, in one script run.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def main() -> int:
         children: list[Child] = []
         relays: list[CountingRelay] = []
         s = start_split(tmp / "direct", bins, [Worker(bins, model), Worker(bins, model)], model, children, relays,
-                        threads=2, tensor_split=counts, extra=["--fit", "off"])  # fmt: skip
+                        threads=2, tensor_split=counts, extra=["--fit", "off"], counted=False)  # fmt: skip
         try:
             completion(s.port, "/completion", 8)
             rows["direct split (TCP, no tunnel)"] = [completion(s.port, "/completion", args.tokens)[0]

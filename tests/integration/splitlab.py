@@ -68,18 +68,26 @@ def start_split(
     threads: int = 1,
     tensor_split: list[float] | None = None,
     extra: list[str] | None = None,
+    counted: bool = True,
 ) -> Split:
+    """``counted``: each rpc-server behind a CountingRelay (Python, in this process) so tests can see the wire;
+    benchmarks that time the split pass False, and llama-server reaches the rpc-servers straight over TCP."""
     procs: list[Child] = []
     mine: list[CountingRelay] = []
+    ports: list[int] = []
     for i, w in enumerate(workers):
         port = free_port()
         child = Child.start(f"rpc{i}", rpc_server_argv(w.bins, port, threads=threads, gguf=w.gguf), tmp / f"rpc{i}.log")
         children.append(child)
         wait_tcp_ready(child, port)
+        procs.append(child)
+        if not counted:
+            ports.append(port)
+            continue
         relay = CountingRelay(port)
         relays.append(relay)
         mine.append(relay)
-        procs.append(child)
+        ports.append(relay.port)
     before = [r.snapshot() for r in mine]
     port = free_port()
     argv = llama_server_argv(
@@ -88,7 +96,7 @@ def start_split(
         port,
         ctx_size=1024,
         threads=2,
-        rpc=[f"127.0.0.1:{r.port}" for r in mine],
+        rpc=[f"127.0.0.1:{p}" for p in ports],
         n_gpu_layers=99,
         tensor_split=tensor_split or (),
         # read() instead of mmap: what the host reads shows in rchar

@@ -7,7 +7,6 @@ import json
 import shutil
 import signal
 import tempfile
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -126,7 +125,8 @@ def test_metrics_parse_and_move(tmp_path: Path, tiny_model: Path) -> None:
         req = urllib.request.Request(f"http://127.0.0.1:{a.port}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})  # fmt: skip
         urllib.request.urlopen(req, timeout=60).read()
-        time.sleep(0.2)
+        wait_for(lambda: scrape()['mesh_llm_requests_total{"status": "200"}'] > before.get(
+            'mesh_llm_requests_total{"status": "200"}', 0), 10, "the request to be counted")  # fmt: skip
         after = scrape()
         assert after["mesh_llm_tokens_generated_total"] >= before.get("mesh_llm_tokens_generated_total", 0) + 12
         assert after['mesh_llm_requests_total{"status": "200"}'] > before.get(

@@ -111,7 +111,7 @@ def test_plan_splits_and_every_node_gives_the_hosts_answer(
         print(f"worker {str(w['node'])[:8]}: {w['count']} layers, {tun['load_weight_bytes']} weight bytes, "
               f"{tun['load_round_trips']} load round trips, {per_token:.0f} B back per token, "
               f"memory planned {est / 1e6:.1f} MB vs allocated {got / 1e6:.1f} MB")  # fmt: skip
-        assert per_token < 16_000, per_token
+        assert per_token < 8_000, per_token  # a hidden state (640 floats here) and framing; logits would be 1 MiB
         assert abs(est - got) <= 0.15 * got, (est, got)
 
 
@@ -239,4 +239,4 @@ def test_a_host_with_no_layers_keeps_the_output_and_the_logits(tmp_path: Path, t
         out = complete(host.port, "/v1/completions")
         assert text_of(out).strip()
         per_token = (received() - before) / N
-        assert per_token < 16_000, per_token
+        assert per_token < 8_000, per_token  # a hidden state (640 floats here) and framing; logits would be 1 MiB

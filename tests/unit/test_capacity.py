@@ -28,11 +28,14 @@ def test_listing_is_parsed_for_any_backend() -> None:
     assert parse_devices("  ROCm0: AMD Instinct MI300X (196592 MiB, 196000 MiB free)")[0].kind == "rocm"
 
 
-def test_a_gpu_node_offers_its_gpu_not_its_ram() -> None:
+def test_a_gpu_node_offers_its_gpus_not_its_ram() -> None:
     o = offer(parse_devices(TWO_GPUS), ram_total=256 * GB, max_gb=None)
     margin = max(int(81079 * MiB * 0.05), MARGIN_MIN)
-    assert o.capacity == 80519 * MiB - margin  # about 80 GB, not 192 GB of RAM
-    assert o.device == "cuda: NVIDIA H100 80GB HBM3 (1 of 2 used)" and o.use == "CUDA0"
+    assert o.shares == (80519 * MiB - margin, 60000 * MiB - margin)  # every GPU, each less its margin
+    assert o.capacity == sum(o.shares)  # about 140 GB, not 192 GB of RAM
+    assert o.device == "cuda: 2× NVIDIA H100 80GB HBM3" and o.use == "CUDA0,CUDA1" and o.first_device == "CUDA0"
+    one = offer(parse_devices(TWO_GPUS)[:1], ram_total=256 * GB, max_gb=None)
+    assert one.shares == () and one.use == "CUDA0" and one.device == "cuda: NVIDIA H100 80GB HBM3"
 
 
 def test_a_cpu_node_offers_three_quarters_of_its_ram() -> None:
@@ -41,7 +44,9 @@ def test_a_cpu_node_offers_three_quarters_of_its_ram() -> None:
 
 
 def test_max_vram_caps_both() -> None:
-    assert offer(parse_devices(TWO_GPUS), 256 * GB, max_gb=3.5).capacity == int(3.5 * GB)
+    capped = offer(parse_devices(TWO_GPUS), 256 * GB, max_gb=3.5)
+    assert capped.capacity == int(3.5 * GB) == sum(capped.shares)
+    assert capped.shares[0] > capped.shares[1] > 0  # each GPU's part shrinks in proportion
     assert offer([], 24 * GB, max_gb=0.3).capacity == int(0.3 * GB)
     assert offer([], 24 * GB, max_gb=100).capacity == 18 * GB  # a cap above what there is changes nothing
 

@@ -18,6 +18,7 @@ from meshllm.proto.planner import (
     device_of_unit,
     host_fixed_bytes,
     plan,
+    spread,
 )
 
 FP = "f" * 64
@@ -187,3 +188,37 @@ def test_slots_for_takes_the_nodes_with_the_model_and_the_hosts_rtts() -> None:
     ]
     assert slots_for(recs, ids[0], "aa") == (Slot(ids[0], 10), [Slot(ids[1], 5, 3.5), Slot(ids[4], 7, 0.0)])
     assert slots_for(recs[1:], ids[0], "aa") is None  # the host's own record missing
+
+
+def test_a_node_with_several_devices_gets_an_entry_for_each() -> None:
+    assert spread(10, ()) == [10] and spread(10, (5,)) == [10]
+    assert spread(10, (1, 1)) == [5, 5] and spread(7, (1, 1)) == [4, 3] and spread(3, (2, 1, 1)) == [1, 1, 1]
+    assert spread(4, (2, 1, 1)) == [2, 1, 1]
+    assert spread(5, (0, 0)) == [5, 0]
+    for count in range(0, 40):
+        for shares in [(3, 1), (1, 1, 1), (80, 60), (7, 0, 2)]:
+            parts = spread(count, shares)
+            assert sum(parts) == count and len(parts) == len(shares)
+    # a worker with two GPUs and a host with two: four llama.cpp devices, the output on the host's last GPU
+    host = host_fixed_bytes(SHAPE, CTX) + SHAPE.compute_bytes(CTX, output=False) + 4 * SHAPE.layer_cost(0, CTX)
+    w = Slot(B, 2 * _fits(3), rtt_ms=1, shares=(_fits(3), _fits(3)))
+    p = plan(SHAPE, Slot(A, host, shares=(host // 2, host - host // 2)), [w], CTX)
+    assert isinstance(p, Plan) and [a.count for a in p.assignments] == [6, 4]
+    assert [a.shares for a in p.assignments] == [w.shares, (host // 2, host - host // 2)]
+    split = p.tensor_split
+    assert len(split) == 4 and sum(split) == SHAPE.n_layer + 1
+    for a_i, devices in ((0, (0, 1)), (1, (2, 3))):
+        a = p.assignments[a_i]
+        assert {device_of_unit(split, layer, SHAPE.n_layer) for layer in range(a.first, a.first + a.count)} <= set(
+            devices
+        )
+    assert device_of_unit(split, SHAPE.n_layer, SHAPE.n_layer) == 3  # the output: the host's last device
+
+
+def test_each_device_pays_its_compute_buffer() -> None:
+    host = Slot(A, host_fixed_bytes(SHAPE, CTX) + 4 * SHAPE.layer_cost(0, CTX))
+    one = plan(SHAPE, host, [Slot(B, _fits(6), rtt_ms=1)], CTX)
+    two = plan(SHAPE, host, [Slot(B, _fits(6), rtt_ms=1, shares=(_fits(3), _fits(6) - _fits(3)))], CTX)
+    assert isinstance(one, Plan) and one.assignments[0].count == 6  # one device: it fits exactly
+    assert isinstance(two, Waiting)  # the same memory on two devices holds two compute buffers: no longer fits
+    assert two.need - plan(SHAPE, host, [Slot(B, 1, rtt_ms=1)], CTX).need == SHAPE.compute_bytes(CTX, output=False)  # type: ignore[union-attr]

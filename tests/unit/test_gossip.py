@@ -155,3 +155,14 @@ def test_forged_tombstones_bury_nobody() -> None:
     # a member burying the current life still works (a real death), and the next life comes back
     assert push(Tombstone(victim, 1, signer, T).signed(signer_key)) == [] and victim not in t.entries
     assert t.merge_record(rec(victim_key, vc, inc=2), T).changed == [victim]
+
+
+def test_a_multi_device_nodes_shares_travel_and_bad_ones_are_dropped() -> None:
+    t = Table(crypto.node_id(FOUNDER), MESH)
+    k, c = member()
+    n = crypto.node_id(k)
+    assert t.merge_record(rec(k, c, capacity=7, shares=(4, 3), device="cuda: 2× X"), T).changed == [n]
+    assert t.entries[n].record.shares == (4, 3)
+    assert "field shares" in t.merge_record(rec(k, c, seq=2, shares=("a",)), T).dropped[0]
+    assert "field shares" in t.merge_record(rec(k, c, seq=3, shares=tuple(range(17))), T).dropped[0]
+    assert t.entries[n].record.shares == (4, 3)

@@ -29,7 +29,8 @@ def test_delay_order_and_rate() -> None:
         for i in range(5):
             sh.send(bytes([i]) * 10_000, ("127.0.0.1", 1))  # 10 ms each at 1 MB/s
         due = sorted(t - t0 for t, *_ in sh._heap)
-        await asyncio.sleep(0.2)
+        while len(got) < 5:  # until all five are delivered
+            await asyncio.sleep(0.005)
         return due, [(t - t0, d) for t, d in got]
 
     due, got = asyncio.run(run())

@@ -47,22 +47,36 @@ def parse_devices(listing: str) -> list[Device]:
 
 @dataclass(frozen=True)
 class Offer:
-    capacity: int  # bytes offered to the mesh
-    device: str  # what gossip, status and the console show: "cpu", or "cuda: NVIDIA H100 80GB HBM3"
-    use: str | None  # the llama.cpp device our rpc-server should serve (None: its default)
+    capacity: int  # bytes offered to the mesh (all devices together)
+    device: str  # what gossip, status and the console show: "cpu", "cuda: NVIDIA H100 80GB HBM3", "cuda: 2× ..."
+    use: str | None  # the llama.cpp devices our rpc-server serves, comma-separated (None: its default, the CPU)
+    shares: tuple[int, ...] = ()  # per device, in llama.cpp's order, when there are several (they sum to capacity)
+
+    @property
+    def first_device(self) -> str | None:
+        """Where a draft model runs: the first of our devices."""
+        return self.use.split(",")[0] if self.use else None
+
+
+def _label(devices: list[Device]) -> str:
+    kinds = sorted({d.kind for d in devices})
+    names = sorted({d.description for d in devices})
+    count = f"{len(devices)}× " if len(devices) > 1 else ""
+    return f"{'/'.join(kinds)}: {count}{' + '.join(names)}"
 
 
 def offer(devices: list[Device], ram_total: int, max_gb: float | None) -> Offer:
-    """The memory this node offers. With accelerators: the first one's free memory less a margin (an rpc-server
-    endpoint stands for one device in the plan's tensor split, so a node serves one device for now); without:
-    RAM_SHARE of the RAM. ``--max-vram`` (``max_gb``) caps either."""
-    if devices:
-        d = devices[0]
-        cap = max(0, d.free - max(int(d.total * MARGIN_SHARE), MARGIN_MIN))
-        more = f" (1 of {len(devices)} used)" if len(devices) > 1 else ""
-        label, use = f"{d.kind}: {d.description}{more}", d.name
-    else:
-        cap, label, use = int(ram_total * RAM_SHARE), "cpu", None
-    if max_gb is not None:
-        cap = min(cap, int(max_gb * GB))
-    return Offer(cap, label, use)
+    """The memory this node offers. With accelerators: every one's free memory less a margin, all of them served
+    (the rpc-server serves each as a device of its own; a host runs them in-process); without: RAM_SHARE of the
+    RAM. ``--max-vram`` (``max_gb``) caps the total, each device's share shrinking in proportion."""
+    if not devices:
+        cap = int(ram_total * RAM_SHARE)
+        return Offer(min(cap, int(max_gb * GB)) if max_gb is not None else cap, "cpu", None)
+    shares = [max(0, d.free - max(int(d.total * MARGIN_SHARE), MARGIN_MIN)) for d in devices]
+    total = sum(shares)
+    if max_gb is not None and total > int(max_gb * GB):
+        cap = int(max_gb * GB)
+        shares = [s * cap // total for s in shares]
+        shares[-1] += cap - sum(shares)
+    use = ",".join(d.name for d in devices)
+    return Offer(sum(shares), _label(devices), use, tuple(shares) if len(devices) > 1 else ())

@@ -69,6 +69,7 @@ class RecordUpdate(TypedDict, total=False):
     addrs: tuple[str, ...]
     capacity: int
     device: str
+    shares: tuple[int, ...]
     model: ModelFacts | None
     state: NodeState
     version: str
@@ -89,6 +90,7 @@ class PeerRecord:
     addrs: tuple[str, ...] = ()
     capacity: int = 0  # bytes usable for the model: VRAM, or RAM on CPU nodes, measured at start
     device: str = "cpu"
+    shares: tuple[int, ...] = ()  # several devices: each one's part of capacity, in llama.cpp's device order
     model: ModelFacts | None = None
     state: NodeState = NodeState.STARTING
     version: str = ""
@@ -105,6 +107,7 @@ class PeerRecord:
             {
                 "node": self.node, "inc": self.incarnation, "seq": self.seq, "role": self.role,
                 "addrs": list(self.addrs), "cap": self.capacity, "dev": self.device,
+                "shares": list(self.shares),
                 "model": dataclasses.asdict(self.model) if self.model else None, "state": self.state,
                 "ver": self.version, "rtt": self.rtt_ms, "links": self.links, "relay": self.relay,
                 "nat": list(self.reflexive), "host": self.host,
@@ -130,6 +133,13 @@ def _field(d: dict[str, Any], k: str, tp: type | tuple[type, ...]) -> Any:
     if not isinstance(v, tp) or (isinstance(v, bool) and tp in (int, float)):
         raise RemoteProtocolError(f"record field {k} has the wrong type")
     return v
+
+
+def _shares(d: dict[str, Any]) -> tuple[int, ...]:
+    v = d.get("shares", [])  # absent from records of versions before multi-device nodes
+    if not isinstance(v, list) or len(v) > 16 or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise RemoteProtocolError("record field shares has the wrong type")
+    return tuple(max(0, x) for x in v)
 
 
 def _is_id(k: object) -> bool:
@@ -192,7 +202,8 @@ def record_from_wire(
     return PeerRecord(
         node=node, incarnation=_field(d, "inc", int), seq=_field(d, "seq", int), role=_enum(d, "role", Role),
         addrs=tuple(str(a) for a in _field(d, "addrs", list)[:16]), capacity=_field(d, "cap", int),
-        device=_field(d, "dev", str), model=model, state=_enum(d, "state", NodeState), version=_field(d, "ver", str),
+        device=_field(d, "dev", str), shares=_shares(d), model=model, state=_enum(d, "state", NodeState),
+        version=_field(d, "ver", str),
         rtt_ms={k: float(v) for k, v in list(rtt.items())[:64] if _is_id(k) and isinstance(v, int | float)},
         links={k: str(v)[:40] for k, v in list(_field(d, "links", dict).items())[:64] if _is_id(k)},
         relay=_field(d, "relay", bool), reflexive=tuple(str(a) for a in _field(d, "nat", list)[:4]),

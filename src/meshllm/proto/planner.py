@@ -52,6 +52,11 @@ class Slot:
     capacity: int  # bytes
     rtt_ms: float = 0.0  # to the host
     name: str = ""
+    shares: tuple[int, ...] = ()  # a node with several devices: each one's part of ``capacity``, in device order
+
+    @property
+    def devices(self) -> int:
+        return max(1, len(self.shares))
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,7 @@ class Assignment:
     first: int  # first layer
     count: int  # number of layers
     bytes: int  # estimated memory on that node
+    shares: tuple[int, ...] = ()  # the node's devices (see Slot.shares): its layers spread over them in proportion
 
 
 @dataclass(frozen=True)
@@ -80,10 +86,28 @@ class Plan:
         on the first device whose cumulative share exceeds i / (n_layer + 1). So the host's entry is its layer count
         plus one: then every layer lands where the plan says, and the output (and the logits) stay on the host
         even when it holds no repeating layer. (Plain layer counts gave a worker the output when the host held
-        none, and shifted a layer onto the workers otherwise.)"""
-        counts = [a.count for a in self.assignments]
+        none, and shifted a layer onto the workers otherwise.) A node with several devices has an entry for each:
+        its layers spread over them in proportion to their memory, the host's output on its last one."""
+        counts: list[int] = []
+        for a in self.assignments:
+            counts += spread(a.count, a.shares)
         counts[-1] += 1
         return tuple(counts)
+
+
+def spread(count: int, shares: tuple[int, ...]) -> list[int]:
+    """``count`` layers over devices in proportion to ``shares`` (largest remainders, ties to the earlier device);
+    one device when ``shares`` is empty."""
+    if len(shares) < 2:
+        return [count]
+    total = sum(shares)
+    if total <= 0:
+        return [count] + [0] * (len(shares) - 1)
+    parts = [count * s // total for s in shares]
+    by_remainder = sorted(range(len(shares)), key=lambda i: (-(count * shares[i] % total), i))
+    for i in by_remainder[: count - sum(parts)]:
+        parts[i] += 1
+    return parts
 
 
 def device_of_unit(split: tuple[int, ...], unit: int, n_layer: int) -> int:
@@ -140,7 +164,8 @@ def plan(
     far = sorted((s for s in others if s.rtt_ms > max_rtt_ms), key=far_order)
     if split is not None:
         return _plan_override(shape, host, near + far, ctx, split)
-    host_budget = host.capacity - host_fixed_bytes(shape, ctx)
+    per_device = shape.compute_bytes(ctx, output=False)  # every device of a node holds its own compute buffer
+    host_budget = host.capacity - host_fixed_bytes(shape, ctx) - (host.devices - 1) * per_device
     # the host takes the last layers, as many as fit
     host_count = 0
     used = 0
@@ -153,25 +178,26 @@ def plan(
     for s in near + far:
         if layer >= remaining:
             break
-        budget = s.capacity - shape.compute_bytes(ctx, output=False)
+        budget = s.capacity - s.devices * per_device
         count, b = 0, 0
         while layer + count < remaining and b + shape.layer_cost(layer + count, ctx) <= budget:
             b += shape.layer_cost(layer + count, ctx)
             count += 1
         if count:
-            chosen.append((s, count, b + shape.compute_bytes(ctx, output=False)))
+            chosen.append((s, count, b + s.devices * per_device))
             layer += count
     if layer < remaining:
         need = host_fixed_bytes(shape, ctx) + sum(shape.layer_cost(i, ctx) for i in range(n))
-        need += len(others) * shape.compute_bytes(ctx, output=False)
+        need += sum(s.devices for s in others) * per_device + (host.devices - 1) * per_device
         return Waiting(need=need, have=host.capacity + sum(s.capacity for s in others))
     # workers in layer order, then the host
     assignments: list[Assignment] = []
     first = 0
     for s, count, b in chosen:
-        assignments.append(Assignment(s.node, first, count, b))
+        assignments.append(Assignment(s.node, first, count, b, s.shares))
         first += count
-    assignments.append(Assignment(host.node, first, host_count, used + host_fixed_bytes(shape, ctx)))
+    host_bytes = used + host_fixed_bytes(shape, ctx) + (host.devices - 1) * per_device
+    assignments.append(Assignment(host.node, first, host_count, host_bytes, host.shares))
     used_nodes = {a.node for a in assignments}
     standby = tuple(sorted(s.node for s in others if s.node not in used_nodes))
     return Plan(host=host.node, assignments=tuple(assignments), standby=standby)
@@ -194,7 +220,7 @@ def _plan_override(shape: ModelShape, host: Slot, ordered: list[Slot], ctx: int,
     for s, c in zip([*nodes, host], counts, strict=True):
         b = sum(shape.layer_cost(i, ctx) for i in range(first, first + c))
         b += host_fixed_bytes(shape, ctx) if s is host else shape.compute_bytes(ctx, output=False)
-        assignments.append(Assignment(s.node, first, c, b))
+        assignments.append(Assignment(s.node, first, c, b, s.shares))
         first += c
     used = {a.node for a in assignments}
     return Plan(host.node, tuple(assignments), tuple(sorted(s.node for s in ordered if s.node not in used)))
@@ -213,5 +239,5 @@ def slots_for(records: list[PeerRecord], host: NodeId, fingerprint: str) -> tupl
     if host_rec is None:
         return None
     rtt = host_rec.rtt_ms
-    others = [Slot(r.node, r.capacity, rtt.get(r.node, 0.0)) for r in recs if r.node != host]
-    return Slot(host, host_rec.capacity), others
+    others = [Slot(r.node, r.capacity, rtt.get(r.node, 0.0), shares=r.shares) for r in recs if r.node != host]
+    return Slot(host, host_rec.capacity, shares=host_rec.shares), others

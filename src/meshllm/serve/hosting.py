@@ -55,7 +55,7 @@ class Hosting:
         self.on_listeners = on_listeners  # tunnel listeners a plan waited for are up: reconsider it
         self.elected = elected  # the host this node itself elected (None: none yet)
         self.model: ModelFiles | None = None
-        self.device: str | None = None  # our accelerator, as llama.cpp names it (None: CPU only)
+        self.device: str | None = None  # our accelerators, as llama.cpp names them, comma-separated (None: CPU only)
         self.rpc: RpcServer | None = None  # our own rpc-server (worker, and the host's last device)
         self.server: LocalServer | None = None  # llama-server, when we host
         self.server_cfg: ServerConfig | None = None
@@ -84,8 +84,8 @@ class Hosting:
 
     async def start_rpc_server(self, model: ModelFiles, device: str | None) -> None:
         """Our rpc-server on loopback, loading weights from our own copy of the model, on ``device`` (llama.cpp's
-        name; None: its default). The host uses it as its last device (so the output layer runs here, on the
-        host); workers serve it to the host."""
+        names, comma-separated: each is a device of its own to the host; None: its default, the CPU). A CPU host
+        uses it as its last device (so the output layer runs here, on the host); workers serve it to the host."""
         assert self.bins is not None
         self.model = model
         self.device = device
@@ -328,7 +328,8 @@ class Hosting:
             want = ServerConfig(
                 model=self.model.path, alias=self.model.facts.source, ctx_size=self.ctx_size,
                 threads=default_threads(), rpc=rpc, tensor_split=w.tensor_split if isinstance(w, serving.Split) else (),
-                extra=extra, draft=self.model.draft, draft_max=self.draft_max, draft_device=self.device,
+                extra=extra, draft=self.model.draft, draft_max=self.draft_max,
+                draft_device=self.device.split(",")[0] if self.device else None,  # our first device
                 tls_keys=state.rpc_client_keys(self.state_dir) if direct else None,
             )  # fmt: skip
         if want == self.server_cfg:

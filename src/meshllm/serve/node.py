@@ -125,7 +125,7 @@ class Node:
         lite = self.o.client or self.model is None
         self.net.update(
             role=Role.CLIENT if lite else Role.WORKER, capacity=0 if lite else self.capacity, device=device,
-            model=self.facts, state=NodeState.READY, version=__version__,
+            shares=() if lite else self.offer.shares, model=self.facts, state=NodeState.READY, version=__version__,
         )  # fmt: skip
         save_addrs(self.state, addrs)
         self.console.print(

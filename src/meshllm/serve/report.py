@@ -74,9 +74,17 @@ class Report:
             plan_obj = {
                 "host": p.host.hex(),
                 "assignments": [
-                    {"node": a.node.hex(), "first": a.first, "count": a.count, "bytes": a.bytes} for a in p.assignments
+                    {
+                        "node": a.node.hex(),
+                        "first": a.first,
+                        "count": a.count,
+                        "bytes": a.bytes,
+                        "devices": len(a.shares) or 1,
+                    }
+                    for a in p.assignments
                 ],
                 "standby": [n.hex() for n in p.standby],
+                "tensor_split": list(p.tensor_split),  # what llama-server is given: one entry per device
             }
         elif isinstance(p, Waiting):
             plan_obj = {"waiting": p.message(), "need": p.need, "have": p.have}
