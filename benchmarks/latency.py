@@ -14,7 +14,7 @@ stock the same way, is the comparison that holds in every row.
   direct RPC path (TCP + TLS, the default where a worker is reachable) would escape it.
 - stock, same way: stock llama-server + stock rpc-servers with the mesh plan's layer counts; the two workers sit
   behind a TCP delay proxy (this file: r/2 each direction, same rate cap, TCP_NODELAY), the host's own rpc-server
-  is local.
+  is local. At r = 0 there is no proxy: plain loopback TCP, stock at its best.
 - stock, 2 workers: what the issue measured: all layers (and the output) on the two proxied workers, so the
   logits (1 MiB per token for this vocabulary) cross a link every token.
 
@@ -182,7 +182,7 @@ def stock_run(tmp: Path, model: Path, counts: list[int], proxied: int, rtt: floa
             child = Child.start(f"rpc{i}", rpc_server_argv(bins, port, threads=1), tmp / f"stock-rpc{i}.log")
             children.append(child)
             wait_tcp_ready(child, port)
-            if i < proxied:
+            if i < proxied and (rtt or rate):  # r = 0 unshaped: plain TCP, no Python proxy in stock's way
                 proxies.append(DelayProxy(port, rtt, rate))
                 port = proxies[-1].port
             ports.append(port)

@@ -10,6 +10,7 @@ import socket
 import ssl
 from collections.abc import Callable
 
+import psutil
 import pytest
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
@@ -280,3 +281,65 @@ async def _until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
     while not cond():
         assert asyncio.get_running_loop().time() < deadline, "condition not reached"
         await asyncio.sleep(0.01)
+
+
+def test_a_peer_that_never_authenticates_cannot_park_megabytes() -> None:
+    """[trust] aioquic grants credit as data arrives: a key that never authenticated once queued 98 MB."""
+
+    async def main() -> None:
+        a, b, accepted, addr = await _pair()
+        try:
+            conn = await a.dial(addr, b.me)
+            st = conn.open_stream(STREAM_GOSSIP)
+            for _ in range(16):
+                st.write(os.urandom(64 << 10))
+            server = await asyncio.wait_for(accepted.get(), 5)
+            await asyncio.wait_for(server.closed.wait(), 10)
+            assert server.close_reason == "too much data before authentication"
+            assert sum(s.bytes_in for s in server.streams.values()) <= endpoint.MAX_BYTES_BEFORE_AUTH
+        finally:
+            a.close()
+            b.close()
+
+    asyncio.run(main())
+
+
+def test_a_flood_of_initials_holds_at_most_max_pending_handshakes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[trust] each Initial with a new connection id used to hold a connection for 10 s: a flood grew RSS by
+    hundreds of MB. Now at most MAX_PENDING wait; the rest are dropped, and the endpoint serves again after."""
+    monkeypatch.setattr(endpoint, "ACCEPT_TIMEOUT_S", 1.0)
+    flood = 1500
+
+    async def main() -> None:
+        a, b, accepted, addr = await _pair()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            cfg = QuicConfiguration(is_client=True, alpn_protocols=[endpoint.ALPN], verify_mode=ssl.CERT_NONE)
+            initials = []
+            for _ in range(flood):
+                quic = QuicConnection(configuration=cfg)  # a real Initial, a new connection id each time
+                quic.connect(addr, now=0.0)
+                initials.append(quic.datagrams_to_send(now=0.0)[0][0])
+            rss0 = psutil.Process().memory_info().rss
+            most = 0
+            for i, d in enumerate(initials):
+                sock.sendto(d, addr)
+                if i % 50 == 49:
+                    await asyncio.sleep(0.005)  # let b read
+                    most = max(most, sum(1 for c in b.conns if not c.is_client))
+            await _until(lambda: b.stats.datagrams_in >= flood * 0.9)
+            most = max(most, sum(1 for c in b.conns if not c.is_client))
+            grew = (psutil.Process().memory_info().rss - rss0) / 1e6
+            print(f"\n{b.stats.datagrams_in} Initials: {b.stats.initials_dropped} dropped, at most {most} pending, "
+                  f"RSS +{grew:.1f} MB")  # fmt: skip
+            assert most <= endpoint.MAX_PENDING and b.stats.initials_dropped > flood // 2
+            assert grew < 64, f"RSS grew {grew:.0f} MB under the flood"
+            await _until(lambda: not [c for c in b.conns if not c.is_client], timeout=15)  # the handshakes time out
+            conn = await a.dial(addr, b.me)  # and a real peer gets in
+            assert conn.peer == b.me
+        finally:
+            sock.close()
+            a.close()
+            b.close()
+
+    asyncio.run(main())

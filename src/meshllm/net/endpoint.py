@@ -57,6 +57,8 @@ STREAM_KINDS = {
     STREAM_AUTH: "auth", STREAM_GOSSIP: "gossip", STREAM_RPC: "rpc", STREAM_HTTP: "http", STREAM_RPC_KEY: "rpc-key"
 }  # fmt: skip
 MAX_HELD_STREAMS = 8
+MAX_BYTES_BEFORE_AUTH = 256 << 10  # an auth proof is a few hundred bytes: anything near this is not one
+MAX_PENDING = 64  # incoming connections not yet authenticated; more Initials are dropped until some finish
 ACCEPT_TIMEOUT_S = 10.0  # an incoming handshake that has not completed by then is dropped
 
 Addr = tuple[str, int]
@@ -193,6 +195,7 @@ class Conn:
         self.streams: dict[int, Stream] = {}
         self._incoming: asyncio.Queue[Stream | None] = asyncio.Queue()
         self._held: list[Stream] = []
+        self._bytes_before_auth = 0
         self._timer: asyncio.TimerHandle | None = None
         self._keepalive = asyncio.get_running_loop().create_task(self._keepalive_loop())
 
@@ -338,6 +341,13 @@ class Conn:
             self.handshake.set_result(None)
 
     def _on_stream_data(self, sid: int, data: bytes, end: bool) -> None:
+        if not self.authenticated:
+            # aioquic grants flow-control credit as data arrives, so a peer that never authenticates could park
+            # megabytes in our stream queues: cap what it may send first
+            self._bytes_before_auth += len(data)
+            if self._bytes_before_auth > MAX_BYTES_BEFORE_AUTH:
+                self.close("too much data before authentication")
+                return
         st = self.streams.get(sid)
         if st is None:
             if not data:
@@ -363,6 +373,7 @@ class EndpointStats:
     relayed_packets: int = 0  # forwarded for others (we are their relay)
     relayed_bytes: int = 0
     relay_refused: int = 0
+    initials_dropped: int = 0  # new connections refused because MAX_PENDING were already waiting
 
 
 class UdpSocket:
@@ -562,6 +573,9 @@ class Endpoint:
         conn = self._cids.get(header.destination_cid)
         if conn is None:
             if header.packet_type != QuicPacketType.INITIAL or len(data) < MIN_INITIAL or self.on_accept is None:
+                return
+            if sum(1 for c in self.conns if not c.is_client and not c.authenticated) >= MAX_PENDING:
+                self.stats.initials_dropped += 1  # a flood of Initials holds at most MAX_PENDING handshakes
                 return
             quic = QuicConnection(
                 configuration=self._server_cfg, original_destination_connection_id=header.destination_cid
