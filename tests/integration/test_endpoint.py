@@ -311,7 +311,7 @@ def test_a_flood_of_initials_holds_at_most_max_pending_handshakes(monkeypatch: p
     flood = 1500
 
     async def main() -> None:
-        a, b, accepted, addr = await _pair()
+        a, b, _accepted, addr = await _pair()
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
             cfg = QuicConfiguration(is_client=True, alpn_protocols=[endpoint.ALPN], verify_mode=ssl.CERT_NONE)

@@ -5,10 +5,12 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshllm.proto import reach
+from meshllm.proto import crypto, reach
 from meshllm.proto.reach import LOW_TTL, LOW_TTL_S, PROBE, PROBE_ACK, PUNCH_S, RELAY, RELAYED, Puncher
 
-A, B, C, X = (bytes([i]) * 32 for i in (1, 2, 3, 9))
+KA, KB, KC = crypto.new_key(), crypto.new_key(), crypto.new_key()
+A, B, C = (crypto.node_id(k) for k in (KA, KB, KC))
+X = bytes([9]) * 32
 QUIC = b"\xc0" + b"q" * 100  # any datagram whose first byte has bit 0x40 set
 AT_A, AT_B, AT_X = ("198.51.100.2", 4000), ("203.0.113.2", 5000), ("192.0.2.66", 6666)
 MEMBERS = {AT_A: A, AT_B: B}
@@ -49,7 +51,7 @@ def test_virtual_address_round_trip() -> None:
 
 
 def test_punch_schedule_low_ttl_first_then_full_then_gives_up() -> None:
-    p = Puncher(A)
+    p = Puncher(KA)
     p.start(B, [AT_B], now=0.0, dialler=True)
     first = p.tick(0.0)
     assert [s.ttl for s in first] == [LOW_TTL] and first[0].addr == AT_B
@@ -57,11 +59,12 @@ def test_punch_schedule_low_ttl_first_then_full_then_gives_up() -> None:
     later = p.tick(LOW_TTL_S + 0.01)
     assert [s.ttl for s in later] == [None]
     assert reach.parse_probe(later[0].data) == (PROBE, A, p.attempts[B].nonce)
+    assert reach.probe_is_from(later[0].data, B) and not reach.probe_is_from(later[0].data, C)
     assert p.tick(PUNCH_S + 0.01) == [] and B not in p.attempts
 
 
 def test_probe_answered_and_dialler_told_where_to_dial() -> None:
-    a, b = Puncher(A), Puncher(B)
+    a, b = Puncher(KA), Puncher(KB)
     att = a.start(B, [AT_B], now=0.0, dialler=True)
     b.start(A, [AT_A], now=0.1, dialler=False, nonce=att.nonce)
     # B's probe reaches A from B's (possibly remapped) public address: A answers there and may dial it
@@ -73,26 +76,40 @@ def test_probe_answered_and_dialler_told_where_to_dial() -> None:
     # B answers A's probe but never dials; A's ack proves the path both ways to B
     h = b.on_probe(a.tick(0.2)[0].data, AT_A, 0.3)
     assert h.dial is None and len(h.sends) == 1 and h.confirmed is None
-    ack = a.on_probe(reach.probe(PROBE, B, att.nonce), AT_B, 0.3).sends[0]
+    ack = a.on_probe(reach.probe(PROBE, KB, A, att.nonce), AT_B, 0.3).sends[0]
     h = b.on_probe(ack.data, AT_A, 0.4)
     assert h.sends == [] and h.dial is None and h.confirmed == AT_A
 
 
 def test_probes_with_a_wrong_nonce_or_from_strangers_are_ignored() -> None:
-    a = Puncher(A)
+    a = Puncher(KA)
     a.start(B, [AT_B], now=0.0, dialler=True)
     nothing = reach.Heard()
-    assert a.on_probe(reach.probe(PROBE, B, b"\x00" * 8), AT_B, 0.1) == nothing
-    assert a.on_probe(reach.probe(PROBE, C, a.attempts[B].nonce), AT_B, 0.1) == nothing
+    nonce = a.attempts[B].nonce
+    assert a.on_probe(reach.probe(PROBE, KB, A, b"\x00" * 8), AT_B, 0.1) == nothing
+    assert a.on_probe(reach.probe(PROBE, KC, A, nonce), AT_B, 0.1) == nothing
     assert a.on_probe(b"\x01short", AT_B, 0.1) == nothing
 
 
+def test_a_forged_ack_cannot_move_a_path() -> None:
+    """[trust] the rendezvous knows the nonce: unsigned, it could forge B's ack from an address of its own."""
+    a = Puncher(KA)
+    nonce = a.start(B, [AT_B], now=0.0, dialler=True).nonce
+    nothing = reach.Heard()
+    genuine = reach.probe(PROBE_ACK, KB, A, nonce)
+    forged = genuine[:41] + reach.probe(PROBE_ACK, KC, A, nonce)[41:]  # B's name and nonce, C's signature
+    assert a.on_probe(forged, AT_X, 0.1) == nothing
+    assert a.on_probe(reach.probe(PROBE_ACK, KB, C, nonce), AT_X, 0.1) == nothing  # B's, but signed for C
+    assert a.on_probe(genuine[:-1] + bytes([genuine[-1] ^ 1]), AT_X, 0.1) == nothing
+    assert a.on_probe(genuine, AT_B, 0.1).confirmed == AT_B
+
+
 def test_a_quiet_attempt_stops_probing_but_still_answers() -> None:
-    a = Puncher(A)
+    a = Puncher(KA)
     att = a.start(B, [AT_B], now=0.0, dialler=True)
     a.quiet(B)
     assert a.tick(2.0) == []
-    assert len(a.on_probe(reach.probe(PROBE, B, att.nonce), AT_B, 2.0).sends) == 1
+    assert len(a.on_probe(reach.probe(PROBE, KB, A, att.nonce), AT_B, 2.0).sends) == 1
 
 
 def test_relay_order_named_first_then_connected_to_the_target_then_rtt() -> None:

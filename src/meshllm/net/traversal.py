@@ -80,7 +80,7 @@ class Traversal:
         self.relay_hint = relay_hint  # --relay HOST:PORT: the member to relay through, when one is needed
         self.reflexive: list[str] = []  # our address as members see it, newest last
         self.public = False
-        self.puncher = Puncher(net.me)
+        self.puncher = Puncher(net.ep.key)
         self._punch_found: dict[NodeId, asyncio.Queue[Addr]] = {}
         self._punch_task: asyncio.Task[None] | None = None
         self._upgrade_tried: dict[NodeId, float] = {}

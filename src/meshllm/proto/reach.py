@@ -3,8 +3,8 @@
 Control packets share the node's UDP socket with QUIC; their first byte has bit 0x40 clear (every QUIC v1 packet
 sets it). Layouts (node ids are the 32-byte Ed25519 public keys)::
 
-    PROBE      0x01 | from node (32) | nonce (8)          hole punching: "I am trying to reach you"
-    PROBE_ACK  0x02 | from node (32) | nonce (8)          the answer, sent to where the probe came from
+    PROBE      0x01 | from node (32) | nonce (8) | sig (64)   hole punching: "I am trying to reach you"
+    PROBE_ACK  0x02 | from node (32) | nonce (8) | sig (64)   the answer, sent to where the probe came from
     RELAY      0x10 | to node (32)   | QUIC datagram      to a relay: please pass this on
     RELAYED    0x11 | from node (32) | QUIC datagram      from a relay: this came from that member
 
@@ -18,6 +18,11 @@ side first sends probes with TTL 2 (they open our own NAT's mapping and die at t
 only after ``LOW_TTL_S`` sends probes that go all the way. The dialling side (the smaller node id, or a client)
 dials QUIC to the address a probe or ack arrived from. An ack proves a path both ways: that is when a relayed
 connection moves onto the punched path (its QUIC connection carries on; only where its datagrams go changes).
+
+Probes and acks are signed by their sender's node key over (kind, nonce, the node they are for): the rendezvous
+knows the nonce, so without the signature a member in that role could forge an ack from an address of its own and
+move a relayed connection's datagrams there. A probe is checked only once its nonce matches an attempt in progress
+(random packets cost no signature check).
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ import os
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from meshllm.proto import crypto
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.wire import Message, message
 
@@ -56,15 +64,27 @@ class RelayMode(StrEnum):
 # ------------------------------------------------------------------ control packets
 
 
-def probe(kind: int, me: NodeId, nonce: bytes) -> bytes:
-    assert kind in (PROBE, PROBE_ACK) and len(me) == ID_LEN and len(nonce) == NONCE_LEN
-    return bytes([kind]) + me + nonce
+SIG_LEN = 64
+D_PROBE = b"mesh-llm probe v1\0"
+
+
+def probe(kind: int, key: Ed25519PrivateKey, to: NodeId, nonce: bytes) -> bytes:
+    """A probe or ack from ``key``'s node to ``to``, signed."""
+    assert kind in (PROBE, PROBE_ACK) and len(to) == ID_LEN and len(nonce) == NONCE_LEN
+    return bytes([kind]) + crypto.node_id(key) + nonce + crypto.sign(key, D_PROBE, bytes([kind]) + nonce + to)
 
 
 def parse_probe(data: bytes) -> tuple[int, NodeId, bytes] | None:
-    if len(data) != 1 + ID_LEN + NONCE_LEN or data[0] not in (PROBE, PROBE_ACK):
+    """(kind, sender, nonce) of a well-formed probe or ack; its signature is checked by ``probe_is_from``."""
+    if len(data) != 1 + ID_LEN + NONCE_LEN + SIG_LEN or data[0] not in (PROBE, PROBE_ACK):
         return None
-    return data[0], data[1 : 1 + ID_LEN], data[1 + ID_LEN :]
+    return data[0], data[1 : 1 + ID_LEN], data[1 + ID_LEN : 1 + ID_LEN + NONCE_LEN]
+
+
+def probe_is_from(data: bytes, to: NodeId) -> bool:
+    """Whether a well-formed probe was signed by the node it names, for ``to``."""
+    kind, sender, nonce = data[0], data[1 : 1 + ID_LEN], data[1 + ID_LEN : 1 + ID_LEN + NONCE_LEN]
+    return crypto.verify(sender, D_PROBE, bytes([kind]) + nonce + to, data[1 + ID_LEN + NONCE_LEN :])
 
 
 def relay_packet(kind: int, node: NodeId, payload: bytes) -> bytes:
@@ -204,6 +224,13 @@ class Attempt:
     found: Addr | None = None  # where the peer's probe or ack came from
     quiet: bool = False  # our path is proven: stop probing, keep answering until the attempt ends (the peer may
     # still be waiting for an ack of its own)
+    _signed: dict[int, bytes] = field(default_factory=dict)
+
+    def signed(self, kind: int, key: Ed25519PrivateKey) -> bytes:
+        """Our probe or ack for this attempt (Ed25519 signatures are deterministic: signed once, sent many times)."""
+        if kind not in self._signed:
+            self._signed[kind] = probe(kind, key, self.peer, self.nonce)
+        return self._signed[kind]
 
 
 @dataclass
@@ -227,8 +254,12 @@ class Heard:
 class Puncher:
     """Every attempt in progress. The shell calls ``tick`` every PROBE_EVERY_S and sends what it returns."""
 
-    me: NodeId
+    key: Ed25519PrivateKey  # signs our probes and acks
     attempts: dict[NodeId, Attempt] = field(default_factory=dict)
+
+    @property
+    def me(self) -> NodeId:
+        return crypto.node_id(self.key)
 
     def start(
         self, peer: NodeId, targets: list[Addr], now: float, dialler: bool, nonce: bytes | None = None
@@ -251,7 +282,7 @@ class Puncher:
                 continue
             a.next_probe = now + PROBE_EVERY_S
             ttl = LOW_TTL if now - a.started < LOW_TTL_S else None
-            out += [Send(probe(PROBE, self.me, a.nonce), t, ttl) for t in a.targets]
+            out += [Send(a.signed(PROBE, self.key), t, ttl) for t in a.targets]
         return out
 
     def on_probe(self, data: bytes, src: Addr, now: float) -> Heard:
@@ -261,11 +292,11 @@ class Puncher:
             return Heard()
         kind, peer, nonce = p
         a = self.attempts.get(peer)
-        if a is None or a.nonce != nonce:
+        if a is None or a.nonce != nonce or not probe_is_from(data, self.me):
             return Heard()
         a.found = src
         if kind == PROBE:
-            return Heard(peer, [Send(probe(PROBE_ACK, self.me, nonce), src, None)], src if a.dialler else None)
+            return Heard(peer, [Send(a.signed(PROBE_ACK, self.key), src, None)], src if a.dialler else None)
         # an ack: our probe reached the peer and its answer reached us, so ``src`` works both ways
         return Heard(peer, [], src if a.dialler else None, confirmed=src)
 
