@@ -149,3 +149,11 @@ def test_rendezvous_vouches_for_the_sender_and_tells_it_where_the_target_is() ->
     assert (back.src, back.dst, back.addrs, back.nonce) == (B, A, ["203.0.113.2:5000"], req.nonce)
     assert reach.rendezvous(B, [], [], req) == []  # to itself
     assert reach.rendezvous(A, [], [], reach.PunchRequest(src=A, dst=B, nonce=b"short")) == []
+
+
+def test_a_punch_request_points_our_probes_at_one_address_of_the_askers_choice_at_most() -> None:
+    """[trust] a member once made a node send 400 probes to 8 addresses of its choice."""
+    record = ("198.51.100.2:4000", "10.0.0.2:4000")
+    claimed = ["203.0.113.9:1", "192.0.2.1:2", "10.0.0.2:4000", "192.0.2.3:3", "198.51.100.2:4000"]
+    assert reach.punch_targets(claimed, record) == ["203.0.113.9:1", "10.0.0.2:4000", "198.51.100.2:4000"]
+    assert reach.punch_targets([], record) == []

@@ -34,6 +34,7 @@ from meshllm.proto.reach import (
     direct_targets,
     observe,
     order_relays,
+    punch_targets,
     relayed_addr,
     rendezvous,
 )
@@ -165,9 +166,10 @@ class Traversal:
         if msg.dst == self.net.me:
             src = msg.src
             have = self.net.peers.get(src)
-            if (have is not None and have.is_direct) or self.net.record(src) is None:
+            rec = self.net.record(src)
+            if (have is not None and have.is_direct) or rec is None:
                 return
-            targets = [t for t in (try_addr(a) for a in msg.addrs) if t is not None]
+            targets = [t for t in (try_addr(a) for a in punch_targets(msg.addrs, rec.addrs)) if t is not None]
             self.puncher.start(src, targets, asyncio.get_running_loop().time(), dialler=False, nonce=msg.nonce)
             log.debug("punching towards %s at %s", crypto.short(src), ", ".join(msg.addrs))
             self._kick_puncher()

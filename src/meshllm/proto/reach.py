@@ -317,6 +317,13 @@ def _merge(old: list[Addr], new: list[Addr]) -> list[Addr]:
     return out[:8]
 
 
+def punch_targets(claimed: list[str], advertised: tuple[str, ...]) -> list[str]:
+    """Where we probe for a punch request: its first address (what the rendezvous saw the asker at) and those of
+    the rest that the asker's own signed record advertises. Any member can send a punch request naming anyone: so
+    it can point our probes at one address of its choice, not at eight."""
+    return [a for i, a in enumerate(claimed[:8]) if i == 0 or a in advertised]
+
+
 def rendezvous(sender: NodeId, sender_seen: list[str], target_seen: list[str], req: PunchRequest) -> list[PunchRequest]:
     """What a member passes on for a punch request from ``sender`` (authenticated): to the target, the request
     vouched for (sender from the connection, not the message) with the address we see the sender at first; back
