@@ -313,13 +313,23 @@ def cmd_download(args: argparse.Namespace) -> int:
         out.print(f"{bad} of the catalog's entries differ from the hub" if bad else "the catalog matches the hub")
         return 1 if bad else 0
     if not args.name:
+        from rich import box
+
         out = Console(highlight=False)
-        t = Table("name", "also", "size GB", "memory GB", "draft", "installed", title=f"models ({where})")
+        # the names are what users type: never cut, at any width (the aliases fold instead)
+        t = Table(title=f"models ({where})", box=box.SIMPLE_HEAD, pad_edge=False)
+        t.add_column("name", no_wrap=True)
+        t.add_column("GB", justify="right", no_wrap=True)
+        t.add_column("needs", justify="right", no_wrap=True)
+        t.add_column("draft", no_wrap=True)
+        t.add_column("have", no_wrap=True)
+        longest = max((len(a) for e in catalog.CATALOG for a in e.aliases), default=4)
+        t.add_column("also", min_width=longest)  # wraps between aliases, never inside one
         for e in catalog.CATALOG:
             have = "yes" if (e.pypi and _tiny_installed()) or installed(e.files[0], where) else ""
-            t.add_row(e.name, ", ".join(e.aliases), f"{e.size_gb:.2f}", f"{e.memory_gb:.1f}", e.draft or "-", have)
+            t.add_row(e.name, f"{e.size_gb:.2f}", f"{e.memory_gb:.1f}", e.draft or "-", have, ", ".join(e.aliases))
         out.print(t)
-        out.print("mesh-llm download NAME [--draft] fetches one (sizes are approximate until --check)")
+        out.print("GB: the download; needs: about what serving it takes (+15 %). mesh-llm download NAME [--draft]")
         return 0
     entry = catalog.find(args.name)
     if entry is None:

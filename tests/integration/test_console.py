@@ -79,13 +79,36 @@ def test_console_shows_the_mesh_and_chats(tmp_path: Path, tiny_model: Path, brow
         assert copies[2].startswith("GOOSE_PROVIDER=openai ") and copies[2].endswith("goose session"), copies
         drv.find_element(By.ID, "show-token").click()  # type: ignore[attr-defined]
         wait_for(lambda: drv.find_element(By.ID, "token").text.startswith("mesh1."), 10, "the token")  # type: ignore[attr-defined]
-        # chat: the reply streams in
-        drv.find_element(By.ID, "chat-input").send_keys("Name three colors.")  # type: ignore[attr-defined]
-        drv.find_element(By.ID, "chat-send").click()  # type: ignore[attr-defined]
-        reply = lambda: drv.find_element(By.CSS_SELECTOR, ".msg.assistant")  # type: ignore[attr-defined]  # noqa: E731
-        wait_for(lambda: len(reply().text) > 0, 60, "the first tokens")
-        wait_for(lambda: reply().get_attribute("data-done") == "1", 120, "the whole reply")
+        # chat: the reply streams in; every turn goes back with the conversation (what the page sends is recorded)
+        drv.execute_script(  # type: ignore[attr-defined]
+            "window.__sent = []; const f = window.fetch;"
+            "window.fetch = (u, o) => { if (u === '/chat') window.__sent.push(JSON.parse(o.body)); return f(u, o); };"
+        )
+
+        def ask(text: str) -> object:
+            drv.find_element(By.ID, "chat-input").send_keys(text)  # type: ignore[attr-defined]
+            drv.find_element(By.ID, "chat-send").click()  # type: ignore[attr-defined]
+            last = lambda: drv.find_elements(By.CSS_SELECTOR, ".msg.assistant")[-1]  # type: ignore[attr-defined]  # noqa: E731
+            wait_for(lambda: len(last().text) > 0, 60, "the first tokens")
+            return last()
+
+        first = ask("Name three colors.")
+        wait_for(lambda: first.get_attribute("data-done") == "1", 120, "the whole reply")  # type: ignore[attr-defined]
         assert "tok/s" in drv.find_element(By.ID, "chat-stats").text  # type: ignore[attr-defined]
+        assert "first token after" in drv.find_element(By.ID, "chat-stats").text  # type: ignore[attr-defined]
+        second = ask("And three more.")
+        wait_for(lambda: second.get_attribute("data-done") == "1", 120, "the second reply")  # type: ignore[attr-defined]
+        sent = drv.execute_script("return window.__sent")  # type: ignore[attr-defined]
+        assert [m["role"] for m in sent[1]["messages"]] == ["user", "assistant", "user"], sent
+        assert sent[1]["messages"][1]["content"] == first.text and sent[1]["temperature"] == 0.7  # type: ignore[attr-defined]
+        # a long reply can be stopped; the box is usable again at once
+        drv.execute_script("document.getElementById('chat-max').value = 4000")  # type: ignore[attr-defined]
+        long = ask("Write a very long story.")
+        assert drv.find_element(By.ID, "chat-input").get_attribute("disabled") is not None  # type: ignore[attr-defined]
+        drv.find_element(By.ID, "chat-stop").click()  # type: ignore[attr-defined]
+        wait_for(lambda: long.get_attribute("data-done") == "1", 30, "the stop to take")  # type: ignore[attr-defined]
+        assert long.get_attribute("data-stopped") == "1" and long.text.endswith("[stopped]")  # type: ignore[attr-defined]
+        assert drv.find_element(By.ID, "chat-input").get_attribute("disabled") is None  # type: ignore[attr-defined]
         ARTIFACTS.mkdir(exist_ok=True)
         drv.execute_script("window.scrollTo(0, 0)")  # type: ignore[attr-defined]
         drv.save_screenshot(str(ARTIFACTS / "console.png"))  # type: ignore[attr-defined]

@@ -173,9 +173,12 @@ def test_catalog_is_well_formed() -> None:
 
 
 def test_download_lists_the_catalog_and_unknown_names_get_suggestions(tmp_path: Path) -> None:
-    env = {**os.environ, "MESH_LLM_MODELS": str(tmp_path)}
+    env = {**os.environ, "MESH_LLM_MODELS": str(tmp_path), "COLUMNS": "80"}
     r = subprocess.run([sys.executable, "-m", "meshllm.cli", "download"], capture_output=True, text=True, env=env)
-    assert r.returncode == 0 and "qwen2.5-32b" in r.stdout and "installed" in r.stdout
+    assert r.returncode == 0 and all(len(line) <= 80 for line in r.stdout.splitlines())
+    words = set(r.stdout.replace(",", " ").split())
+    for e in catalog.CATALOG:  # [face] at 80 columns every name and alias a user may type is there, whole
+        assert e.name in words and set(e.aliases) <= words, (e.name, e.aliases)
     r = subprocess.run([sys.executable, "-m", "meshllm.cli", "download", "qwen2.5-32"], capture_output=True,
                        text=True, env=env)  # fmt: skip
     assert r.returncode == 2 and "did you mean" in r.stderr and len(r.stderr.strip().splitlines()) == 1

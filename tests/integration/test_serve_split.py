@@ -135,7 +135,10 @@ def test_openai_sdk_through_a_worker_and_a_lite_client(mesh: dict[str, NodeProc]
         pieces = [ch.choices[0].delta.content for ch in stream if ch.choices and ch.choices[0].delta.content]
         assert len(pieces) >= 4
         comp = client.completions.create(model=models[0], prompt="One, two,", max_tokens=4, temperature=0)
-        assert comp.choices[0].text
+        assert comp.choices[0].text and comp.id.startswith("cmpl-"), comp.id  # [face] OpenAI's prefix
+        assert chat.id.startswith("chatcmpl-"), chat.id
+        chunks = list(client.completions.create(model=models[0], prompt="One,", max_tokens=4, stream=True))
+        assert chunks and all(c.id.startswith("cmpl-") for c in chunks), [c.id for c in chunks]
 
 
 def test_status_command_shows_both_model_nodes(mesh: dict[str, NodeProc]) -> None:

@@ -10,10 +10,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import pytest
+
 from meshllm.net import tunnel
 from meshllm.net.endpoint import STREAM_RPC, Conn, Endpoint, Stream
 from meshllm.net.tunnel import TunnelListener, TunnelStats, connect_and_bridge
 from meshllm.proto import crypto
+
+pytestmark = pytest.mark.timeout(120)  # a stalled tunnel is a failure, not a hung suite
 
 
 @dataclass
@@ -45,6 +49,7 @@ async def tunnel_to(
     near = TunnelStats()
     try:
         conn = await a.dial(addr, b.me)
+        conn.set_authenticated()
         listener = TunnelListener(lambda: conn.open_stream(STREAM_RPC), near)
         port = await listener.start()
         yield Pair(conn, near, far, port)
@@ -66,7 +71,10 @@ async def _read_all(reader: asyncio.StreamReader, n: int) -> bytes:
 
 
 def test_bytes_cross_intact_both_ways_and_eof_is_passed_on() -> None:
-    up, down = os.urandom(9_000_000), os.urandom(7_000_000)
+    """A full-duplex client (it reads while it writes) and a service that writes everything before it reads: fine
+    over plain TCP; the tunnel once stalled it (a blocked write to the service also held up the credit frames of
+    the other direction)."""
+    up, down = os.urandom(24_000_000), os.urandom(24_000_000)
 
     async def main() -> None:
         got_up: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
@@ -80,10 +88,15 @@ def test_bytes_cross_intact_both_ways_and_eof_is_passed_on() -> None:
         srv = await asyncio.start_server(service, "127.0.0.1", 0)
         async with tunnel_to(srv.sockets[0].getsockname()[1]) as p:
             r, w = await asyncio.open_connection("127.0.0.1", p.port)
-            w.write(up)
-            await w.drain()
-            w.write_eof()
+
+            async def send() -> None:
+                w.write(up)
+                await w.drain()
+                w.write_eof()
+
+            sending = asyncio.ensure_future(send())
             assert hashlib.sha256(await _read_all(r, len(down))).digest() == hashlib.sha256(down).digest()
+            await asyncio.wait_for(sending, 60)
             assert await asyncio.wait_for(got_up, 30) == up
             assert await asyncio.wait_for(r.read(), 10) == b"", "the service's close did not reach the client"
             w.close()

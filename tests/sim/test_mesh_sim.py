@@ -210,6 +210,8 @@ def test_clean_leave_is_seen_at_once() -> None:
     leaver = crypto.node_id(sim.keys[2])
     sim.send(leaver, sim.nodes[leaver].leave(sim.now))
     sim.run(0.5)
+    assert sim.nodes[leaver].wants_to_dial(sim.now) == []  # a leaving node dials nobody
     sim.kill(leaver)
     for c in sim.nodes.values():
         assert leaver not in {r.node for r in c.alive(sim.now)}
+        assert leaver not in {r.node for r in c.wants_to_dial(sim.now + 60)}, "a node that left is redialled"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from meshllm.proto import crypto
 from meshllm.proto import token as tok
 from meshllm.proto.gossip import (
@@ -91,6 +93,8 @@ def test_a_clean_leave_buries_and_travels() -> None:
     t.merge_record(rec(k, c, seq=1), T)
     res = t.merge_record(rec(k, c, seq=2, left=True), T)
     assert crypto.node_id(k) not in t.entries and res.new_raw
+    # [face] not in the graveyard either: a node that left is not redialled ("connected to X" after "X left")
+    assert crypto.node_id(k) not in t.graveyard
     t2 = Table(crypto.node_id(crypto.new_key()), MESH)
     t2.merge_push(t.push_all(), T)
     t2.merge_record(rec(k, c, seq=1), T)  # an old record arriving later is buried
@@ -166,3 +170,18 @@ def test_a_multi_device_nodes_shares_travel_and_bad_ones_are_dropped() -> None:
     assert "field shares" in t.merge_record(rec(k, c, seq=2, shares=("a",)), T).dropped[0]
     assert "field shares" in t.merge_record(rec(k, c, seq=3, shares=tuple(range(17))), T).dropped[0]
     assert t.entries[n].record.shares == (4, 3)
+
+
+def test_the_peer_table_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[trust] a member minted 2000 identities of its own and every node accepted (and dialled) them all."""
+    import meshllm.proto.gossip as g
+
+    cap = 5
+    monkeypatch.setattr(g, "MAX_PEERS", cap)
+    t = Table(crypto.node_id(FOUNDER), MESH)
+    members = [member() for _ in range(cap + 2)]
+    results = [t.merge_record(rec(k, c), T) for k, c in members]
+    assert len(t.entries) == cap
+    assert "peer table full" in results[-1].dropped[0]
+    k, c = members[0]
+    assert t.merge_record(rec(k, c, seq=2), T).changed == [crypto.node_id(k)]  # known nodes still update

@@ -98,10 +98,15 @@ async def bridge(stream: Stream, reader: asyncio.StreamReader, writer: asyncio.S
         finally:
             stream.close()  # FIN: the peer's TCP sees EOF
 
-    async def quic_to_tcp() -> None:
-        nonlocal window
+    # QUIC -> TCP is two tasks: one reads frames (credit for our own sends is applied at once), one writes data
+    # to the socket and grants credit as it goes. In one task, a local reader that stops reading would stall the
+    # credit for the other direction too: a service that writes before it reads deadlocked a full-duplex client.
+    inbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+    queued = 0  # bytes in inbox: the peer may have at most WINDOW unacknowledged
+
+    async def read_frames() -> None:
+        nonlocal window, queued
         dec = _Decoder()
-        consumed = 0
         try:
             while True:
                 chunk = await stream.read()
@@ -113,14 +118,30 @@ async def bridge(stream: Stream, reader: asyncio.StreamReader, writer: asyncio.S
                         window += n
                         credit_changed.set()
                         continue
-                    writer.write(payload)
-                    await writer.drain()
-                    stats.bytes_down += len(payload)
-                    consumed += len(payload)
-                    if consumed >= CREDIT_EVERY:
-                        stream.write(HDR.pack(CREDIT, 4) + struct.pack(">I", consumed))
-                        consumed = 0
+                    queued += len(payload)
+                    if queued > WINDOW + MAX_FRAME:
+                        raise RemoteProtocolError("tunnel peer ignored flow control")
+                    inbox.put_nowait(payload)
         except (ConnectionError, OSError, RemoteProtocolError) as e:
+            log.debug("tunnel %d: %s", stream.id, e)
+        finally:
+            inbox.put_nowait(None)
+            credit_changed.set()
+
+    async def quic_to_tcp() -> None:
+        nonlocal queued
+        consumed = 0
+        try:
+            while (payload := await inbox.get()) is not None:
+                writer.write(payload)
+                await writer.drain()
+                queued -= len(payload)
+                stats.bytes_down += len(payload)
+                consumed += len(payload)
+                if consumed >= CREDIT_EVERY:
+                    stream.write(HDR.pack(CREDIT, 4) + struct.pack(">I", consumed))
+                    consumed = 0
+        except (ConnectionError, OSError) as e:
             log.debug("tunnel %d: %s", stream.id, e)
         finally:
             with contextlib.suppress(Exception):
@@ -129,6 +150,7 @@ async def bridge(stream: Stream, reader: asyncio.StreamReader, writer: asyncio.S
             credit_changed.set()
 
     up = asyncio.ensure_future(tcp_to_quic())
+    frames = asyncio.ensure_future(read_frames())
     down = asyncio.ensure_future(quic_to_tcp())
     try:
         await asyncio.wait([up, down], return_when=asyncio.FIRST_COMPLETED)
@@ -136,7 +158,7 @@ async def bridge(stream: Stream, reader: asyncio.StreamReader, writer: asyncio.S
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.gather(up, down, return_exceptions=True), timeout=30)
     finally:
-        for t in (up, down):
+        for t in (up, frames, down):
             t.cancel()
         writer.close()
         with contextlib.suppress(Exception):

@@ -33,6 +33,7 @@ DEAD_AFTER_S = 10.0
 TOMBSTONE_TTL_S = 600.0
 MAX_RECORD = 16 * 1024
 MAX_RECORDS = 256
+MAX_PEERS = 1024  # a member can mint identities of its own: the table (and the dialling) stays bounded
 
 
 @dataclass(frozen=True)
@@ -317,6 +318,8 @@ class Table:
                 return res
             if old is not None and (inc, seq) <= (old.record.incarnation, old.record.seq):
                 return res  # not newer: skip the signature checks
+            if old is None and len(self.entries) >= MAX_PEERS:
+                raise RemoteProtocolError(f"peer table full ({MAX_PEERS} nodes): a new node's record dropped")
             rec = record_from_wire(raw, self.mesh_id, self._chains_ok, opened)
         except RemoteProtocolError as e:
             res.dropped.append(str(e))
@@ -351,7 +354,7 @@ class Table:
         e = self.entries.get(t.node)
         if e is not None and e.record.incarnation <= t.incarnation:
             del self.entries[t.node]
-            if not e.record.left:
+            if t.by != t.node:  # declared dead by a member, not a leave of its own
                 self.graveyard[t.node] = e.record  # where it was: worth a retry after a partition
             res.changed.append(t.node)
         res.new_tombstones.append(t)

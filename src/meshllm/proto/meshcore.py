@@ -192,6 +192,8 @@ class MeshCore:
     def wants_to_dial(self, now: float) -> list[PeerRecord]:
         """Live nodes we should connect to: one connection per pair, dialled by the smaller NodeId (a client
         dials everyone: nobody dials a client), or by either once they have been apart DIAL_FALLBACK_S."""
+        if self.record.left:
+            return []  # leaving: connecting to anyone now would only be news of a node that is gone
         i_dial = self.record.role == Role.CLIENT
         # nodes declared dead are retried too: after a partition heals, that is how the sides find each other
         known = self.table.alive(now) + list(self.table.graveyard.values())

@@ -118,6 +118,10 @@ def _error(
 REQUIRED = {"/v1/completions": ("prompt", (str, list)), "/v1/chat/completions": ("messages", (list,))}
 
 
+def _openai_ids(body: bytes) -> bytes:
+    return body.replace(b'"id":"chatcmpl-', b'"id":"cmpl-')
+
+
 class Api:
     def __init__(
         self,
@@ -267,18 +271,21 @@ class Api:
                 sse = "event-stream" in r.headers.get("Content-Type", "")
                 tally = _TokenTally(sse)
                 held = b""  # an event's first part: sent once it is whole, so a cut never leaves half an event
+                # llama-server names text completions "chatcmpl-…"; OpenAI's are "cmpl-…" (a completion body is
+                # small: without SSE it is sent whole, so the rewrite never meets half a field)
+                fix_id = request.path == "/v1/completions"
                 try:
                     async for chunk in r.content.iter_any():
                         tally.feed(chunk)
-                        if sse:
+                        if sse or fix_id:
                             held += chunk
-                            cut = held.rfind(b"\n\n")
+                            cut = held.rfind(b"\n\n") if sse else -1
                             end = cut + 2 if cut >= 0 else 0
                             chunk, held = held[:end], held[end:]
                         if chunk:
-                            await resp.write(chunk)
+                            await resp.write(_openai_ids(chunk) if fix_id else chunk)
                     if held:
-                        await resp.write(held)
+                        await resp.write(_openai_ids(held) if fix_id else held)
                     await resp.write_eof()
                     tally.done(self.counters)
                 except (ConnectionResetError, aiohttp.ClientConnectionResetError):

@@ -92,10 +92,11 @@ class Console:
             return web.json_response({"error": "Content-Type must be application/json"}, status=415)
         try:
             got = await request.json()
-            msgs, n = got.get("messages", []), int(got.get("max_tokens", 256))
+            msgs, n = got.get("messages", []), int(got.get("max_tokens", 1024))
+            temp = min(2.0, max(0.0, float(got.get("temperature", 0.7))))
         except (ValueError, TypeError, AttributeError):
-            return web.json_response({"error": "expected {messages, max_tokens}"}, status=400)
-        body = {"messages": msgs, "stream": True, "max_tokens": max(1, min(n, MAX_CHAT_TOKENS))}
+            return web.json_response({"error": "expected {messages, max_tokens, temperature}"}, status=400)
+        body = {"messages": msgs, "stream": True, "max_tokens": max(1, min(n, MAX_CHAT_TOKENS)), "temperature": temp}
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"

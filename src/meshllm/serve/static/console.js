@@ -69,39 +69,85 @@ $("show-token").onclick = async () => {
   $("token-box").hidden = false;
 };
 
+// the chat keeps the conversation (every turn goes back to the model), streams, and can be stopped
+let history = [];
+let running = null;  // the AbortController of the reply that streams now
+
+function say(cls, text) {
+  const d = document.createElement("div"); d.className = "msg " + cls; d.textContent = text;
+  $("chat-log").append(d);
+  return d;
+}
+
+function follow() { const log = $("chat-log"); log.scrollTop = log.scrollHeight; }
+
+function busy(on) {
+  $("chat-send").disabled = on; $("chat-stop").hidden = !on; $("chat-input").disabled = on;
+  if (!on) $("chat-input").focus();
+}
+
+$("chat-stop").onclick = () => { if (running) running.abort(); };
+$("chat-clear").onclick = () => { if (running) running.abort(); history = []; $("chat-log").textContent = ""; };
+
 $("chat-form").onsubmit = async (ev) => {
   ev.preventDefault();
   const text = $("chat-input").value.trim();
-  if (!text) return;
+  if (!text || running) return;
   $("chat-input").value = "";
-  const log = $("chat-log");
-  const u = document.createElement("div"); u.className = "msg user"; u.textContent = text;
-  const a = document.createElement("div"); a.className = "msg assistant"; a.dataset.testid = "reply";
-  log.append(u, a);
+  say("user", text);
+  const a = say("assistant", ""); a.dataset.testid = "reply";
+  history.push({ role: "user", content: text });
+  const system = $("chat-system").value.trim();
+  const body = {
+    messages: system ? [{ role: "system", content: system }, ...history] : history,
+    temperature: Number($("chat-temp").value), max_tokens: Number($("chat-max").value),
+  };
+  running = new AbortController();
+  busy(true);
   const t0 = performance.now();
-  let n = 0;
-  const r = await fetch("/chat", { method: "POST", headers: { "Content-Type": "application/json" },
-                                   body: JSON.stringify({ messages: [{ role: "user", content: text }] }) });
-  if (!r.ok || !r.body) { a.textContent = "error: " + r.status; return; }
-  const reader = r.body.getReader();
-  const dec = new TextDecoder();
-  let buf = "";
-  for (;;) {
-    const { value, done } = await reader.read();
-    if (done) break;
-    buf += dec.decode(value, { stream: true });
-    let i;
-    while ((i = buf.indexOf("\n")) >= 0) {
-      const line = buf.slice(0, i).trim(); buf = buf.slice(i + 1);
-      if (!line.startsWith("data: ") || line === "data: [DONE]") continue;
-      const ev = JSON.parse(line.slice(6));
-      const piece = ev.choices && ev.choices[0] && ev.choices[0].delta && ev.choices[0].delta.content;
-      if (piece) { a.textContent += piece; n += 1; }
-      if (ev.error) a.textContent += " [" + ev.error.message + "]";
+  let n = 0, first = null, stopped = false;
+  try {
+    const r = await fetch("/chat", { method: "POST", headers: { "Content-Type": "application/json" },
+                                     body: JSON.stringify(body), signal: running.signal });
+    if (!r.ok || !r.body) {
+      let why = "";
+      try { const j = await r.json(); why = (j.error && (j.error.message || j.error)) || ""; } catch (e) { /* not JSON */ }
+      a.className = "msg assistant error"; a.textContent = `error ${r.status}${why ? ": " + why : ""}`;
+      history.pop();
+      return;
     }
-    $("chat-stats").textContent = `${n} tokens, ${(n / ((performance.now() - t0) / 1000)).toFixed(1)} tok/s`;
+    const reader = r.body.getReader();
+    const dec = new TextDecoder();
+    let buf = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buf += dec.decode(value, { stream: true });
+      let i;
+      while ((i = buf.indexOf("\n")) >= 0) {
+        const line = buf.slice(0, i).trim(); buf = buf.slice(i + 1);
+        if (!line.startsWith("data: ") || line === "data: [DONE]") continue;
+        const ev = JSON.parse(line.slice(6));
+        const piece = ev.choices && ev.choices[0] && ev.choices[0].delta && ev.choices[0].delta.content;
+        if (piece) { a.textContent += piece; n += 1; if (first === null) first = performance.now() - t0; }
+        if (ev.error) { a.className = "msg assistant error"; a.textContent += " [" + ev.error.message + "]"; }
+      }
+      const secs = (performance.now() - t0) / 1000;
+      $("chat-stats").textContent = `${n} tokens, ${(n / secs).toFixed(1)} tok/s` +
+        (first === null ? "" : `, first token after ${(first / 1000).toFixed(2)} s`);
+      follow();
+    }
+  } catch (e) {
+    if (e.name === "AbortError") stopped = true;
+    else { a.className = "msg assistant error"; a.textContent += " [" + e.message + "]"; }
+  } finally {
+    if (a.textContent && !a.classList.contains("error")) history.push({ role: "assistant", content: a.textContent });
+    if (stopped) { a.textContent += " [stopped]"; a.dataset.stopped = "1"; }
+    a.dataset.done = "1";
+    running = null;
+    busy(false);
+    follow();
   }
-  a.dataset.done = "1";
 };
 
 connect();
