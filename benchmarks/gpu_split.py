@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -149,6 +150,11 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--cap", type=float, default=3.5, help="GB each mesh node offers, so the 4.9 GB model splits")
     ap.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="instead: the planner's memory per node vs what llama.cpp allocates (its -lv 4 breakdown)",
+    )
+    ap.add_argument(
         "--multi",
         action="store_true",
         help="instead: nodes with several GPUs (a 2-GPU solo node; a 2-GPU worker under a 1-GPU host)",
@@ -187,6 +193,8 @@ def main() -> None:
         state = work / f"mesh-{name}"
         shutil.rmtree(state, ignore_errors=True)
         texts = [logs / f"mesh-{name}-{i}.log" for i in range(len(spec))]
+        for t in texts:
+            t.unlink(missing_ok=True)  # a "ready:" from an earlier run on this machine must not count
         try:
             for i, ((gpus, cap), port) in enumerate(zip(spec, ports, strict=True)):
                 cmd = [sys.executable, "-m", "meshllm.cli", "--model", str(model), "--state-dir", str(state / f"n{i}"),
@@ -237,6 +245,21 @@ def main() -> None:
         multi(run_mesh, server, rpc_server, args.tokens, args.runs)
         return
 
+    def breakdown(name: str, dev: str, rpc: list[str], tensor_split: list[float]) -> str:
+        """llama-server's own memory breakdown (printed as it exits, at -lv 4) for this split."""
+        (logs / f"{name}.log").unlink(missing_ok=True)
+        port = free_port()
+        argv = llama_server_argv(bins, model, port, ctx_size=2048, rpc=rpc, n_gpu_layers=999,
+                                 tensor_split=tensor_split, extra=("--fit", "off", "-lv", "4"))  # fmt: skip
+        with Child.start(name, argv, logs / f"{name}.log", env=gpu(dev)) as c:
+            wait_http_ready(c, f"http://127.0.0.1:{port}/health", 600)
+            c.stop(timeout=30)  # SIGTERM: it prints the table on its way out
+        return (logs / f"{name}.log").read_text()
+
+    if args.calibrate:
+        calibrate(run_mesh, breakdown, rpc_server, args.cap)
+        return
+
     v, counts, path = mesh("auto")
     rows.append((f"mesh-llm: two nodes, default path ({path})", v))
     v, _, path = mesh("tunnel")
@@ -263,6 +286,49 @@ def main() -> None:
     print("| setup | tok/s | ms/token | ÷ in-process | ÷ direct TCP RPC |\n|---|---:|---:|---:|---:|")
     for name, v in rows:
         print(f"| {name} | {v:.1f} | {1000 / v:.2f} | {v / base:.2f} | {v / tcp:.2f} |")
+
+
+_ROW = re.compile(r"\|\s+-\s+(?P<dev>\S+)[^|]*\|[^(|]*?(?:\(\s*)?(?P<self>\d+) =\s+\d+ \+\s+\d+ \+\s+\d+")
+
+
+def parse_breakdown(log: str) -> dict[str, int]:
+    """Device -> MiB llama.cpp accounts to this process there (model + context + compute), from the table
+    common_memory_breakdown_print writes (b11312); "Host" is host memory (e.g. the token embeddings it keeps)."""
+    out: dict[str, int] = {}
+    for line in log.splitlines():
+        if "memory_breakdown" in line:
+            m = _ROW.search(line)
+            if m:
+                out[m["dev"]] = int(m["self"])
+    return out
+
+
+def calibrate(run_mesh: Any, breakdown: Any, rpc_server: Any, cap: float) -> None:
+    """The planner's estimate per node against llama.cpp's own accounting, for the solo plan (one GPU) and the
+    2-node split the mesh makes (host GPU in-process, worker GPU through RPC)."""
+    mib = 1024 * 1024
+    rows: list[tuple[str, float, float]] = []
+    _, st = run_mesh("cal-solo", "auto", [("0", None)])
+    est = st["plan"]["assignments"][0]["bytes"] / mib
+    got = parse_breakdown(breakdown("cal-solo", "0", [], []))
+    print(f"solo breakdown (MiB): {got}")
+    rows.append(("solo, one GPU: GPU + host-mapped", est, sum(got.values())))
+    _, st = run_mesh("cal-split", "auto", [("0", cap), ("1", cap)])
+    plan = st["plan"]
+    worker, at = rpc_server("rpc-cal", "1")
+    try:
+        got = parse_breakdown(breakdown("cal-split", "0", [at], [float(x) for x in plan["tensor_split"]]))
+    finally:
+        worker.stop()
+    print(f"split plan: {plan}\nsplit breakdown (MiB): {got}")
+    w, h = plan["assignments"][0], plan["assignments"][-1]
+    rpc = sum(v for k, v in got.items() if k.startswith("RPC"))
+    rows.append((f"split: worker ({w['count']} layers, through RPC)", w["bytes"] / mib, rpc))
+    host = sum(v for k, v in got.items() if not k.startswith("RPC"))
+    rows.append((f"split: host ({h['count']} layers + output, GPU + host-mapped)", h["bytes"] / mib, host))
+    print("\n| node | planned MiB | llama.cpp MiB | planned ÷ allocated |\n|---|---:|---:|---:|")
+    for name, e, g in rows:
+        print(f"| {name} | {e:.0f} | {g:.0f} | {e / g:.3f} |" if g else f"| {name} | {e:.0f} | ? | ? |")
 
 
 def multi(run_mesh: Any, server: Any, rpc_server: Any, tokens: int, runs: int) -> None:

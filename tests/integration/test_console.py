@@ -102,13 +102,20 @@ def test_console_shows_the_mesh_and_chats(tmp_path: Path, tiny_model: Path, brow
         assert [m["role"] for m in sent[1]["messages"]] == ["user", "assistant", "user"], sent
         assert sent[1]["messages"][1]["content"] == first.text and sent[1]["temperature"] == 0.7  # type: ignore[attr-defined]
         # a long reply can be stopped; the box is usable again at once
-        drv.execute_script("document.getElementById('chat-max').value = 4000")  # type: ignore[attr-defined]
-        long = ask("Write a very long story.")
+        # a new chat (the node's context is 1024 tokens); greedy, this prompt runs the tiny model to any limit
+        drv.find_element(By.ID, "chat-clear").click()  # type: ignore[attr-defined]
+        assert not drv.find_elements(By.CSS_SELECTOR, ".msg")  # type: ignore[attr-defined]
+        drv.execute_script(  # type: ignore[attr-defined]
+            "document.getElementById('chat-max').value = 900; document.getElementById('chat-temp').value = 0"
+        )
+        long = ask("Count from 1 to 1000, one number per line.")
         assert drv.find_element(By.ID, "chat-input").get_attribute("disabled") is not None  # type: ignore[attr-defined]
         drv.find_element(By.ID, "chat-stop").click()  # type: ignore[attr-defined]
         wait_for(lambda: long.get_attribute("data-done") == "1", 30, "the stop to take")  # type: ignore[attr-defined]
         assert long.get_attribute("data-stopped") == "1" and long.text.endswith("[stopped]")  # type: ignore[attr-defined]
         assert drv.find_element(By.ID, "chat-input").get_attribute("disabled") is None  # type: ignore[attr-defined]
+        sent = drv.execute_script("return window.__sent")  # type: ignore[attr-defined]
+        assert [m["role"] for m in sent[2]["messages"]] == ["user"], sent[2]  # the new chat starts afresh
         ARTIFACTS.mkdir(exist_ok=True)
         drv.execute_script("window.scrollTo(0, 0)")  # type: ignore[attr-defined]
         drv.save_screenshot(str(ARTIFACTS / "console.png"))  # type: ignore[attr-defined]
