@@ -119,6 +119,14 @@ def nonempty(text: str) -> str:
     return text
 
 
+def parse_name(text: str) -> str:
+    from meshllm.proto.gossip import MAX_NAME
+
+    if not text or len(text) > MAX_NAME or not text.isprintable():
+        raise argparse.ArgumentTypeError(f"a node name is 1-{MAX_NAME} printable characters, got {text!r}")
+    return text
+
+
 def parse_split(text: str) -> list[float]:
     try:
         parts = [float(x) for x in text.split(",")]
@@ -174,7 +182,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         max_vram_gb=args.max_vram, ctx_size=args.ctx_size, tensor_split=args.tensor_split, port=args.port,
         listen_all=args.listen_all, api_key=api_key, bins=bins, auto_model=auto, models_dir=args.models_dir,
         draft=args.draft, draft_max=args.draft_max, no_draft=args.no_draft, console_port=args.console,
-        rpc_path=args.rpc_path, rpc_port=args.rpc_port,
+        rpc_path=args.rpc_path, rpc_port=args.rpc_port, name=args.name or "",
     )  # fmt: skip
     return run_node(opts, console)
 
@@ -445,6 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-vram", type=gigabytes, metavar="GB", help="cap the memory this node offers")
     p.add_argument("--ctx-size", type=ctx_size, default=4096, metavar="N", help="context size (default 4096)")
     p.add_argument("--tensor-split", type=parse_split, metavar="P,P,...", help="override the split plan")
+    p.add_argument("--name", type=parse_name, metavar="NAME", help="how other nodes show this one (default: hostname)")
     p.add_argument("--port", type=tcp_port, default=9337, help="API port (default 9337)")
     p.add_argument("--listen-all", action="store_true", help="API on all interfaces (then an API key is required)")
     p.add_argument("--api-key", type=nonempty, metavar="KEY", help="require this API key (or $MESH_LLM_API_KEY)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import socket
 import tempfile
 import urllib.request
 from collections.abc import Iterator
@@ -51,7 +52,7 @@ def test_console_shows_the_mesh_and_chats(tmp_path: Path, tiny_model: Path, brow
     try:
         wait_for(lambda: "ready:" in a.text(), 120, "a to serve")
         token = (a.state / "token").read_text().strip()
-        b = NodeProc(tmp_path, "b", tiny_model, "--ctx-size", "1024", "--join", token)
+        b = NodeProc(tmp_path, "b", tiny_model, "--ctx-size", "1024", "--join", token, "--name", "worker-b")
         nodes.append(b)
         b_short = None
         wait_for(lambda: len(a.status().get("peers", [])) == 2, 30, "two nodes")  # type: ignore[arg-type]
@@ -100,7 +101,7 @@ def test_console_shows_the_mesh_and_chats(tmp_path: Path, tiny_model: Path, brow
         wait_for(lambda: second.get_attribute("data-done") == "1", 120, "the second reply")  # type: ignore[attr-defined]
         sent = drv.execute_script("return window.__sent")  # type: ignore[attr-defined]
         assert [m["role"] for m in sent[1]["messages"]] == ["user", "assistant", "user"], sent
-        assert sent[1]["messages"][1]["content"] == first.text and sent[1]["temperature"] == 0.7  # type: ignore[attr-defined]
+        assert sent[1]["messages"][1]["content"].strip() == first.text.strip() and sent[1]["temperature"] == 0.7  # type: ignore[attr-defined]
         # a long reply can be stopped; the box is usable again at once
         # a new chat (the node's context is 1024 tokens); greedy, this prompt runs the tiny model to any limit
         drv.find_element(By.ID, "chat-clear").click()  # type: ignore[attr-defined]
@@ -119,9 +120,13 @@ def test_console_shows_the_mesh_and_chats(tmp_path: Path, tiny_model: Path, brow
         ARTIFACTS.mkdir(exist_ok=True)
         drv.execute_script("window.scrollTo(0, 0)")  # type: ignore[attr-defined]
         drv.save_screenshot(str(ARTIFACTS / "console.png"))  # type: ignore[attr-defined]
-        # a node that leaves disappears
-        b.stop(signal.SIGTERM)
-        wait_for(lambda: list(segs()) == [a_short], 15, "b to vanish from the page")
+        # nodes by name (the hostname by default); requests in words, not JSON
+        assert segs()[b_short].startswith("worker-b · ") and segs()[a_short].startswith(socket.gethostname()[:32])
+        assert "× 200" in drv.find_element(By.ID, "m-req").text  # type: ignore[attr-defined]
+        # a node killed -9 is shown as not heard from once it is suspect, then disappears
+        b.stop(signal.SIGKILL)
+        wait_for(lambda: "not heard from" in segs().get(b_short, ""), 20, "b to be shown as suspect")
+        wait_for(lambda: list(segs()) == [a_short], 30, "b to vanish from the page")
     finally:
         for n in nodes:
             n.stop()

@@ -15,6 +15,8 @@ BAD = [
     (["--model", "m.gguf", "--bind-port", "-1"], "--bind-port"),
     (["--model", "m.gguf", "--bind-port", "65536"], "--bind-port"),
     (["--model", "m.gguf", "--bind-host", "not-an-ip"], "--bind-host"),
+    (["--model", "m.gguf", "--name", "x" * 33], "--name"),
+    (["--model", "m.gguf", "--name", "tab\there"], "--name"),
     (["--model", "m.gguf", "--advertise", "1.2.3.4"], "--advertise"),
     (["--model", "m.gguf", "--advertise", "1.2.3.4:70000"], "--advertise"),
     (["--model", "m.gguf", "--relay", ":4000"], "--relay"),

@@ -170,6 +170,9 @@ def test_a_multi_device_nodes_shares_travel_and_bad_ones_are_dropped() -> None:
     assert "field shares" in t.merge_record(rec(k, c, seq=2, shares=("a",)), T).dropped[0]
     assert "field shares" in t.merge_record(rec(k, c, seq=3, shares=tuple(range(17))), T).dropped[0]
     assert t.entries[n].record.shares == (4, 3)
+    assert t.merge_record(rec(k, c, seq=4, name="gpu-box"), T).changed == [n] and t.entries[n].record.name == "gpu-box"
+    assert "field name" in t.merge_record(rec(k, c, seq=5, name="x" * 33), T).dropped[0]
+    assert "field name" in t.merge_record(rec(k, c, seq=6, name="bell\a"), T).dropped[0]
 
 
 def test_the_peer_table_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:

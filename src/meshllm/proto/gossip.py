@@ -33,6 +33,7 @@ DEAD_AFTER_S = 10.0
 TOMBSTONE_TTL_S = 600.0
 MAX_RECORD = 16 * 1024
 MAX_RECORDS = 256
+MAX_NAME = 32
 MAX_PEERS = 1024  # a member can mint identities of its own: the table (and the dialling) stays bounded
 
 
@@ -67,6 +68,7 @@ class RecordUpdate(TypedDict, total=False):
     chain) only the core sets."""
 
     role: Role
+    name: str
     addrs: tuple[str, ...]
     capacity: int
     device: str
@@ -88,6 +90,7 @@ class PeerRecord:
     incarnation: int
     seq: int
     role: Role = Role.WORKER
+    name: str = ""  # for people: --name, else the hostname
     addrs: tuple[str, ...] = ()
     capacity: int = 0  # bytes usable for the model: VRAM, or RAM on CPU nodes, measured at start
     device: str = "cpu"
@@ -108,7 +111,7 @@ class PeerRecord:
             {
                 "node": self.node, "inc": self.incarnation, "seq": self.seq, "role": self.role,
                 "addrs": list(self.addrs), "cap": self.capacity, "dev": self.device,
-                "shares": list(self.shares),
+                "shares": list(self.shares), "name": self.name,
                 "model": dataclasses.asdict(self.model) if self.model else None, "state": self.state,
                 "ver": self.version, "rtt": self.rtt_ms, "links": self.links, "relay": self.relay,
                 "nat": list(self.reflexive), "host": self.host,
@@ -133,6 +136,13 @@ def _field(d: dict[str, Any], k: str, tp: type | tuple[type, ...]) -> Any:
     v = d.get(k)
     if not isinstance(v, tp) or (isinstance(v, bool) and tp in (int, float)):
         raise RemoteProtocolError(f"record field {k} has the wrong type")
+    return v
+
+
+def _name(d: dict[str, Any]) -> str:
+    v = d.get("name", "")  # absent from records of versions before node names
+    if not isinstance(v, str) or len(v) > MAX_NAME or not v.isprintable():
+        raise RemoteProtocolError("record field name has the wrong type")
     return v
 
 
@@ -203,7 +213,7 @@ def record_from_wire(
     return PeerRecord(
         node=node, incarnation=_field(d, "inc", int), seq=_field(d, "seq", int), role=_enum(d, "role", Role),
         addrs=tuple(str(a) for a in _field(d, "addrs", list)[:16]), capacity=_field(d, "cap", int),
-        device=_field(d, "dev", str), shares=_shares(d), model=model, state=_enum(d, "state", NodeState),
+        device=_field(d, "dev", str), shares=_shares(d), name=_name(d), model=model, state=_enum(d, "state", NodeState),
         version=_field(d, "ver", str),
         rtt_ms={k: float(v) for k, v in list(rtt.items())[:64] if _is_id(k) and isinstance(v, int | float)},
         links={k: str(v)[:40] for k, v in list(_field(d, "links", dict).items())[:64] if _is_id(k)},

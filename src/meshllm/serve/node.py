@@ -36,7 +36,7 @@ from meshllm.serve.api import Api, Unavailable, Upstream
 from meshllm.serve.hosting import Hosting
 from meshllm.serve.joining import addresses_learned, find_mesh_model, join_first, publish_token
 from meshllm.serve.modelfiles import ModelFiles, open_model
-from meshllm.serve.options import NodeOptions, measure_offer, parse_tokens
+from meshllm.serve.options import NodeOptions, default_name, measure_offer, parse_tokens
 from meshllm.serve.report import NodeView, Report, agent_lines
 from meshllm.state import check_dir, load_membership, load_or_create_key, load_token, save_addrs, save_membership
 
@@ -126,6 +126,7 @@ class Node:
         self.net.update(
             role=Role.CLIENT if lite else Role.WORKER, capacity=0 if lite else self.capacity, device=device,
             shares=() if lite else self.offer.shares, model=self.facts, state=NodeState.READY, version=__version__,
+            name=self.o.name or default_name(),
         )  # fmt: skip
         save_addrs(self.state, addrs)
         self.console.print(

@@ -4,6 +4,7 @@ listens — the --join tokens, the memory it offers."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from meshllm.llama.build import Binaries
 from meshllm.llama.processes import device_listing
 from meshllm.proto import token as tok
 from meshllm.proto.capacity import Offer, offer, parse_devices
+from meshllm.proto.gossip import MAX_NAME
 from meshllm.proto.reach import RelayMode
 
 
@@ -44,6 +46,13 @@ class NodeOptions:
     rpc_path: str = "auto"  # --rpc-path: "auto" (direct TLS where reachable, else tunnel) or "tunnel"
     rpc_port: int | None = None  # --rpc-port: the TLS listener's port (None: any free one)
     models_dir: Path | None = None
+    name: str = ""  # --name: how people see this node (default: the hostname)
+
+
+def default_name() -> str:
+    """This machine's hostname, as far as a node name may go (gossip.MAX_NAME, printable)."""
+    name = "".join(c for c in socket.gethostname() if c.isprintable())
+    return name[:MAX_NAME]
 
 
 async def measure_offer(bins: Binaries | None, max_gb: float | None) -> Offer:

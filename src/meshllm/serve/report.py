@@ -56,7 +56,8 @@ class Report:
         for r in core.alive(now):
             conn = self.net.peers.get(r.node)
             peers.append({
-                "node": r.node.hex(), "short": crypto.short(r.node), "role": r.role, "capacity": r.capacity,
+                "node": r.node.hex(), "short": crypto.short(r.node), "name": r.name, "role": r.role,
+                "capacity": r.capacity,
                 "device": r.device, "state": r.state, "incarnation": r.incarnation,
                 "liveness": core.liveness(r.node, now).value,
                 "model": r.model.fingerprint if r.model else None,

@@ -7,14 +7,16 @@ function segment(p, plan) {
   const d = document.createElement("div");
   const inPlan = plan && plan.assignments && plan.assignments.some((a) => a.node === p.node);
   const kind = p.role === "client" ? "client" : p.role === "host" ? "host" : inPlan ? "worker" : "standby";
-  d.className = "seg " + kind;
+  const suspect = p.liveness === "suspect";  // silent for a few seconds: maybe gone (declared dead at 10 s)
+  d.className = "seg " + kind + (suspect ? " suspect" : "");
   d.dataset.node = p.short;
+  d.title = `node ${p.node}`;
   d.style.flex = String(Math.max(p.capacity || 0, 2e8));
   const layers = p.layers ? `layers ${p.layers[0]}–${p.layers[1]}` : kind === "client" ? "lite client" : "standby";
   const path = (p.path === "self" ? "this node" : p.path) + (p.rpc_path ? `; RPC ${p.rpc_path}` : "");
   const rtt = p.rtt_ms != null ? ` · ${p.rtt_ms.toFixed(1)} ms` : "";
   d.innerHTML = `<div class="id"></div><div class="sub"></div><div class="sub"></div>`;
-  d.children[0].textContent = `${p.short} · ${kind}`;
+  d.children[0].textContent = `${p.name || p.short} · ${kind}${suspect ? " · not heard from" : ""}`;
   const dev = p.device && p.capacity ? ` (${p.device})` : "";
   d.children[1].textContent = `${layers} · ${p.capacity ? gb(p.capacity) : "no capacity"}${dev}`;
   d.children[2].textContent = `${path}${rtt}`;
@@ -24,14 +26,18 @@ function segment(p, plan) {
 function render(st) {
   $("mesh").textContent = `node ${st.node.slice(0, 8)} in mesh ${st.mesh.slice(0, 8)}`;
   const cluster = $("cluster");
-  cluster.replaceChildren(...st.peers.map((p) => segment(p, st.plan)));
+  // a stable order: the host first, then by node id (a rejoin must not reshuffle the bar)
+  const rank = (p) => (p.role === "host" ? "0" : "1") + p.node;
+  const peers = [...st.peers].sort((x, y) => (rank(x) < rank(y) ? -1 : 1));
+  cluster.replaceChildren(...peers.map((p) => segment(p, st.plan)));
   const plan = st.plan || {};
   $("m-name").textContent = st.model ? st.model.source : (st.served_models || []).join(", ") || "–";
   $("m-draft").textContent = st.draft || "none";
   $("m-state").textContent = plan.waiting ? plan.waiting : st.state;
   $("m-cap").textContent = gb(st.peers.reduce((s, p) => s + (p.capacity || 0), 0));
   $("m-api").textContent = st.api;
-  $("m-req").textContent = JSON.stringify(st.requests);
+  const req = Object.entries(st.requests || {}).map(([code, n]) => `${n} × ${code}`);
+  $("m-req").textContent = req.length ? req.join(", ") : "none yet";
   const agents = $("agents");
   agents.replaceChildren();
   (st.agents || []).forEach((a, i) => {
