@@ -168,3 +168,12 @@ def test_a_worker_llama_server_could_not_reach_goes_through_its_tunnel() -> None
     assert s.unreachable_workers(tail, direct) == [b]
     assert s.unreachable_workers("Remote RPC server crashed or returned malformed response", direct) == []
     assert s.unreachable_workers("Failed to connect to 10.0.0.3:50001", direct) == []  # another port: not b's
+
+
+def test_every_node_keeps_the_hosts_plan_first() -> None:
+    """A node used to prefer the nodes of its own last plan: two nodes that saw joins in a different order
+    kept two different plans for good (the mesh test waited 30 s for one plan)."""
+    mine = Plan(HOST, (Assignment(W1, 0, 4, 1), Assignment(HOST, 4, 6, 1)), ())
+    assert s.keep_first(HOST, HOST, mine, ()) == {W1, HOST}  # the host: the plan it runs
+    assert s.keep_first(W1, HOST, mine, (W2, HOST)) == {W2, HOST}  # the others: the host's, not their own
+    assert s.keep_first(W1, HOST, None, ()) == set()

@@ -81,6 +81,7 @@ class RecordUpdate(TypedDict, total=False):
     relay: bool
     reflexive: tuple[str, ...]
     host: NodeId | None
+    planned: tuple[NodeId, ...]
     left: bool
 
 
@@ -103,6 +104,7 @@ class PeerRecord:
     relay: bool = False  # relays datagrams between members (publicly reachable, or --relay-server)
     reflexive: tuple[str, ...] = ()  # of addrs, those members see this node at behind a NAT (dial only after punching)
     host: NodeId | None = None  # who this node believes hosts its model
+    planned: tuple[NodeId, ...] = ()  # a host: the nodes of the plan it runs (every node prefers them when planning)
     chain: tuple[tok.Link, ...] = ()
     left: bool = False  # a clean leave: this record is the node's own tombstone
 
@@ -114,7 +116,7 @@ class PeerRecord:
                 "shares": list(self.shares), "name": self.name,
                 "model": dataclasses.asdict(self.model) if self.model else None, "state": self.state,
                 "ver": self.version, "rtt": self.rtt_ms, "links": self.links, "relay": self.relay,
-                "nat": list(self.reflexive), "host": self.host,
+                "nat": list(self.reflexive), "host": self.host, "planned": list(self.planned),
                 "chain": tok.chain_to_wire(list(self.chain)), "left": self.left,
             }
         )  # fmt: skip
@@ -137,6 +139,13 @@ def _field(d: dict[str, Any], k: str, tp: type | tuple[type, ...]) -> Any:
     if not isinstance(v, tp) or (isinstance(v, bool) and tp in (int, float)):
         raise RemoteProtocolError(f"record field {k} has the wrong type")
     return v
+
+
+def _planned(d: dict[str, Any]) -> tuple[NodeId, ...]:
+    v = d.get("planned", [])  # absent from records of versions before it
+    if not isinstance(v, list) or len(v) > 64 or not all(_is_id(x) for x in v):
+        raise RemoteProtocolError("record field planned has the wrong type")
+    return tuple(v)
 
 
 def _name(d: dict[str, Any]) -> str:
@@ -218,7 +227,7 @@ def record_from_wire(
         rtt_ms={k: float(v) for k, v in list(rtt.items())[:64] if _is_id(k) and isinstance(v, int | float)},
         links={k: str(v)[:40] for k, v in list(_field(d, "links", dict).items())[:64] if _is_id(k)},
         relay=_field(d, "relay", bool), reflexive=tuple(str(a) for a in _field(d, "nat", list)[:4]),
-        host=host, chain=tuple(chain), left=_field(d, "left", bool),
+        host=host, planned=_planned(d), chain=tuple(chain), left=_field(d, "left", bool),
     )  # fmt: skip
 
 

@@ -243,3 +243,14 @@ class RpcKey:
         if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
             return None
         return cls(ident, key, port)
+
+
+def keep_first(
+    me: NodeId, host: NodeId, current: Plan | Waiting | None, host_planned: tuple[NodeId, ...]
+) -> set[NodeId]:
+    """The nodes a new plan keeps first (a change costs a model reload). The host keeps those of the plan it runs;
+    every other node takes them from the host's record — a preference of its own (from the order it happened to see
+    joins in) once kept two nodes on two different plans for good."""
+    if host == me:
+        return {a.node for a in current.assignments} if isinstance(current, Plan) else set()
+    return set(host_planned)

@@ -23,7 +23,7 @@ from meshllm.net.endpoint import STREAM_HTTP, STREAM_RPC, STREAM_RPC_KEY
 from meshllm.net.meshnet import MeshNet, new_mesh
 from meshllm.net.netevents import CHANGED, AddrsLearned, Changed, Connected, MeshEvent
 from meshllm.paths import state_dir as default_state_dir
-from meshllm.proto import crypto
+from meshllm.proto import crypto, serving
 from meshllm.proto import token as tok
 from meshllm.proto.capacity import Offer
 from meshllm.proto.crypto import NodeId
@@ -270,13 +270,16 @@ class Node:
         slots = slots_for(self.net.core.alive(now), self.host, self.facts.fingerprint)
         if slots is None:
             return
-        prefer = {a.node for a in self.plan.assignments} if isinstance(self.plan, Plan) else set()
+        host_rec = self._record(self.host)
+        prefer = serving.keep_first(self.me, self.host, self.plan, host_rec.planned if host_rec else ())
         p = plan(self.shape, *slots, self.o.ctx_size, split=self.o.tensor_split, prefer=prefer)
         alive = {r.node for r in self.net.core.alive(now)}
         settled = self._plan_debounce.propose(p, now, urgent=plan_broken(self.plan, alive))
         if settled is None or settled == self.plan:
             return
         self.plan = settled
+        if self.host == self.me:  # every node keeps our plan's nodes first: they converge on the plan we run
+            self.net.update(planned=tuple(a.node for a in settled.assignments) if isinstance(settled, Plan) else ())
         self.console.print(narration.plan_line(settled, self.me))
 
     def _view(self) -> NodeView:
