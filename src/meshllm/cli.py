@@ -405,8 +405,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             span = f"{span} + output" if span else "output"  # the host's share always has the output layer
         mem = f"{p['capacity'] / 1e9:.1f} GB {p.get('device') or ''}".strip() if p["capacity"] else "-"
         state = p["state"] if p["liveness"] == "alive" else f"{p['state']} ({p['liveness']})"
+        name = str(p.get("name") or "")[:12]  # a second line under the id: the hostname or --name
         t.add_row(
-            p["short"], p["role"], state, mem, span or "-",
+            p["short"] + (f"\n{name}" if name else ""), p["role"], state, mem, span or "-",
             p["path"] + (f"; RPC {p['rpc_path']}" if p.get("rpc_path") else ""),
             f"{p['rtt_ms']:.1f}" if p.get("rtt_ms") is not None else "-",
         )  # fmt: skip

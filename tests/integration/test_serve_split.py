@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -154,6 +155,7 @@ def test_status_command_shows_both_model_nodes(mesh: dict[str, NodeProc]) -> Non
     assert "host" in r.stdout and "worker" in r.stdout and "client" in r.stdout
     assert "…" not in r.stdout and max(len(x) for x in r.stdout.splitlines()) <= 80, r.stdout
     assert "host none" not in r.stdout, r.stdout  # (a lite client knows no plan: layers "-")
+    assert socket.gethostname()[:12] in r.stdout, r.stdout  # each node's name (here: the hostname) under its id
     for header in ("node", "role", "state", "memory", "layers", "path", "RTT ms"):
         assert header in r.stdout.splitlines()[1], r.stdout
     # the host's view, from the state dir it writes (no API needed): every share, the host's with the output
