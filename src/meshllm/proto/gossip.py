@@ -28,7 +28,7 @@ from meshllm.proto.crypto import NodeId
 from meshllm.proto.wire import Message, message, pack, unpack
 
 HEARTBEAT_S = 2.0
-SUSPECT_AFTER_S = 6.0
+SUSPECT_AFTER_S = 4.0  # two heartbeats missed (a direct peer is declared dead at 6 s: DIRECT_DEAD_S)
 DEAD_AFTER_S = 10.0
 TOMBSTONE_TTL_S = 600.0
 MAX_RECORD = 16 * 1024
