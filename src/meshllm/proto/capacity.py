@@ -54,8 +54,12 @@ class Offer:
 
     @property
     def first_device(self) -> str | None:
-        """Where a draft model runs: the first of our devices."""
-        return self.use.split(",")[0] if self.use else None
+        return first_device(self.use)
+
+
+def first_device(use: str | None) -> str | None:
+    """Where a draft model runs: the first of a node's devices (``use``: llama.cpp's names, comma-separated)."""
+    return use.split(",")[0] if use else None
 
 
 def _label(devices: list[Device]) -> str:

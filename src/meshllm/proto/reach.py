@@ -256,10 +256,10 @@ class Puncher:
 
     key: Ed25519PrivateKey  # signs our probes and acks
     attempts: dict[NodeId, Attempt] = field(default_factory=dict)
+    me: NodeId = field(init=False)  # our node id, from the key (checked against every probe's recipient)
 
-    @property
-    def me(self) -> NodeId:
-        return crypto.node_id(self.key)
+    def __post_init__(self) -> None:
+        self.me = crypto.node_id(self.key)
 
     def start(
         self, peer: NodeId, targets: list[Addr], now: float, dialler: bool, nonce: bytes | None = None

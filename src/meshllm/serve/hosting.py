@@ -25,6 +25,7 @@ from meshllm.net.endpoint import STREAM_HTTP, STREAM_RPC, STREAM_RPC_KEY, Conn, 
 from meshllm.net.meshnet import MeshNet
 from meshllm.net.tunnel import TunnelListener, TunnelStats, connect_and_bridge
 from meshllm.proto import crypto, serving
+from meshllm.proto.capacity import first_device
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import ModelFacts, NodeState
 from meshllm.proto.planner import Plan, Waiting
@@ -329,7 +330,7 @@ class Hosting:
                 model=self.model.path, alias=self.model.facts.source, ctx_size=self.ctx_size,
                 threads=default_threads(), rpc=rpc, tensor_split=w.tensor_split if isinstance(w, serving.Split) else (),
                 extra=extra, draft=self.model.draft, draft_max=self.draft_max,
-                draft_device=self.device.split(",")[0] if self.device else None,  # our first device
+                draft_device=first_device(self.device),
                 tls_keys=state.rpc_client_keys(self.state_dir) if direct else None,
             )  # fmt: skip
         if want == self.server_cfg:
