@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import psutil
 import pytest
-from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import QuicConnection
+from qh3.quic.configuration import QuicConfiguration
+from qh3.quic.connection import QuicConnection
 
 from meshllm.errors import MeshError
 from meshllm.net import endpoint
@@ -76,6 +76,40 @@ def test_streams_wait_for_authentication_and_finished_ones_are_forgotten() -> No
                 peer.write(b"pong", end=True)
                 assert await st.read() == b"pong" and await st.read() == b""
             await _until(lambda: len(conn.streams) <= 3 and len(server.streams) <= 3)
+        finally:
+            a.close()
+            b.close()
+
+    asyncio.run(main())
+
+
+def test_a_peer_whose_port_changes_keeps_its_connection_and_is_found_at_the_new_port() -> None:
+    """A NAT that rebinds: the dialler's packets suddenly come from another port. The connection carries on (QUIC
+    moves to the new path) and the listener's Conn.addr follows it (gossip, relays and `status` use it)."""
+
+    async def main() -> None:
+        a, b, accepted, addr = await _pair()
+        try:
+            conn = await a.dial(addr, b.me)
+            st = conn.open_stream(STREAM_GOSSIP)
+            st.write(b"one")
+            server = await asyncio.wait_for(accepted.get(), 5)
+            server.set_authenticated()
+            peer = await asyncio.wait_for(server.accept(), 5)
+            assert peer is not None and await peer.read() == b"one"
+            assert server.addr == a.local_addr
+            assert a.transport is not None
+            a.transport.close()  # the same endpoint, a new socket: the "NAT" maps it to a new port
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            sock.bind(("127.0.0.1", 0))
+            a.transport = endpoint.UdpSocket(sock, a)
+            assert a.local_addr != server.addr
+            for i in range(3):
+                st.write(b"more %d" % i)
+                assert await asyncio.wait_for(peer.read(), 5) == b"more %d" % i
+                peer.write(b"back %d" % i)
+                assert await asyncio.wait_for(st.read(), 5) == b"back %d" % i
+            assert server.addr == a.local_addr and server.path == f"direct 127.0.0.1:{a.local_addr[1]}"
         finally:
             a.close()
             b.close()
@@ -284,7 +318,7 @@ async def _until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
 
 
 def test_a_peer_that_never_authenticates_cannot_park_megabytes() -> None:
-    """[trust] aioquic grants credit as data arrives: a key that never authenticated once queued 98 MB."""
+    """[trust] QUIC (aioquic, qh3) grants credit as data arrives: a key that never authenticated once queued 98 MB."""
 
     async def main() -> None:
         a, b, accepted, addr = await _pair()

@@ -1,10 +1,12 @@
 """One UDP socket per node carrying QUIC connections in both roles, and room for non-QUIC control packets.
 
-aioquic's own ``connect()``/``serve()`` each make a socket; here we drive its sans-IO ``QuicConnection``
-ourselves and demultiplex by connection id. A datagram whose first byte has bit 0x40 clear is not QUIC (every
-QUIC v1 packet sets that bit): hole-punch probes go to ``on_control``; RELAY packets are forwarded when this
-node relays (``relay_server``); RELAYED packets are unwrapped and fed to QUIC as coming from a virtual address
-that names the relay and the peer (see proto/reach.py), so a relayed connection is an ordinary QUIC connection,
+QUIC is qh3's sans-IO ``QuicConnection`` (an aioquic fork whose connection core is native code: 4x aioquic's
+throughput through a tunnel here, half its round-trip time; README, "On GPUs"). Its own ``connect()``/``serve()``
+each make a socket; here we drive ``QuicConnection`` ourselves and demultiplex by connection id. A datagram whose
+first byte has bit 0x40 clear is not QUIC (every QUIC v1 packet sets that bit): hole-punch probes go to
+``on_control``; RELAY packets are forwarded when this node relays (``relay_server``); RELAYED packets are unwrapped
+and belong to the connection whose virtual address names the relay and the peer (see proto/reach.py; QUIC itself
+sees a fixed stand-in address, ``VIRTUAL_PEER``), so a relayed connection is an ordinary QUIC connection,
 end to end, whose datagrams happen to travel through a member.
 
 Identity: each node's TLS certificate is self-signed with its Ed25519 node key. The dialler checks after the
@@ -25,15 +27,15 @@ import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from aioquic.buffer import Buffer  # type: ignore[attr-defined]
-from aioquic.quic import events
-from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import QuicConnection
-from aioquic.quic.packet import QuicPacketType, pull_quic_header
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.x509.oid import NameOID
+from qh3._hazmat import Buffer
+from qh3.quic import events
+from qh3.quic.configuration import QuicConfiguration
+from qh3.quic.connection import QuicConnection
+from qh3.quic.packet import QuicPacketType, pull_quic_header
 
 from meshllm.errors import MeshError
 from meshllm.net.netem import LinkShape, Shaper
@@ -41,12 +43,18 @@ from meshllm.proto import crypto, reach
 from meshllm.proto.crypto import NodeId
 
 log = logging.getLogger("meshllm.net")
+# qh3 logs every close by a peer as a warning; a node's own lines say when a peer leaves and why (Conn.close_reason)
+logging.getLogger("quic").setLevel(logging.ERROR)
 
 ALPN = "mesh-llm/1"
 CID_LEN = 8
 IDLE_TIMEOUT_S = 20.0
 KEEPALIVE_S = 7.0
 MIN_INITIAL = 1200
+ED25519 = 0x0807  # the TLS signature scheme of node keys: the only one a dialler offers
+# what QUIC sees as a relayed connection's peer address (each QuicConnection has its own: one value serves all).
+# qh3 wants an IP; the datagrams themselves go wherever Conn.addr says (a relay, or the punched shortcut)
+VIRTUAL_PEER: tuple[str, int] = ("192.0.2.1", 9)  # TEST-NET-1 (RFC 5737): routes nowhere
 
 STREAM_AUTH = 1
 STREAM_GOSSIP = 2
@@ -107,14 +115,23 @@ def make_certificate(key: Ed25519PrivateKey) -> x509.Certificate:
 
 
 def _peer_key(quic: QuicConnection) -> NodeId | None:
-    cert = getattr(quic.tls, "_peer_certificate", None)  # aioquic keeps it here after CertificateVerify
-    if cert is None:
+    """The Ed25519 key of the certificate the peer proved it holds (TLS CertificateVerify), if any."""
+    got = quic.get_peercert()
+    if got is None:
         return None
     try:
+        cert = x509.load_der_x509_certificate(got.public_bytes())
         raw: bytes = cert.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     except (ValueError, TypeError):
         return None
     return raw
+
+
+def _credentials(key: Ed25519PrivateKey) -> bytes:
+    """The node's self-signed certificate and its key, PEM, as qh3 loads them."""
+    cert = make_certificate(key).public_bytes(serialization.Encoding.PEM)
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return cert + pem
 
 
 class Stream:
@@ -284,16 +301,23 @@ class Conn:
                 self.quic.send_ping(0)
                 self.transmit()
 
-    # -- driving aioquic
+    # -- driving QUIC (qh3)
+
+    @property
+    def quic_addr(self) -> Addr:
+        """The peer's address as QUIC knows it: a relayed connection has a fixed stand-in (see VIRTUAL_PEER)."""
+        return VIRTUAL_PEER if self.relay is not None else self.addr
 
     def transmit(self) -> None:
         loop = asyncio.get_running_loop()
         for data, addr in self.quic.datagrams_to_send(now=loop.time()):
+            if self.relay is not None:
+                addr = self.addr  # the virtual address: _sendto takes it to the relay or the shortcut
+            elif addr != self.addr:
+                # QUIC moved to a new path: the peer's packets come from there now (its NAT rebound). Like RFC 9000
+                # 9.3, the move is made on an authenticated packet and the path is validated after
+                self.addr = addr
             self.ep._sendto(data, addr)
-        if self.relay is None:
-            peer = self.quic.get_peer_address()
-            if peer is not None and peer != self.addr:
-                self.addr = peer  # QUIC moved to a validated new path (the peer's NAT rebound): the peer is there now
         self._process_events()
         if self._timer:
             self._timer.cancel()
@@ -309,7 +333,7 @@ class Conn:
 
     def datagram_received(self, data: bytes, addr: Addr) -> None:
         if self.relay is not None:
-            addr = self.addr  # relayed or on its shortcut: QUIC always sees the one virtual address
+            addr = VIRTUAL_PEER  # relayed or on its shortcut: QUIC always sees the one stand-in address
         self.quic.receive_datagram(data, addr, now=asyncio.get_running_loop().time())
         # the endpoint calls transmit() once at the end of the batch (Endpoint.batch_done)
 
@@ -342,7 +366,7 @@ class Conn:
 
     def _on_stream_data(self, sid: int, data: bytes, end: bool) -> None:
         if not self.authenticated:
-            # aioquic grants flow-control credit as data arrives, so a peer that never authenticates could park
+            # QUIC grants flow-control credit as data arrives, so a peer that never authenticates could park
             # megabytes in our stream queues: cap what it may send first
             self._bytes_before_auth += len(data)
             if self._bytes_before_auth > MAX_BYTES_BEFORE_AUTH:
@@ -447,13 +471,11 @@ class Endpoint:
         self.relay_server = False  # forward RELAY packets between members we hold authenticated connections with
         shape = LinkShape.from_env()  # benchmarks only: added latency / rate limit on every datagram we send
         self.shaper = Shaper(shape, self._raw_send) if shape else None
-        cert = make_certificate(key)
         self._server_cfg = QuicConfiguration(
             is_client=False, alpn_protocols=[ALPN], idle_timeout=IDLE_TIMEOUT_S, connection_id_length=CID_LEN,
             max_data=16 << 20, max_stream_data=4 << 20,
         )  # fmt: skip
-        self._server_cfg.certificate = cert
-        self._server_cfg.private_key = key
+        self._server_cfg.load_cert_chain(_credentials(key))
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def open(self, host: str = "0.0.0.0", port: int = 0) -> Addr:
@@ -580,7 +602,7 @@ class Endpoint:
             quic = QuicConnection(
                 configuration=self._server_cfg, original_destination_connection_id=header.destination_cid
             )
-            conn = Conn(self, quic, addr, is_client=False, expect=None)
+            conn = Conn(self, quic, addr, is_client=False, expect=None)  # addr: relayed ones arrive as virtual
             self.conns.add(conn)
             self._cids[header.destination_cid] = conn
             self._cids[quic.host_cid] = conn
@@ -610,12 +632,13 @@ class Endpoint:
         cfg = QuicConfiguration(
             is_client=True, alpn_protocols=[ALPN], idle_timeout=IDLE_TIMEOUT_S, connection_id_length=CID_LEN,
             verify_mode=ssl.CERT_NONE, server_name=expect.hex()[:32], max_data=16 << 20, max_stream_data=4 << 20,
+            signature_algorithms=[ED25519],
         )  # fmt: skip
         quic = QuicConnection(configuration=cfg)
         conn = Conn(self, quic, addr, is_client=True, expect=expect)
         self.conns.add(conn)
         self._cids[quic.host_cid] = conn
-        quic.connect(addr, now=asyncio.get_running_loop().time())
+        quic.connect(conn.quic_addr, now=asyncio.get_running_loop().time())
         conn.transmit()
         try:
             await asyncio.wait_for(asyncio.shield(conn.handshake), timeout=timeout)
