@@ -179,3 +179,36 @@ def test_a_service_that_is_not_there_resets_the_stream_and_closes_the_client() -
             assert p.far.tunnels == 0
 
     asyncio.run(main())
+
+
+def test_cancelling_the_far_end_closes_both_sides() -> None:
+    """A host change drops stale RPC tunnels by cancelling their task (serve/hosting.py): the service's socket and
+    the tunnel's client must both see the end, not hang."""
+
+    async def main() -> None:
+        service_eof = asyncio.Event()
+
+        async def service(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            w.write(await r.readexactly(5))
+            await r.read()  # until the tunnel closes us
+            service_eof.set()
+            w.close()
+
+        srv = await asyncio.start_server(service, "127.0.0.1", 0)
+        jobs: list[asyncio.Task[None]] = []
+
+        async def far(st: Stream) -> None:
+            jobs.append(asyncio.current_task())  # type: ignore[arg-type]
+            await connect_and_bridge(st, srv.sockets[0].getsockname()[1], TunnelStats())
+
+        async with tunnel_to(0, on_stream=far) as p:
+            r, w = await asyncio.open_connection("127.0.0.1", p.port)
+            w.write(b"hello")
+            assert await _read_all(r, 5) == b"hello"
+            jobs[0].cancel()
+            await asyncio.wait_for(service_eof.wait(), 10)
+            assert await asyncio.wait_for(r.read(), 10) == b""
+            w.close()
+        srv.close()
+
+    asyncio.run(main())

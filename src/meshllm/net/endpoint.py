@@ -135,7 +135,8 @@ def _credentials(key: Ed25519PrivateKey) -> bytes:
 
 
 class Stream:
-    """One bidirectional QUIC stream. ``read()`` returns b"" at the end; ``write()`` sends at once."""
+    """One bidirectional QUIC stream. ``read()`` returns b"" at the end; ``write()`` sends at once. A tunnel takes
+    the data in a callback instead (``set_receiver``): no queue and no task wake-up between QUIC and its socket."""
 
     def __init__(self, conn: Conn, stream_id: int, kind: int) -> None:
         self.conn = conn
@@ -147,6 +148,15 @@ class Stream:
         self.bytes_out = 0
         self._fin_in = False
         self._fin_out = False
+        self._receiver: Callable[[bytes, bool], None] | None = None
+
+    def set_receiver(self, receiver: Callable[[bytes, bool], None]) -> None:
+        """From now on every piece of data, and the end (``True``), goes to ``receiver`` as it arrives, instead of to
+        ``read()``; what had arrived before goes to it at once."""
+        self._receiver = receiver
+        while not self._rx.empty():
+            data = self._rx.get_nowait()
+            receiver(data, not data)
 
     async def read(self) -> bytes:
         if self.at_eof and self._rx.empty():
@@ -157,12 +167,20 @@ class Stream:
         return data
 
     def _feed(self, data: bytes, end: bool) -> None:
+        fin = end and not self._fin_in
+        if fin:
+            self._fin_in = True
         if data:
             self.bytes_in += len(data)
-            self._rx.put_nowait(data)
-        if end and not self._fin_in:
-            self._fin_in = True
-            self._rx.put_nowait(b"")
+        if self._receiver is not None:
+            if data or fin:
+                self._receiver(data, fin)
+        else:
+            if data:
+                self._rx.put_nowait(data)
+            if fin:
+                self._rx.put_nowait(b"")
+        if fin:
             self._forget_if_done()
 
     def write(self, data: bytes, end: bool = False) -> None:
@@ -188,7 +206,11 @@ class Stream:
         with contextlib.suppress(Exception):
             self.conn.quic.reset_stream(self.id, code)
             self.conn.transmit()
-        self._rx.put_nowait(b"")
+        if self._receiver is None:
+            self._rx.put_nowait(b"")
+        elif not self._fin_in:
+            self._fin_in = True
+            self._receiver(b"", True)
 
 
 class Conn:
@@ -214,6 +236,8 @@ class Conn:
         self._held: list[Stream] = []
         self._bytes_before_auth = 0
         self._timer: asyncio.TimerHandle | None = None
+        self._transmitting = False  # inside transmit(): a write from an event handler asks for another round
+        self._again = False
         self._keepalive = asyncio.get_running_loop().create_task(self._keepalive_loop())
 
     def __repr__(self) -> str:
@@ -309,16 +333,29 @@ class Conn:
         return VIRTUAL_PEER if self.relay is not None else self.addr
 
     def transmit(self) -> None:
+        """Send what QUIC has, then hand out its events. An event handler that writes (a tunnel passing data on)
+        lands here again: that call only asks for another round, so events are handled in order, one at a time, and
+        its datagrams go out with the rest of this round's."""
+        if self._transmitting:
+            self._again = True
+            return
         loop = asyncio.get_running_loop()
-        for data, addr in self.quic.datagrams_to_send(now=loop.time()):
-            if self.relay is not None:
-                addr = self.addr  # the virtual address: _sendto takes it to the relay or the shortcut
-            elif addr != self.addr:
-                # QUIC moved to a new path: the peer's packets come from there now (its NAT rebound). Like RFC 9000
-                # 9.3, the move is made on an authenticated packet and the path is validated after
-                self.addr = addr
-            self.ep._sendto(data, addr)
-        self._process_events()
+        self._transmitting = True
+        try:
+            self._again = True
+            while self._again:
+                self._again = False
+                for data, addr in self.quic.datagrams_to_send(now=loop.time()):
+                    if self.relay is not None:
+                        addr = self.addr  # the virtual address: _sendto takes it to the relay or the shortcut
+                    elif addr != self.addr:
+                        # QUIC moved to a new path: the peer's packets come from there now (its NAT rebound). Like
+                        # RFC 9000 9.3, the move is made on an authenticated packet and the path is validated after
+                        self.addr = addr
+                    self.ep._sendto(data, addr)
+                self._process_events()
+        finally:
+            self._transmitting = False
         if self._timer:
             self._timer.cancel()
             self._timer = None
