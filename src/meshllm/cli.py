@@ -70,6 +70,15 @@ def positive_int(text: str) -> int:
     return _int_in(text, 1, 1 << 20, "the number")
 
 
+def _scope(text: str) -> object:
+    from meshllm.proto.token import Scope
+
+    try:
+        return Scope.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def ctx_size(text: str) -> int:
     return _int_in(text, 64, 1 << 24, "the context size")
 
@@ -205,6 +214,7 @@ def ensure_binaries(bin_dir: Path | None) -> Binaries:
 
 def cmd_token(args: argparse.Namespace) -> int:
 
+    from meshllm.net.meshnet import mint_scoped
     from meshllm.paths import state_dir
     from meshllm.proto import token as tok
     from meshllm.state import has_node, load_addrs, load_membership, load_or_create_key, save_token
@@ -216,8 +226,10 @@ def cmd_token(args: argparse.Namespace) -> int:
     if m is None:
         raise UserError(f"the node in {sd} is not in a mesh yet")
     addrs = load_addrs(sd)
-    t = tok.mint(load_or_create_key(sd), m.mesh_id, m.secret, addrs, time.time(), args.ttl)
-    save_token(sd, t.encode())
+    t = mint_scoped(load_or_create_key(sd), m, addrs, time.time(), args.ttl, args.scope)
+    if args.scope is None or args.scope == tok.chain_scope(m.chain):
+        save_token(sd, t.encode())  # the node's own invite: a narrower one is only printed
+    print(f"{t.scope} token, valid {args.ttl / 3600:.0f} h:", file=sys.stderr)
     print(t.encode())
     return 0
 
@@ -490,7 +502,10 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Print a new invite token for the mesh this node belongs to.")  # fmt: skip
     pt.add_argument("--state-dir", type=Path, metavar="DIR", help="the node's state (default ~/.mesh-llm)")
     pt.add_argument("--ttl", type=parse_duration, default=86400.0, metavar="DURATION",
-                    help="how long the token admits new nodes, e.g. 30m, 12h, 7d (default 1d)")  # fmt: skip
+                    help="how long it admits new nodes, e.g. 30m, 12h, 7d (default 1d; 30d at most)")  # fmt: skip
+    pt.add_argument("--scope", type=_scope, metavar="SCOPE",
+                    help="what the new node may do: client (the API only), worker (serve layers, never host), host "
+                    "(may be elected host). Default: this node's own scope, the widest it may give")  # fmt: skip
     pt.set_defaults(func=cmd_token)
     pd = sub.add_parser(
         "download",

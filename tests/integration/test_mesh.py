@@ -23,6 +23,7 @@ from meshllm.proto import crypto
 from meshllm.proto import token as tok
 from meshllm.proto.auth import AuthChallenge, AuthHello, AuthProof, make_proof
 from meshllm.proto.gossip import DEAD_AFTER_S, HEARTBEAT_S
+from meshllm.proto.planner import GB
 from meshllm.proto.wire import FrameDecoder, encode
 
 from .meshlab import NodeProc, wait_for
@@ -234,6 +235,56 @@ def test_joining_without_a_model_finds_it_by_fingerprint(tmp_path: Path, tiny_mo
         assert "my-copy-under-another-name.gguf" in b.text() and "joining as a worker" in b.text()
         wait_for(lambda: "staying a lite client" in c.text(), 30, "c to say why it stays a client")
         assert role_and_model(c)[0] == "client"
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def _mint(state: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "meshllm.cli", "token", "--state-dir", str(state), *args],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+
+
+def test_scopes_decide_who_hosts_and_who_serves_layers(tmp_path: Path, tiny_model: Path) -> None:
+    """[trust] a worker-scoped member with more memory than the host is not elected (capacity is self-reported:
+    2**62 once took the mesh); a client-scoped member with a model and 2 GB serves no layers, even where the plan
+    needs them; nobody mints a token wider than itself or longer-lived than 30 days."""
+    a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024", "--max-vram", "0.07")
+    nodes = [a]
+    try:
+        wait_for(lambda: (a.state / "token").exists() and bool(a.status()), 30, "a's token")
+        worker = _mint(a.state, "--scope", "worker")
+        assert worker.returncode == 0 and "worker token" in worker.stderr, worker.stderr
+        b = NodeProc(tmp_path, "b", tiny_model, "--ctx-size", "1024", "--max-vram", "0.1",
+                     "--join", worker.stdout.strip())  # fmt: skip
+        nodes.append(b)
+        wait_for(lambda: "scope worker: this node serves layers" in b.text(), 30, "b to say its scope")
+        wait_for(lambda: (b.state / "token").exists(), 30, "b's token")
+        # b may invite workers and clients, not hosts, and no token lives past 30 days
+        wider = _mint(b.state, "--scope", "host")
+        assert wider.returncode != 0 and "worker-scoped: it can invite client, worker nodes, not host" in wider.stderr
+        assert "mesh1." not in wider.stdout
+        longer = _mint(a.state, "--ttl", "60d")
+        assert longer.returncode != 0 and "30 days" in longer.stderr and "mesh1." not in longer.stdout
+        me_a = crypto.node_id(a.key()).hex()
+
+        def waiting() -> object:
+            p = a.status().get("plan")
+            return p.get("have") if isinstance(p, dict) and a.status().get("host") == me_a else None
+
+        have = int(0.07 * GB) + int(0.1 * GB)  # a and b: not enough for the model
+        wait_for(lambda: waiting() == have, 60, "a to host and wait for more memory than a and b have")
+        client = _mint(b.state, "--scope", "client")
+        assert client.returncode == 0, client.stderr
+        c = NodeProc(tmp_path, "c", tiny_model, "--ctx-size", "1024", "--max-vram", "2",
+                     "--join", client.stdout.strip())  # fmt: skip
+        nodes.append(c)
+        wait_for(lambda: "scope client: this node may use the API only" in c.text(), 30, "c to say its scope")
+        wait_for(lambda: c.short() in a.peers(), 30, "c to be a member")
+        time.sleep(4)  # past the election and plan debounces: nothing changes with c in the mesh
+        for n in (a, b, c):
+            assert n.status().get("host") == me_a, n.state.name
+        assert waiting() == have, "c's memory went into the plan"
     finally:
         for n in nodes:
             n.stop()

@@ -32,6 +32,21 @@ def test_highest_capacity_wins_ties_to_highest_id() -> None:
     assert elect([Candidate(A, 1, "other")], FP) is None
 
 
+def test_only_a_host_scoped_member_is_elected() -> None:
+    """[trust] a member claiming any capacity (2**62 took the mesh once) is no candidate without the host scope."""
+    from meshllm.proto.token import Scope
+
+    huge = 2**62
+    cands = [
+        Candidate(A, 10, FP),
+        Candidate(B, huge, FP, scope=Scope.WORKER),
+        Candidate(C, huge, FP, scope=Scope.CLIENT),
+    ]
+    assert elect(cands, FP) == A
+    assert elect(cands, FP, sitting=B) == A  # nor does it keep a seat it claims
+    assert elect(cands[1:], FP) is None
+
+
 def test_sitting_host_keeps_the_role_unless_clearly_beaten() -> None:
     cands = [Candidate(A, 100, FP), Candidate(B, int(100 * MARGIN), FP)]
     assert elect(cands, FP, sitting=A) == A
@@ -174,17 +189,23 @@ def test_every_layer_lands_where_planned_and_the_output_on_the_host(counts: tupl
 def test_slots_for_takes_the_nodes_with_the_model_and_the_hosts_rtts() -> None:
     from meshllm.proto.gossip import ModelFacts, PeerRecord, Role
     from meshllm.proto.planner import Slot, slots_for
+    from meshllm.proto.token import Scope
 
-    ids = [bytes([i]) * 32 for i in range(5)]
+    def chain(scope: Scope) -> tuple[tuple[bytes, bytes, bytes, int, int, bytes], ...]:
+        return ((b"", b"", b"", 0, int(scope), b""),)  # slots_for reads the scope; gossip verified the chain
+
+    ids = [bytes([i]) * 32 for i in range(6)]
     same, other = ModelFacts("aa", 1, 18, "m"), ModelFacts("bb", 1, 18, "m")
-    host = PeerRecord(ids[0], 1, 1, role=Role.HOST, capacity=10, model=same,
-                      rtt_ms={ids[1]: 3.5})  # fmt: skip
+    host = PeerRecord(ids[0], 1, 1, role=Role.HOST, capacity=10, model=same, rtt_ms={ids[1]: 3.5},
+                      chain=chain(Scope.HOST))  # fmt: skip
+    worker = chain(Scope.WORKER)
     recs = [
         host,
-        PeerRecord(ids[1], 1, 1, role=Role.WORKER, capacity=5, model=same),
-        PeerRecord(ids[2], 1, 1, role=Role.WORKER, capacity=5, model=other),  # another model
-        PeerRecord(ids[3], 1, 1, role=Role.CLIENT, capacity=0, model=same),  # a lite client
-        PeerRecord(ids[4], 1, 1, role=Role.WORKER, capacity=7, model=same),  # no RTT measured yet
+        PeerRecord(ids[1], 1, 1, role=Role.WORKER, capacity=5, model=same, chain=worker),
+        PeerRecord(ids[2], 1, 1, role=Role.WORKER, capacity=5, model=other, chain=worker),  # another model
+        PeerRecord(ids[3], 1, 1, role=Role.CLIENT, capacity=0, model=same, chain=worker),  # a lite client
+        PeerRecord(ids[4], 1, 1, role=Role.WORKER, capacity=7, model=same, chain=worker),  # no RTT measured yet
+        PeerRecord(ids[5], 1, 1, role=Role.WORKER, capacity=9, model=same, chain=chain(Scope.CLIENT)),  # API only
     ]
     assert slots_for(recs, ids[0], "aa") == (Slot(ids[0], 10), [Slot(ids[1], 5, 3.5), Slot(ids[4], 7, 0.0)])
     assert slots_for(recs[1:], ids[0], "aa") is None  # the host's own record missing

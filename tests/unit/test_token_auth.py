@@ -90,7 +90,7 @@ def test_admission_chains(mesh: dict[str, object]) -> None:
     outsider = crypto.new_key()
     fake = tok.admit(outsider, tok.found(outsider, NOW), crypto.node_id(b), NOW)
     assert tok.verify_chain(fake, crypto.node_id(b), mid) is not None  # type: ignore[arg-type]
-    forged = [*chain, (mid, crypto.node_id(b), founder, int(NOW), b"\0" * 64)]  # type: ignore[misc]
+    forged = [*chain, (mid, crypto.node_id(b), founder, int(NOW), 2, b"\0" * 64)]  # type: ignore[misc]
     assert "bad signature" in (tok.verify_chain(forged, crypto.node_id(b), mid) or "")  # type: ignore[arg-type]
     assert tok.verify_chain(tok.chain_from_wire(tok.chain_to_wire(cb)), crypto.node_id(b), mid) is None  # type: ignore[arg-type]
 
@@ -105,9 +105,13 @@ def _handshake(
     now: float = NOW,
     nonce: bytes | None = None,
     proof_nonce: bytes | None = None,
-    members: frozenset[bytes] = frozenset(),
+    members: dict[bytes, tok.Scope] | None = None,
+    listener_chain: list[tok.Link] | None = None,
+    listener_key: crypto.Ed25519PrivateKey | None = None,
 ) -> tuple[bool, str]:
-    listener = crypto.node_id(mesh["key"])  # type: ignore[arg-type]
+    lkey = listener_key or mesh["key"]
+    listener = crypto.node_id(lkey)  # type: ignore[arg-type]
+    known = members or {}
     hello = AuthHello(dialler=crypto.node_id(dialler), listener=listener, mesh_id=mesh["mesh_id"])  # type: ignore[arg-type]
     nonce = nonce or os.urandom(32)
     proof = make_proof(
@@ -119,8 +123,8 @@ def _handshake(
         token=token,  # type: ignore[arg-type]
     )
     v = check_proof(
-        key=mesh["key"], my_chain=mesh["chain"], mesh_id=mesh["mesh_id"], secret=mesh["secret"],  # type: ignore[arg-type]
-        hello=hello, nonce=nonce, proof=proof, is_member=lambda n: n in members, now=now,
+        key=lkey, my_chain=listener_chain or mesh["chain"], mesh_id=mesh["mesh_id"], secret=mesh["secret"],  # type: ignore[arg-type]
+        hello=hello, nonce=nonce, proof=proof, scope_of=known.get, now=now,
     )  # fmt: skip
     if v.ok:
         assert v.chain is not None
@@ -151,7 +155,7 @@ def test_refusals(mesh: dict[str, object]) -> None:
     alien = tok.mint(outsider, mesh["mesh_id"], mesh["secret"], [], NOW, 3600)  # type: ignore[arg-type]
     assert "not a member" in _handshake(mesh, joiner, token=alien)[1]
     # ... which becomes acceptable once its issuer is a member
-    assert _handshake(mesh, joiner, token=alien, members=frozenset({crypto.node_id(outsider)}))[0]
+    assert _handshake(mesh, joiner, token=alien, members={crypto.node_id(outsider): tok.Scope.HOST})[0]
     # the right token, a wrong secret
     assert "secret proof invalid" in _handshake(mesh, joiner, token=good, secret=os.urandom(32))[1]
     # a proof captured on one connection, replayed on another (new nonce)
@@ -163,3 +167,59 @@ def test_refusals(mesh: dict[str, object]) -> None:
     assert "expired" in _handshake(mesh, joiner, token=old)[1]
     # nothing at all
     assert not _handshake(mesh, joiner)[0]
+
+
+def test_scopes_narrow_along_the_chain_and_bound_what_a_token_admits(mesh: dict[str, object]) -> None:
+    """[trust] scopes: a token admits its holder with the token's scope; nobody admits or mints wider than itself."""
+    key, chain, mid = mesh["key"], mesh["chain"], mesh["mesh_id"]
+    assert tok.chain_scope(chain) == tok.Scope.HOST  # type: ignore[arg-type]
+    # a worker token from the founder: the joiner's chain says worker
+    w = crypto.new_key()
+    t = tok.mint(key, mid, mesh["secret"], [], NOW, 3600, tok.Scope.WORKER)  # type: ignore[arg-type]
+    assert tok.parse(t.encode()).scope == tok.Scope.WORKER and "scope worker" in t.redacted()
+    ok, why = _handshake(mesh, w, token=t)
+    assert ok and why == "joined with a worker token"
+    cw = tok.admit(key, chain, crypto.node_id(w), NOW, tok.Scope.WORKER)  # type: ignore[arg-type]
+    assert tok.chain_scope(cw) == tok.Scope.WORKER
+    # the worker cannot admit a host: admit() refuses, and a link it forges anyway breaks the chain
+    h = crypto.new_key()
+    with pytest.raises(ValueError, match="cannot admit"):
+        tok.admit(w, cw, crypto.node_id(h), NOW, tok.Scope.HOST)
+    wider = [*cw, tok._link(w, mid, crypto.node_id(h), int(NOW), tok.Scope.HOST)]  # type: ignore[arg-type]
+    assert "wider than its signer's" in (tok.verify_chain(wider, crypto.node_id(h), mid) or "")  # type: ignore[arg-type]
+    narrower = [*cw, tok._link(w, mid, crypto.node_id(h), int(NOW), tok.Scope.CLIENT)]  # type: ignore[arg-type]
+    assert tok.verify_chain(narrower, crypto.node_id(h), mid) is None  # type: ignore[arg-type]
+    # a link's scope altered after signing
+    m0, n0, b0, at0, _, sig0 = cw[-1]
+    assert "bad signature" in (tok.verify_chain([*chain, (m0, n0, b0, at0, 2, sig0)], n0, mid) or "")  # type: ignore[arg-type, list-item]
+    # a host token minted by the worker (its own key, the real secret): refused by the founder
+    host_t = tok.mint(w, mid, mesh["secret"], [], NOW, 3600, tok.Scope.HOST)  # type: ignore[arg-type]
+    why = _handshake(mesh, h, token=host_t, members={crypto.node_id(w): tok.Scope.WORKER})[1]
+    assert "wider than its issuer's (worker)" in why
+    # a worker listener asked to admit with the founder's host token: it cannot sign that link
+    why = _handshake(mesh, h, token=_token(mesh), listener_key=w, listener_chain=cw,
+                     members={crypto.node_id(key): tok.Scope.HOST})[1]  # type: ignore[arg-type]  # fmt: skip
+    assert "worker-scoped and cannot admit a host" in why
+
+
+def test_token_lifetimes_are_capped(mesh: dict[str, object]) -> None:
+    """[trust] a 100-year token was accepted once: no token lives past MAX_TTL_S, even one made by hand."""
+    with pytest.raises(ValueError, match="at most 30 days"):
+        tok.mint(mesh["key"], mesh["mesh_id"], mesh["secret"], [], NOW, 100 * 365 * 86400)  # type: ignore[arg-type]
+    t = tok.mint(mesh["key"], mesh["mesh_id"], mesh["secret"], [], NOW, tok.MAX_TTL_S)  # type: ignore[arg-type]
+    assert tok.check(t, NOW) == t
+    forever = replace(t, expires=int(NOW + 100 * 365 * 86400)).signed_by(mesh["key"])  # type: ignore[arg-type]
+    with pytest.raises(tok.TokenError, match="-day limit"):
+        tok.check(forever, NOW)
+    assert "-day limit" in _handshake(mesh, crypto.new_key(), token=forever)[1]
+
+
+def test_a_token_of_the_old_layout_says_so() -> None:
+    from meshllm.proto.wire import pack
+
+    old = (
+        "mesh1."
+        + __import__("base64").urlsafe_b64encode(pack([1, b"m" * 16, b"s" * 32, b"i" * 32, [], 1, b"x" * 64])).decode()
+    )
+    with pytest.raises(tok.TokenError, match="older mesh-llm"):
+        tok.parse(old)

@@ -21,7 +21,7 @@ from typing import Unpack
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from meshllm.errors import LocalProtocolError, MeshError, Refused, RemoteProtocolError
+from meshllm.errors import LocalProtocolError, MeshError, Refused, RemoteProtocolError, UserError
 from meshllm.net.endpoint import STREAM_AUTH, STREAM_GOSSIP, Addr, Conn, DialError, Endpoint, Stream, parse_addr
 from meshllm.net.netevents import CHANGED, Changed, Connected, MeshEvent, NetEvent
 from meshllm.net.traversal import Traversal, local_ips
@@ -369,7 +369,7 @@ class MeshNet:
             return
         v = check_proof(
             key=self.key, my_chain=self.m.chain, mesh_id=self.m.mesh_id, secret=self.m.secret, hello=hello,
-            nonce=nonce, proof=proof, is_member=self.core.table.is_member, now=self.wall(),
+            nonce=nonce, proof=proof, scope_of=self.core.table.scope_of, now=self.wall(),
         )  # fmt: skip
         if not v.ok:
             self._refused(conn, hello.dialler, v.reason)
@@ -455,9 +455,23 @@ class MeshNet:
 
     # ---------------------------------------------------------------- tokens
 
-    def mint_token(self, ttl_s: float) -> tok.Token:
+    def mint_token(self, ttl_s: float, scope: tok.Scope | None = None) -> tok.Token:
+        """An invite token of ``scope`` (default: our own, the widest we may give)."""
         assert self.m is not None
-        return tok.mint(self.key, self.m.mesh_id, self.m.secret, self.all_addrs, self.wall(), ttl_s)
+        return mint_scoped(self.key, self.m, self.all_addrs, self.wall(), ttl_s, scope)
+
+
+def mint_scoped(key: Ed25519PrivateKey, m: Membership, addrs: list[str], now: float, ttl_s: float,
+                scope: tok.Scope | None) -> tok.Token:  # fmt: skip
+    """A token no wider than our own scope and no longer-lived than the cap, or a UserError that says why."""
+    mine = tok.chain_scope(m.chain)
+    if scope is not None and scope > mine:
+        raise UserError(f"this node is {mine}-scoped: it can invite {', '.join(str(s) for s in tok.Scope if s <= mine)}"
+                        f" nodes, not {scope} ones")  # fmt: skip
+    try:
+        return tok.mint(key, m.mesh_id, m.secret, addrs, now, ttl_s, mine if scope is None else scope)
+    except ValueError as e:
+        raise UserError(f"cannot mint that token: {e}") from None
 
 
 def new_mesh(key: Ed25519PrivateKey, now: float) -> Membership:

@@ -18,6 +18,7 @@ signed by a member of this mesh, unexpired, and the proof made with the mesh's s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -116,7 +117,7 @@ def check_proof(
     hello: AuthHello,
     nonce: bytes,
     proof: AuthProof,
-    is_member: Any,  # Callable[[NodeId], bool]: the issuer check, from the listener's verified table
+    scope_of: Callable[[NodeId], tok.Scope | None],  # a member's scope from the verified table; None: not one
     now: float,
 ) -> Verdict:
     """The listener's decision. Every check is made here, by the listener, whatever the dialler checked."""
@@ -153,6 +154,15 @@ def check_proof(
         return _refuse("token signature invalid: altered, or minted with another secret")
     if now >= t.expires:
         return _refuse(f"token expired {int(now - t.expires)} s ago")
-    if t.issuer != me and not is_member(t.issuer):
+    if t.expires - now > tok.MAX_TTL_S:
+        return _refuse(f"token lives past the {tok.MAX_TTL_S // 86400}-day limit")
+    mine = tok.chain_scope(my_chain)
+    issuer = mine if t.issuer == me else scope_of(t.issuer)
+    if issuer is None:
         return _refuse(f"token issuer {crypto.short(t.issuer)} is not a member of this mesh")
-    return Verdict(True, "joined with a token", tok.admit(key, my_chain, hello.dialler, now), joined=True)
+    if t.scope > issuer:
+        return _refuse(f"token scope {t.scope} is wider than its issuer's ({issuer})")
+    if t.scope > mine:
+        return _refuse(f"this member is {mine}-scoped and cannot admit a {t.scope}: join through a {t.scope} member")
+    chain = tok.admit(key, my_chain, hello.dialler, now, t.scope)
+    return Verdict(True, f"joined with a {t.scope} token", chain, joined=True)

@@ -1,6 +1,7 @@
 """Who hosts a model: a pure function of the agreed table.
 
-Candidates are the non-client nodes serving the same model (same fingerprint). The highest capacity wins, ties
+Candidates are the non-client nodes serving the same model (same fingerprint) whose admission chain gives them
+the host scope (a worker-scoped member may claim any capacity: it is never elected). The highest capacity wins, ties
 to the highest NodeId. A sitting host keeps the role unless a challenger's capacity beats it by more than
 MARGIN (no flapping when a node's figure wobbles). Every node computes the same answer from the same table;
 :class:`~meshllm.proto.debounce.Debouncer` makes a node act on a new answer only once it has held for
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.debounce import Debouncer
 from meshllm.proto.gossip import Role
+from meshllm.proto.token import Scope
 
 __all__ = ["DEBOUNCE_S", "MARGIN", "Candidate", "Debouncer", "elect"]
 
@@ -27,10 +29,11 @@ class Candidate:
     capacity: int
     fingerprint: str | None
     role: Role = Role.WORKER
+    scope: Scope = Scope.HOST
 
 
 def elect(candidates: list[Candidate], fingerprint: str, sitting: NodeId | None = None) -> NodeId | None:
-    pool = [c for c in candidates if c.role != Role.CLIENT and c.fingerprint == fingerprint]
+    pool = [c for c in candidates if c.role != Role.CLIENT and c.scope >= Scope.HOST and c.fingerprint == fingerprint]
     if not pool:
         return None
     best = max(pool, key=lambda c: (c.capacity, c.node))

@@ -108,6 +108,11 @@ class PeerRecord:
     chain: tuple[tok.Link, ...] = ()
     left: bool = False  # a clean leave: this record is the node's own tombstone
 
+    @property
+    def scope(self) -> tok.Scope:
+        """What its admission chain lets this node do (a record without one is a client: it may do nothing else)."""
+        return tok.chain_scope(self.chain)
+
     def to_wire(self, key: Ed25519PrivateKey) -> bytes:
         body = pack(
             {
@@ -446,6 +451,11 @@ class Table:
 
     def is_member(self, node: NodeId) -> bool:
         return node in self.entries
+
+    def scope_of(self, node: NodeId) -> tok.Scope | None:
+        """A member's scope, from its verified admission chain (None: not a member we know)."""
+        e = self.entries.get(node)
+        return e.record.scope if e is not None else None
 
     def push_all(self) -> GossipPush:
         return GossipPush(

@@ -33,6 +33,7 @@ from meshllm.proto.gossip import (
     Tombstone,
 )
 from meshllm.proto.serving import designated_dialler
+from meshllm.proto.token import Scope
 from meshllm.proto.wire import Message
 
 Out = list[tuple[NodeId, Message]]
@@ -227,10 +228,12 @@ class MeshCore:
         if fp is None:
             return None
         recs = self.alive(now)
-        hosts = [r for r in recs if r.role == Role.HOST and r.model and r.model.fingerprint == fp]
+        hosts = [
+            r for r in recs if r.role == Role.HOST and r.scope >= Scope.HOST and r.model and r.model.fingerprint == fp
+        ]
         # after a partition heals there may be two sitting hosts: every node keeps the same one
         sitting = max(hosts, key=lambda r: (r.capacity, r.node)).node if hosts else None
-        cands = [Candidate(r.node, r.capacity, r.model.fingerprint if r.model else None, r.role) for r in recs]
+        cands = [Candidate(r.node, r.capacity, r.model.fingerprint if r.model else None, r.role, r.scope) for r in recs]
         before = self._election.current
         host = self._election.propose(elect(cands, fp, sitting), now)
         if host != before and host is not None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import PeerRecord, Role
+from meshllm.proto.token import Scope
 
 MAX_RTT_MS = 80.0
 RTT_BUCKET_MS = 25.0
@@ -233,8 +234,10 @@ def plan_broken(current: Plan | Waiting | None, alive: set[NodeId]) -> bool:
 
 def slots_for(records: list[PeerRecord], host: NodeId, fingerprint: str) -> tuple[Slot, list[Slot]] | None:
     """The planner's input from live gossip records: the host's slot and every other node holding the same model
-    (lite clients excluded), each with its RTT as the host measured it. None while the host's record is missing."""
-    recs = [r for r in records if r.model and r.model.fingerprint == fingerprint and r.role != Role.CLIENT]
+    (lite clients and client-scoped members excluded), each with its RTT as the host measured it. None while the
+    host's record is missing."""
+    recs = [r for r in records if r.model and r.model.fingerprint == fingerprint and r.role != Role.CLIENT
+            and r.scope >= Scope.WORKER]  # fmt: skip
     host_rec = next((r for r in recs if r.node == host), None)
     if host_rec is None:
         return None

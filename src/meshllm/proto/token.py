@@ -2,16 +2,20 @@
 
 Token (what a member prints and a joiner pastes)::
 
-    "mesh1." + base64url(msgpack([1, mesh_id, secret, issuer, addrs, expires, sig]))
+    "mesh1." + base64url(msgpack([2, mesh_id, secret, issuer, addrs, expires, scope, sig]))
 
-signed by ``issuer`` over ``msgpack([1, mesh_id, secret, issuer, addrs, expires])``. The secret is the mesh's
+signed by ``issuer`` over ``msgpack([2, mesh_id, secret, issuer, addrs, expires, scope])``. The secret is the mesh's
 admission secret: whoever holds a valid token can prove it to a member (see auth.py), and the member checks
-the token itself — signature, issuer is a member, mesh, expiry — before admitting anyone.
+the token itself — signature, issuer is a member, mesh, expiry, lifetime, scope — before admitting anyone.
 
 Admission chain (what makes a node a member, carried in its gossip record and its auth): a list of links
-``[mesh_id, node, by, at, sig]``, each signed by ``by``. The first is the founder's self-link (``node == by``,
-``mesh_id == mesh_id_for(founder)``); each next link is signed by the node of the previous one; the last names
-the member. So anyone can verify membership without a member list, and an expired token admits nobody new.
+``[mesh_id, node, by, at, scope, sig]``, each signed by ``by``. The first is the founder's self-link (``node ==
+by``, ``mesh_id == mesh_id_for(founder)``, scope host); each next link is signed by the node of the previous one and
+is no wider than it; the last names the member and its scope. So anyone can verify membership and scope without a
+member list, and an expired token admits nobody new.
+
+Scopes, narrowest first: ``client`` (the API only: it serves no layers), ``worker`` (serves layers for a host, is
+never elected), ``host`` (may be elected host). A member mints tokens no wider than its own scope.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import base64
 import binascii
 from dataclasses import dataclass, replace
+from enum import IntEnum
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -28,12 +33,31 @@ from meshllm.proto.crypto import NodeId
 from meshllm.proto.wire import pack, unpack
 
 TOKEN_PREFIX = "mesh1."
-TOKEN_VERSION = 1
+TOKEN_VERSION = 2
+MAX_TTL_S = 30 * 86400  # no token lives longer: a leaked one stops admitting within a month at most
 MAX_TOKEN_CHARS = 4096
 MAX_ADDRS = 16
 MAX_CHAIN = 64
 SECRET_LEN = 32
 MESH_ID_LEN = 16
+
+
+class Scope(IntEnum):
+    """What a member may do; a wider scope includes the narrower ones."""
+
+    CLIENT = 0  # the API only
+    WORKER = 1  # and serve layers for a host
+    HOST = 2  # and be elected host
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def parse(cls, text: str) -> Scope:
+        try:
+            return cls[text.strip().upper()]
+        except KeyError:
+            raise ValueError(f"unknown scope {text!r}: one of client, worker, host") from None
 
 
 class TokenError(MeshError):
@@ -52,10 +76,12 @@ class Token:
     issuer: NodeId
     addrs: tuple[str, ...]
     expires: int  # unix seconds
+    scope: Scope = Scope.HOST  # what the node it admits may do
     sig: bytes = b""
 
     def body(self) -> bytes:
-        return pack([TOKEN_VERSION, self.mesh_id, self.secret, self.issuer, list(self.addrs), self.expires])
+        return pack([TOKEN_VERSION, self.mesh_id, self.secret, self.issuer, list(self.addrs), self.expires,
+                     int(self.scope)])  # fmt: skip
 
     def signed_by(self, key: Ed25519PrivateKey) -> Token:
         return replace(self, sig=crypto.sign(key, crypto.D_TOKEN, self.body()))
@@ -64,16 +90,23 @@ class Token:
         return crypto.verify(self.issuer, crypto.D_TOKEN, self.body(), self.sig)
 
     def encode(self) -> str:
-        raw = pack([TOKEN_VERSION, self.mesh_id, self.secret, self.issuer, list(self.addrs), self.expires, self.sig])
+        raw = pack([TOKEN_VERSION, self.mesh_id, self.secret, self.issuer, list(self.addrs), self.expires,
+                    int(self.scope), self.sig])  # fmt: skip
         return TOKEN_PREFIX + base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
     def redacted(self) -> str:
         """For logs: never the token itself."""
-        return f"token(mesh {self.mesh_id.hex()[:8]}, issuer {crypto.short(self.issuer)}, expires {self.expires})"
+        return (f"token(mesh {self.mesh_id.hex()[:8]}, issuer {crypto.short(self.issuer)}, scope {self.scope}, "
+                f"expires {self.expires})")  # fmt: skip
 
 
-def mint(key: Ed25519PrivateKey, mesh_id: bytes, secret: bytes, addrs: list[str], now: float, ttl_s: float) -> Token:
-    return Token(mesh_id, secret, crypto.node_id(key), tuple(addrs[:MAX_ADDRS]), int(now + ttl_s)).signed_by(key)
+def mint(key: Ed25519PrivateKey, mesh_id: bytes, secret: bytes, addrs: list[str], now: float, ttl_s: float,
+         scope: Scope = Scope.HOST) -> Token:  # fmt: skip
+    """A signed token; the caller checked ``scope`` against its own (``chain_scope``). ValueError over MAX_TTL_S."""
+    if not 0 < ttl_s <= MAX_TTL_S:
+        raise ValueError(f"a token lives at most {MAX_TTL_S // 86400} days")
+    addrs_ = tuple(addrs[:MAX_ADDRS])
+    return Token(mesh_id, secret, crypto.node_id(key), addrs_, int(now + ttl_s), scope).signed_by(key)
 
 
 def parse(text: str) -> Token:
@@ -87,9 +120,11 @@ def parse(text: str) -> Token:
         obj = unpack(raw, max_len=MAX_TOKEN_CHARS)
     except (binascii.Error, ValueError, RemoteProtocolError):
         raise TokenError("malformed", "not valid base64/msgpack") from None
-    if not isinstance(obj, list) or len(obj) != 7 or obj[0] != TOKEN_VERSION:
+    if isinstance(obj, list) and obj and obj[0] == 1:
+        raise TokenError("malformed", "a token of an older mesh-llm (version 1, before scopes): ask for a new one")
+    if not isinstance(obj, list) or len(obj) != 8 or obj[0] != TOKEN_VERSION:
         raise TokenError("malformed", "unknown layout or version")
-    _, mesh_id, secret, issuer, addrs, expires, sig = obj
+    _, mesh_id, secret, issuer, addrs, expires, scope, sig = obj
     if not (
         isinstance(mesh_id, bytes) and len(mesh_id) == MESH_ID_LEN
         and isinstance(secret, bytes) and len(secret) == SECRET_LEN
@@ -97,10 +132,15 @@ def parse(text: str) -> Token:
         and isinstance(addrs, list) and len(addrs) <= MAX_ADDRS
         and all(isinstance(a, str) and len(a) < 256 for a in addrs)
         and isinstance(expires, int) and not isinstance(expires, bool)
+        and _is_scope(scope)
         and isinstance(sig, bytes) and len(sig) == crypto.SIG_LEN
     ):  # fmt: skip
         raise TokenError("malformed", "a field has the wrong type or size")
-    return Token(mesh_id, secret, issuer, tuple(addrs), expires, sig)
+    return Token(mesh_id, secret, issuer, tuple(addrs), expires, Scope(scope), sig)
+
+
+def _is_scope(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v in set(Scope)
 
 
 def check(token: Token, now: float, mesh_id: bytes | None = None) -> Token:
@@ -109,6 +149,8 @@ def check(token: Token, now: float, mesh_id: bytes | None = None) -> Token:
         raise TokenError("signature", "the token was altered or not signed by its issuer")
     if now >= token.expires:
         raise TokenError("expired", f"it expired {int(now - token.expires)} s ago; ask a member for a new one")
+    if token.expires - now > MAX_TTL_S:
+        raise TokenError("expired", f"it lives past the {MAX_TTL_S // 86400}-day limit on tokens (minted by hand?)")
     if mesh_id is not None and token.mesh_id != mesh_id:
         raise TokenError("wrong-mesh", f"it is for mesh {token.mesh_id.hex()[:8]}, this node is in {mesh_id.hex()[:8]}")
     return token
@@ -116,26 +158,42 @@ def check(token: Token, now: float, mesh_id: bytes | None = None) -> Token:
 
 # ------------------------------------------------------------------------------------------ admission chains
 
-Link = tuple[bytes, NodeId, NodeId, int, bytes]  # mesh_id, node, by, at, sig
+Link = tuple[bytes, NodeId, NodeId, int, int, bytes]  # mesh_id, node, by, at, scope, sig
 
 
-def _link_body(mesh_id: bytes, node: NodeId, by: NodeId, at: int) -> bytes:
-    return pack([mesh_id, node, by, at])
+def _link_body(mesh_id: bytes, node: NodeId, by: NodeId, at: int, scope: int) -> bytes:
+    return pack([mesh_id, node, by, at, scope])
+
+
+def _link(key: Ed25519PrivateKey, mesh_id: bytes, node: NodeId, at: int, scope: Scope) -> Link:
+    by = crypto.node_id(key)
+    return (
+        mesh_id,
+        node,
+        by,
+        at,
+        int(scope),
+        crypto.sign(key, crypto.D_ADMIT, _link_body(mesh_id, node, by, at, scope)),
+    )
 
 
 def found(key: Ed25519PrivateKey, now: float) -> list[Link]:
-    """The founder's chain: one self-signed link. The mesh id follows from the founder's key."""
+    """The founder's chain: one self-signed link, scope host. The mesh id follows from the founder's key."""
     me = crypto.node_id(key)
-    mesh_id = crypto.mesh_id_for(me)
-    at = int(now)
-    return [(mesh_id, me, me, at, crypto.sign(key, crypto.D_ADMIT, _link_body(mesh_id, me, me, at)))]
+    return [_link(key, crypto.mesh_id_for(me), me, int(now), Scope.HOST)]
 
 
-def admit(key: Ed25519PrivateKey, own_chain: list[Link], joiner: NodeId, now: float) -> list[Link]:
-    """The joiner's chain: ours plus one link signed by us."""
-    mesh_id, me, at = own_chain[0][0], crypto.node_id(key), int(now)
-    link = (mesh_id, joiner, me, at, crypto.sign(key, crypto.D_ADMIT, _link_body(mesh_id, joiner, me, at)))
-    return [*own_chain, link]
+def chain_scope(chain: list[Link] | tuple[Link, ...]) -> Scope:
+    """The scope a (verified) chain gives its member: its last link's."""
+    return Scope(chain[-1][4]) if chain else Scope.CLIENT
+
+
+def admit(key: Ed25519PrivateKey, own_chain: list[Link], joiner: NodeId, now: float,
+          scope: Scope = Scope.HOST) -> list[Link]:  # fmt: skip
+    """The joiner's chain: ours plus one link signed by us. ValueError for a scope wider than ours."""
+    if scope > chain_scope(own_chain):
+        raise ValueError(f"a {chain_scope(own_chain)}-scoped member cannot admit a {scope}")
+    return [*own_chain, _link(key, own_chain[0][0], joiner, int(now), scope)]
 
 
 def verify_chain(chain: object, subject: NodeId, mesh_id: bytes) -> str | None:
@@ -143,12 +201,13 @@ def verify_chain(chain: object, subject: NodeId, mesh_id: bytes) -> str | None:
     if not isinstance(chain, list) or not 1 <= len(chain) <= MAX_CHAIN:
         return "admission chain missing or too long"
     prev: NodeId | None = None
+    widest = Scope.HOST
     for i, link in enumerate(chain):
-        if not (isinstance(link, list | tuple) and len(link) == 5):
+        if not (isinstance(link, list | tuple) and len(link) == 6):
             return f"link {i} malformed"
-        mid, node, by, at, sig = link
+        mid, node, by, at, scope, sig = link
         if not (isinstance(mid, bytes) and isinstance(node, bytes) and isinstance(by, bytes)
-                and isinstance(at, int) and isinstance(sig, bytes)):  # fmt: skip
+                and isinstance(at, int) and _is_scope(scope) and isinstance(sig, bytes)):  # fmt: skip
             return f"link {i} malformed"
         if mid != mesh_id:
             return f"link {i} is for another mesh"
@@ -156,9 +215,11 @@ def verify_chain(chain: object, subject: NodeId, mesh_id: bytes) -> str | None:
             return "chain does not start at the mesh's founder"
         if i > 0 and by != prev:
             return f"link {i} not signed by the previous member"
-        if not crypto.verify(by, crypto.D_ADMIT, _link_body(mid, node, by, at), sig):
+        if scope > widest:
+            return f"link {i} gives scope {Scope(scope)}, wider than its signer's {widest}"
+        if not crypto.verify(by, crypto.D_ADMIT, _link_body(mid, node, by, at, scope), sig):
             return f"link {i} has a bad signature"
-        prev = node
+        prev, widest = node, Scope(scope)
     if prev != subject:
         return "chain admits another node"
     return None
@@ -174,11 +235,11 @@ def chain_from_wire(obj: object) -> list[Link]:
         raise RemoteProtocolError("admission chain is not a list")
     out: list[Link] = []
     for link in obj[: MAX_CHAIN + 1]:
-        if not (isinstance(link, list) and len(link) == 5):
+        if not (isinstance(link, list) and len(link) == 6):
             raise RemoteProtocolError("admission link malformed")
-        mid, node, by, at, sig = link
+        mid, node, by, at, scope, sig = link
         if not (isinstance(mid, bytes) and isinstance(node, bytes) and isinstance(by, bytes)
-                and isinstance(at, int) and isinstance(sig, bytes)):  # fmt: skip
+                and isinstance(at, int) and _is_scope(scope) and isinstance(sig, bytes)):  # fmt: skip
             raise RemoteProtocolError("admission link malformed")
-        out.append((mid, node, by, at, sig))
+        out.append((mid, node, by, at, scope, sig))
     return out

@@ -40,10 +40,12 @@ def publish_token(net: MeshNet, state: Path, ttl_s: float, console: Console) -> 
     t = net.mint_token(ttl_s)
     path = save_token(state, t.encode())
     if sys.stdout.isatty():
-        console.print(f"invite token (valid {ttl_s / 3600:.0f} h, also in {path}):")
+        console.print(f"invite token ({t.scope} scope, valid {ttl_s / 3600:.0f} h, also in {path}):")
         print(t.encode(), flush=True)
     else:
-        console.print(f"invite token written to {path} (mode 0600); `mesh-llm token` prints a new one")
+        console.print(
+            f"invite token ({t.scope} scope) written to {path} (mode 0600); `mesh-llm token` prints a new one"
+        )
 
 
 def addresses_learned(net: MeshNet, state: Path, addrs: list[str], ttl_s: float, console: Console) -> None:

@@ -135,6 +135,12 @@ class Node:
         )
         if tokens:
             await join_first(self.net, tokens, self.console)
+        assert self.net.m is not None
+        scope = tok.chain_scope(self.net.m.chain)
+        if scope < tok.Scope.HOST and not lite:
+            what = {tok.Scope.WORKER: "serves layers for a host-scoped member and is never elected host",
+                    tok.Scope.CLIENT: "may use the API only: it serves no layers"}  # fmt: skip
+            self.console.print(f"scope {scope}: this node {what[scope]}")
         publish_token(self.net, self.state, self.o.token_ttl_s, self.console)
         if self.o.console_port is not None:
             from meshllm.serve.console import start_console
