@@ -10,6 +10,7 @@ mesh-llm build [--stock]                  build the patched (or stock) llama.cpp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
@@ -231,6 +232,45 @@ def cmd_token(args: argparse.Namespace) -> int:
         save_token(sd, t.encode())  # the node's own invite: a narrower one is only printed
     print(f"{t.scope} token, valid {args.ttl / 3600:.0f} h:", file=sys.stderr)
     print(t.encode())
+    return 0
+
+
+def cmd_revoke(args: argparse.Namespace) -> int:
+    import json
+
+    from meshllm.paths import state_dir
+    from meshllm.proto import crypto
+    from meshllm.proto import token as tok
+    from meshllm.state import has_node, load_membership, load_or_create_key, load_revocations, save_revocations
+
+    sd = state_dir(args.state_dir)
+    m = load_membership(sd) if has_node(sd) else None
+    if m is None:
+        raise UserError(f"no mesh member in {sd}: run this where the mesh's founder keeps its state (--state-dir)")
+    key = load_or_create_key(sd)
+    text = args.node.strip().lower()
+    known: list[str] = []
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        known = [p["node"] for p in json.loads((sd / "status.json").read_text())["peers"]]
+    found = [n for n in known if n.startswith(text)] if len(text) >= 8 else []
+    if re.fullmatch(r"[0-9a-f]{64}", text):
+        node = bytes.fromhex(text)
+    elif len(found) == 1:
+        node = bytes.fromhex(found[0])
+    else:
+        raise UserError(f"{args.node!r}: give a node id as `mesh-llm status` shows it (8 or more hex digits of a "
+                        "node this node knows, or all 64)")  # fmt: skip
+    try:
+        r = tok.revoke(key, m.mesh_id, node, time.time())
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    have = [tok.revocation_from_wire(o, m.mesh_id) for o in load_revocations(sd)]
+    if any(x.node == node for x in have):
+        print(f"{crypto.short(node)} was already revoked")
+        return 0
+    save_revocations(sd, [*have, r])
+    print(f"revoked {crypto.short(node)}: the running founder gossips it within a second; every member drops it and "
+          "every node it admitted, and refuses them from now on")  # fmt: skip
     return 0
 
 
@@ -507,6 +547,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="what the new node may do: client (the API only), worker (serve layers, never host), host "
                     "(may be elected host). Default: this node's own scope, the widest it may give")  # fmt: skip
     pt.set_defaults(func=cmd_token)
+    pr = sub.add_parser("revoke", help="cut a member off the mesh for good (the founder only)",
+                        description="Revoke a member: signed by this node (the mesh's founder), written to its state "
+                        "dir, gossiped by the running node. The member, and every node it admitted, is dropped by "
+                        "every member and refused from then on, whatever chain or token it shows.")  # fmt: skip
+    pr.add_argument("node", type=nonempty, help="the member's node id (8+ hex digits as `mesh-llm status` shows)")
+    pr.add_argument("--state-dir", type=Path, metavar="DIR", help="the founder's state (default ~/.mesh-llm)")
+    pr.set_defaults(func=cmd_revoke)
     pd = sub.add_parser(
         "download",
         help="list the model catalog, or download a model",

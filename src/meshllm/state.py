@@ -184,3 +184,22 @@ def save_rpc_client_keys(state: Path, rows: list[tuple[str, str, bytes]]) -> Pat
     path = rpc_client_keys(state)
     write_private(path, "".join(f"{ep} {ident} {key.hex()}\n" for ep, ident, key in rows).encode())
     return path
+
+
+def load_revocations(state: Path) -> list[list[object]]:
+    """The revocations this node knows (wire form: the reader verifies each), from ``revoked`` in the state dir."""
+    path = state / "revoked"
+    if not path.exists():
+        return []
+    check_private(path)
+    try:
+        d = json.loads(path.read_text())
+        return [[bytes.fromhex(m), bytes.fromhex(n), int(at), bytes.fromhex(b), bytes.fromhex(s)]
+                for m, n, at, b, s in d]  # fmt: skip
+    except (ValueError, TypeError) as e:
+        raise UserError(f"{path} is damaged ({e})") from None
+
+
+def save_revocations(state: Path, revocations: list[tok.Revocation]) -> None:
+    rows = [[r.mesh_id.hex(), r.node.hex(), r.at, r.by.hex(), r.sig.hex()] for r in revocations]
+    write_private(state / "revoked", (json.dumps(rows, indent=1) + "\n").encode())

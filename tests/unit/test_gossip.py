@@ -188,3 +188,36 @@ def test_the_peer_table_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "peer table full" in results[-1].dropped[0]
     k, c = members[0]
     assert t.merge_record(rec(k, c, seq=2), T).changed == [crypto.node_id(k)]  # known nodes still update
+
+
+def test_a_revocation_cuts_the_member_and_everyone_it_admitted_for_good() -> None:
+    """[trust] membership could not be revoked: now the founder's signed word drops a member and its descendants
+    from every table, their records and chains are refused from then on, and the word travels in gossip."""
+    me = crypto.new_key()
+    t = Table(crypto.node_id(me), MESH)
+    b, cb = member()
+    c = crypto.new_key()
+    cc = tok.admit(b, cb, crypto.node_id(c), T)  # admitted by b
+    d, cd = member()  # admitted by the founder
+    for k, ch in ((b, cb), (c, cc), (d, cd)):
+        t.merge_record(rec(k, ch), T)
+    nb, nc, nd = (crypto.node_id(k) for k in (b, c, d))
+    # only the founder revokes, and only others; a forged or altered revocation is refused
+    with pytest.raises(ValueError, match="only the node that founded"):
+        tok.revoke(d, MESH, nb, T)
+    with pytest.raises(ValueError, match="cannot revoke itself"):
+        tok.revoke(FOUNDER, MESH, crypto.node_id(FOUNDER), T)
+    r = tok.revoke(FOUNDER, MESH, nb, T)
+    forged = dataclasses.replace(r, by=nd)
+    altered = dataclasses.replace(r, node=nd)
+    res = t.merge_push(GossipPush(revocations=[forged.to_wire(), altered.to_wire(), [1, 2]]), T)
+    assert len(res.dropped) == 3 and not t.revoked and set(t.entries) == {nb, nc, nd}
+    res = t.merge_push(GossipPush(revocations=[r.to_wire()]), T)
+    assert set(res.cut) == {nb, nc} and set(t.entries) == {nd} and res.new_revocations == [r]
+    assert t.scope_of(nb) is None and t.scope_of(nc) is None  # their tokens admit nobody now
+    # newer records of theirs are refused; the word travels on to every new connection
+    assert not t.merge_record(rec(b, cb, seq=9), T).changed and not t.merge_record(rec(c, cc, seq=9), T).changed
+    assert t.push_all().revocations == [r.to_wire()]
+    assert t.merge_push(GossipPush(revocations=[r.to_wire()]), T).new_revocations == []  # no news twice
+    other = Table(nb, MESH)
+    assert other.merge_push(GossipPush(revocations=[r.to_wire()]), T).revoked_me

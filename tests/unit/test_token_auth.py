@@ -108,6 +108,7 @@ def _handshake(
     members: dict[bytes, tok.Scope] | None = None,
     listener_chain: list[tok.Link] | None = None,
     listener_key: crypto.Ed25519PrivateKey | None = None,
+    revoked: set[bytes] | None = None,
 ) -> tuple[bool, str]:
     lkey = listener_key or mesh["key"]
     listener = crypto.node_id(lkey)  # type: ignore[arg-type]
@@ -124,7 +125,7 @@ def _handshake(
     )
     v = check_proof(
         key=lkey, my_chain=listener_chain or mesh["chain"], mesh_id=mesh["mesh_id"], secret=mesh["secret"],  # type: ignore[arg-type]
-        hello=hello, nonce=nonce, proof=proof, scope_of=known.get, now=now,
+        hello=hello, nonce=nonce, proof=proof, scope_of=known.get, revoked=revoked or set(), now=now,
     )  # fmt: skip
     if v.ok:
         assert v.chain is not None
@@ -223,3 +224,15 @@ def test_a_token_of_the_old_layout_says_so() -> None:
     )
     with pytest.raises(tok.TokenError, match="older mesh-llm"):
         tok.parse(old)
+
+
+def test_a_revoked_node_is_refused_with_its_chain_a_token_or_a_chain_it_signed(mesh: dict[str, object]) -> None:
+    key, chain = mesh["key"], mesh["chain"]
+    b, c = crypto.new_key(), crypto.new_key()
+    cb = tok.admit(key, chain, crypto.node_id(b), NOW)  # type: ignore[arg-type]
+    cc = tok.admit(b, cb, crypto.node_id(c), NOW)
+    revoked = {crypto.node_id(b)}
+    assert _handshake(mesh, b, chain=cb)[0] and _handshake(mesh, c, chain=cc)[0]
+    assert "revoked" in _handshake(mesh, b, chain=cb, revoked=revoked)[1]
+    assert "whom the founder revoked" in _handshake(mesh, c, chain=cc, revoked=revoked)[1]
+    assert "revoked" in _handshake(mesh, b, token=_token(mesh), revoked=revoked)[1]  # a fresh token, the same key

@@ -42,7 +42,7 @@ from meshllm.proto.gossip import PeerRecord, RecordUpdate
 from meshllm.proto.meshcore import MeshCore, Out
 from meshllm.proto.reach import Observed, PunchRequest, RelayMode
 from meshllm.proto.wire import FrameDecoder, Message, encode
-from meshllm.state import Membership, save_membership
+from meshllm.state import Membership, load_revocations, save_membership, save_revocations
 
 log = logging.getLogger("meshllm.mesh")
 
@@ -94,6 +94,8 @@ class MeshNet:
         self.me = crypto.node_id(key)
         self.m = membership
         self.state_dir = state_dir
+        self._revoked_stamp = -1  # the revoked file as last read (mtime); -1: not yet
+        self._revoked_saved = 0
         self.bind = bind
         self.advertise = advertise
         self.ep = Endpoint(key, on_accept=self._on_accept, on_control=self._on_control)
@@ -224,15 +226,36 @@ class MeshNet:
                 if rec.node not in self._dialling:
                     self._spawn(self._dial_member(rec.node, list(rec.addrs)))
             self.nat.try_upgrades()
+            self._sync_revocations()
             self.flush_events()
             self.emit(CHANGED)
             await asyncio.sleep(TICK_S)
+
+    def _sync_revocations(self) -> None:
+        """The state dir's ``revoked`` file and the table agree: the founder's ``mesh-llm revoke`` writes there (the
+        running node takes it within a tick and gossips it); revocations heard from peers are kept there."""
+        assert self.core is not None
+        path = self.state_dir / "revoked"
+        stamp = path.stat().st_mtime_ns if path.exists() else 0
+        if stamp != self._revoked_stamp:
+            self._revoked_stamp = stamp
+            got = []
+            for obj in load_revocations(self.state_dir):
+                try:
+                    got.append(tok.revocation_from_wire(obj, self.core.mesh_id))
+                except RemoteProtocolError as e:
+                    log.warning("%s: an entry refused: %s", path, e)
+            self.send(self.core.revoke(got, self.now))
+        if len(self.core.table.revoked) != self._revoked_saved:
+            self._revoked_saved = len(self.core.table.revoked)
+            save_revocations(self.state_dir, list(self.core.table.revoked.values()))
+            self._revoked_stamp = path.stat().st_mtime_ns
 
     def flush_events(self) -> None:
         if self.core is None:
             return
         for ev in self.core.events:
-            if ev.kind in ("died", "left") and ev.node in self.peers:
+            if ev.kind in ("died", "left", "revoked") and ev.node in self.peers:
                 self.peers[ev.node].close(f"peer {ev.kind}")  # if it lives, it refutes and reconnects
             self.emit(MeshEvent(ev.kind, ev.node, ev.detail))
         self.core.events.clear()
@@ -369,7 +392,8 @@ class MeshNet:
             return
         v = check_proof(
             key=self.key, my_chain=self.m.chain, mesh_id=self.m.mesh_id, secret=self.m.secret, hello=hello,
-            nonce=nonce, proof=proof, scope_of=self.core.table.scope_of, now=self.wall(),
+            nonce=nonce, proof=proof, scope_of=self.core.table.scope_of, revoked=self.core.table.revoked,
+            now=self.wall(),
         )  # fmt: skip
         if not v.ok:
             self._refused(conn, hello.dialler, v.reason)

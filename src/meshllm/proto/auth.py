@@ -18,7 +18,7 @@ signed by a member of this mesh, unexpired, and the proof made with the mesh's s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -118,6 +118,7 @@ def check_proof(
     nonce: bytes,
     proof: AuthProof,
     scope_of: Callable[[NodeId], tok.Scope | None],  # a member's scope from the verified table; None: not one
+    revoked: Container[NodeId] = frozenset(),  # nodes the founder revoked
     now: float,
 ) -> Verdict:
     """The listener's decision. Every check is made here, by the listener, whatever the dialler checked."""
@@ -133,6 +134,8 @@ def check_proof(
         return _refuse("identity signature not made for this connection (forged or replayed)")
     if not crypto.mac_ok(secret, crypto.D_PROOF, bound, proof.proof):
         return _refuse("secret proof invalid: wrong mesh secret, or a proof replayed from another connection")
+    if hello.dialler in revoked:
+        return _refuse("revoked from this mesh by its founder")
     if proof.chain is not None:
         try:
             chain = tok.chain_from_wire(proof.chain)
@@ -141,6 +144,9 @@ def check_proof(
         why = tok.verify_chain(chain, hello.dialler, mesh_id)
         if why is not None:
             return _refuse(f"not a member: {why}")
+        gone = tok.cut_off(chain, revoked)
+        if gone is not None:
+            return _refuse(f"admitted through {crypto.short(gone)}, whom the founder revoked")
         return Verdict(True, "member", chain)
     if proof.token is None:
         return _refuse("neither a token nor an admission chain")

@@ -270,11 +270,13 @@ def tombstone_from_wire(obj: Any) -> Tombstone:
 @message
 @dataclass(frozen=True)
 class GossipPush(Message):
-    """Records and tombstones the sender thinks the receiver may lack (everything, on a new connection)."""
+    """Records, tombstones and revocations the sender thinks the receiver may lack (everything, on a new
+    connection)."""
 
     TYPE = "gossip.push"
     records: list[bytes] = field(default_factory=list)
     tombstones: list[list[Any]] = field(default_factory=list)
+    revocations: list[list[Any]] = field(default_factory=list)
 
 
 @message
@@ -310,6 +312,9 @@ class MergeResult:
     new_raw: list[bytes] = field(default_factory=list)  # to forward
     new_tombstones: list[Tombstone] = field(default_factory=list)
     refuted: bool = False  # a tombstone named our own current life
+    new_revocations: list[tok.Revocation] = field(default_factory=list)  # to forward (and keep on disk)
+    cut: list[NodeId] = field(default_factory=list)  # members a revocation removed
+    revoked_me: bool = False
     dropped: list[str] = field(default_factory=list)  # why, for logs
 
 
@@ -325,6 +330,7 @@ class Table:
         self._chains_ok: set[bytes] = set()
         self.graveyard: dict[NodeId, PeerRecord] = {}  # last record of nodes declared dead, until forgotten
         self.my_incarnation = 0  # our own current life (MeshCore keeps it): only it can be buried
+        self.revoked: dict[NodeId, tok.Revocation] = {}  # for good: never forgotten
 
     # -- merging
 
@@ -351,6 +357,11 @@ class Table:
         if rec.node == self.me:
             return res  # our own record comes from us
         if self._buried(rec.node, rec.incarnation):
+            return res
+        gone = tok.cut_off(rec.chain, self.revoked)
+        if gone is not None:
+            res.dropped.append(f"record of {crypto.short(rec.node)}: its admission passes through revoked "
+                               f"{crypto.short(gone)}")  # fmt: skip
             return res
         old = self.entries.get(rec.node)
         if old is not None and (rec.incarnation, rec.seq) <= (old.record.incarnation, old.record.seq):
@@ -401,8 +412,30 @@ class Table:
             return "tombstone for a life not seen yet"
         return None
 
+    def add_revocation(self, r: tok.Revocation, res: MergeResult | None = None) -> MergeResult:
+        """Take a (verified) revocation: drop the records of every member whose chain passes through its node."""
+        res = res or MergeResult()
+        if r.node in self.revoked:
+            return res
+        self.revoked[r.node] = r
+        res.new_revocations.append(r)
+        if r.node == self.me:
+            res.revoked_me = True
+        for node, e in list(self.entries.items()):
+            if tok.cut_off(e.record.chain, self.revoked) is not None:
+                del self.entries[node]
+                self.graveyard.pop(node, None)
+                res.changed.append(node)
+                res.cut.append(node)
+        return res
+
     def merge_push(self, push: GossipPush, now: float) -> MergeResult:
         res = MergeResult()
+        for obj in push.revocations[:MAX_RECORDS]:
+            try:
+                self.add_revocation(tok.revocation_from_wire(obj, self.mesh_id), res)
+            except RemoteProtocolError as e:
+                res.dropped.append(str(e))
         for obj in push.tombstones[:MAX_RECORDS]:
             try:
                 t = tombstone_from_wire(obj)
@@ -461,4 +494,5 @@ class Table:
         return GossipPush(
             records=[e.raw for e in self.entries.values()] + list(self.leaves.values()),
             tombstones=[t.to_wire() for t in self.tombstones.values() if t.sig],
+            revocations=[r.to_wire() for r in self.revoked.values()],
         )

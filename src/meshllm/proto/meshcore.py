@@ -52,6 +52,7 @@ class EventKind(StrEnum):
     DIED = "died"  # declared dead after silence
     HOST = "host"  # a new host elected
     REFUTED = "refuted"  # we were declared dead and came back as a new incarnation
+    REVOKED = "revoked"  # cut off by the founder (the node itself, or one admitted through it); ourselves too
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ class MeshCore:
         self.peers.add(peer)
         self._heard[peer] = now
         full = self.table.push_all()
-        return [(peer, GossipPush(records=[self._raw_self, *full.records], tombstones=full.tombstones))]
+        return [(peer, dataclasses.replace(full, records=[self._raw_self, *full.records]))]
 
     def on_disconnected(self, peer: NodeId, now: float) -> None:
         self.peers.discard(peer)
@@ -138,8 +139,20 @@ class MeshCore:
             return self._after_merge(res, before, exclude=peer, now=now)
         return []
 
+    def revoke(self, revocations: list[tok.Revocation], now: float) -> Out:
+        """Revocations the founder made on this machine (``mesh-llm revoke``): taken and gossiped like any."""
+        before = set(self.table.entries)
+        res = MergeResult()
+        for r in revocations:
+            self.table.add_revocation(r, res)
+        return self._after_merge(res, before, exclude=None, now=now)
+
     def _after_merge(self, res: MergeResult, before: set[NodeId], exclude: NodeId | None, now: float) -> Out:
         out: Out = []
+        for n in res.cut:
+            self.events.append(Event(EventKind.REVOKED, n))
+        if res.revoked_me:
+            self.events.append(Event(EventKind.REVOKED, self.me))
         after = set(self.table.entries)
         for n in sorted(after - before):
             self.events.append(Event(EventKind.JOINED, n))
@@ -154,8 +167,9 @@ class MeshCore:
             self.record = dataclasses.replace(self.record, incarnation=self.incarnation, seq=0)
             self._sign()
             out += self._to_all(GossipPush(records=[self._raw_self]))
-        if res.new_raw or res.new_tombstones:
-            push = GossipPush(records=res.new_raw, tombstones=[t.to_wire() for t in res.new_tombstones if t.sig])
+        if res.new_raw or res.new_tombstones or res.new_revocations:
+            push = GossipPush(records=res.new_raw, tombstones=[t.to_wire() for t in res.new_tombstones if t.sig],
+                              revocations=[r.to_wire() for r in res.new_revocations])  # fmt: skip
             out += [(p, push) for p in sorted(self.peers) if p != exclude]
         return out
 

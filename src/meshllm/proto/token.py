@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Container
 from dataclasses import dataclass, replace
 from enum import IntEnum
 
@@ -243,3 +244,57 @@ def chain_from_wire(obj: object) -> list[Link]:
             raise RemoteProtocolError("admission link malformed")
         out.append((mid, node, by, at, scope, sig))
     return out
+
+
+# ------------------------------------------------------------------------------------------ revocation
+
+
+@dataclass(frozen=True)
+class Revocation:
+    """The founder's word that ``node`` is out: its chain, and every chain it signed a link of, admit nobody any
+    more; its tokens admit nobody (their issuer is no member). Gossiped to every member and kept in each state dir,
+    so a revoked node cannot come back with an old chain, an old token or a new token for the same key."""
+
+    mesh_id: bytes
+    node: NodeId
+    at: int
+    by: NodeId  # the founder
+    sig: bytes = b""
+
+    def body(self) -> bytes:
+        return pack([self.mesh_id, self.node, self.at, self.by])
+
+    def to_wire(self) -> list[object]:
+        return [self.mesh_id, self.node, self.at, self.by, self.sig]
+
+
+def revoke(key: Ed25519PrivateKey, mesh_id: bytes, node: NodeId, now: float) -> Revocation:
+    """ValueError unless ``key`` founded ``mesh_id`` (only the founder revokes) and ``node`` is someone else."""
+    me = crypto.node_id(key)
+    if crypto.mesh_id_for(me) != mesh_id:
+        raise ValueError("only the node that founded the mesh can revoke members")
+    if node == me:
+        raise ValueError("the founder cannot revoke itself")
+    r = Revocation(mesh_id, node, int(now), me)
+    return replace(r, sig=crypto.sign(key, crypto.D_REVOKE, r.body()))
+
+
+def revocation_from_wire(obj: object, mesh_id: bytes) -> Revocation:
+    """A revocation of this mesh, signed by its founder; RemoteProtocolError otherwise."""
+    if not (isinstance(obj, list) and len(obj) == 5):
+        raise RemoteProtocolError("revocation malformed")
+    mid, node, at, by, sig = obj
+    if not (isinstance(mid, bytes) and isinstance(node, bytes) and len(node) == crypto.NODE_ID_LEN
+            and isinstance(at, int) and isinstance(by, bytes) and isinstance(sig, bytes)):  # fmt: skip
+        raise RemoteProtocolError("revocation malformed")
+    r = Revocation(mid, node, at, by, sig)
+    if mid != mesh_id or crypto.mesh_id_for(by) != mesh_id or node == by:
+        raise RemoteProtocolError("revocation not made by this mesh's founder")
+    if not crypto.verify(by, crypto.D_REVOKE, r.body(), sig):
+        raise RemoteProtocolError("revocation has a bad signature")
+    return r
+
+
+def cut_off(chain: list[Link] | tuple[Link, ...], revoked: Container[NodeId]) -> NodeId | None:
+    """The revoked node a chain passes through (its member, or one that admitted it down the line), if any."""
+    return next((link[1] for link in chain if link[1] in revoked), None)

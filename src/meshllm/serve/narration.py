@@ -29,6 +29,10 @@ def event_line(
         return f"[red]-[/] peer {who} {how}"
     if kind == EventKind.HOST:
         return f"[bold]host elected:[/] {who}"
+    if kind == EventKind.REVOKED:
+        if node == me:
+            return "[bold red]this node was revoked from the mesh by its founder: no member will take it again[/]"
+        return f"[red]-[/] peer {who} revoked by the founder (itself, or the member that admitted it)"
     if kind == EventKind.REFUTED:
         return f"[yellow]was declared dead by a peer; back as {detail}[/]"
     return None
