@@ -274,6 +274,29 @@ def cmd_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rotate(args: argparse.Namespace) -> int:
+    from meshllm.paths import state_dir
+    from meshllm.proto.auth import make_rekey
+    from meshllm.proto.token import SECRET_LEN
+    from meshllm.state import has_node, load_membership, load_or_create_key, load_rekey, save_rekey
+
+    sd = state_dir(args.state_dir)
+    m = load_membership(sd) if has_node(sd) else None
+    if m is None:
+        raise UserError(f"no mesh member in {sd}: run this where the mesh's founder keeps its state (--state-dir)")
+    pending = load_rekey(sd)
+    epoch = max(m.epoch, pending[1] if pending else 0) + 1
+    try:
+        r = make_rekey(load_or_create_key(sd), m.mesh_id, epoch, os.urandom(SECRET_LEN))
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    save_rekey(sd, r.mesh_id, r.epoch, r.secret, r.by, r.sig)
+    print(f"mesh {m.mesh_id.hex()[:8]}: new admission secret (epoch {epoch}). The running founder passes it to every "
+          "member within a second; from then on tokens minted before admit nobody, and members stay members. The "
+          f"founder's new invite token is in {sd / 'token'} (`mesh-llm token` prints one).")  # fmt: skip
+    return 0
+
+
 def _add_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stock", action="store_true", help="build upstream llama.cpp without our patches")
     p.add_argument("--llama-src", type=Path, metavar="DIR", help="build this llama.cpp tree instead of the pinned one")
@@ -554,6 +577,11 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("node", type=nonempty, help="the member's node id (8+ hex digits as `mesh-llm status` shows)")
     pr.add_argument("--state-dir", type=Path, metavar="DIR", help="the founder's state (default ~/.mesh-llm)")
     pr.set_defaults(func=cmd_revoke)
+    po = sub.add_parser("rotate", help="a new admission secret: old tokens stop working (the founder only)",
+                        description="Rotate the mesh's admission secret: every token minted before stops admitting "
+                        "new nodes; members stay members and get the new secret from the running founder.")  # fmt: skip
+    po.add_argument("--state-dir", type=Path, metavar="DIR", help="the founder's state (default ~/.mesh-llm)")
+    po.set_defaults(func=cmd_rotate)
     pd = sub.add_parser(
         "download",
         help="list the model catalog, or download a model",

@@ -90,6 +90,9 @@ class Membership:
     chain: list[tok.Link]
     incarnation: int = 0
     extra: dict[str, object] = field(default_factory=dict)
+    epoch: int = 0  # how many times the founder rotated the secret
+    rekey_sig: bytes = b""  # the founder's signature of (mesh, epoch, secret): proof to pass on (epoch 0: none)
+    previous: list[bytes] = field(default_factory=list)  # earlier secrets, newest first (members may still use them)
 
     @property
     def founder(self) -> bytes:
@@ -115,6 +118,9 @@ def load_membership(state: Path) -> Membership | None:
             secret=base64.b64decode(d["secret"]),
             chain=chain,
             incarnation=int(d.get("incarnation", 0)),
+            epoch=int(d.get("epoch", 0)),
+            rekey_sig=bytes.fromhex(d.get("rekey_sig", "")),
+            previous=[base64.b64decode(s) for s in d.get("previous", [])],
         )
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"{path} is damaged ({e}); move it away to start a new mesh") from None
@@ -126,6 +132,9 @@ def save_membership(state: Path, m: Membership) -> None:
         "secret": base64.b64encode(m.secret).decode(),
         "chain": [[mid.hex(), n.hex(), b.hex(), at, sc, s.hex()] for mid, n, b, at, sc, s in m.chain],
         "incarnation": m.incarnation,
+        "epoch": m.epoch,
+        "rekey_sig": m.rekey_sig.hex(),
+        "previous": [base64.b64encode(s).decode() for s in m.previous],
     }
     write_private(state / "mesh.json", (json.dumps(d, indent=1) + "\n").encode())
 
@@ -203,3 +212,23 @@ def load_revocations(state: Path) -> list[list[object]]:
 def save_revocations(state: Path, revocations: list[tok.Revocation]) -> None:
     rows = [[r.mesh_id.hex(), r.node.hex(), r.at, r.by.hex(), r.sig.hex()] for r in revocations]
     write_private(state / "revoked", (json.dumps(rows, indent=1) + "\n").encode())
+
+
+def load_rekey(state: Path) -> tuple[bytes, int, bytes, bytes, bytes] | None:
+    """What ``mesh-llm rotate`` left in ``rekey``: (mesh id, epoch, secret, founder, signature); the reader verifies."""
+    path = state / "rekey"
+    if not path.exists():
+        return None
+    check_private(path)
+    try:
+        d = json.loads(path.read_text())
+        return (bytes.fromhex(d["mesh_id"]), int(d["epoch"]), base64.b64decode(d["secret"]), bytes.fromhex(d["by"]),
+                bytes.fromhex(d["sig"]))  # fmt: skip
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{path} is damaged ({e})") from None
+
+
+def save_rekey(state: Path, mesh_id: bytes, epoch: int, secret: bytes, by: bytes, sig: bytes) -> None:
+    d = {"mesh_id": mesh_id.hex(), "epoch": epoch, "secret": base64.b64encode(secret).decode(), "by": by.hex(),
+         "sig": sig.hex()}  # fmt: skip
+    write_private(state / "rekey", (json.dumps(d, indent=1) + "\n").encode())

@@ -327,3 +327,40 @@ def test_a_revoked_member_and_those_it_admitted_are_cut_off_everywhere(tmp_path:
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_rotating_the_secret_stops_old_tokens_and_keeps_members(tmp_path: Path, tiny_model: Path) -> None:
+    """[trust] `mesh-llm rotate` on the founder's machine: members get the new secret within seconds (one that was
+    away gets it when it comes back), a token minted before admits nobody, a token minted after does."""
+    a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024")
+    nodes = [a]
+
+    def epoch(n: NodeProc) -> int:
+        return int(json.loads((n.state / "mesh.json").read_text()).get("epoch", 0))
+
+    try:
+        wait_for(lambda: (a.state / "token").exists() and bool(a.status()), 30, "a's token")
+        old = (a.state / "token").read_text().strip()
+        b = NodeProc(tmp_path, "b", None, "--join", old)
+        d = NodeProc(tmp_path, "d", None, "--join", old)
+        nodes += [b, d]
+        wait_for(lambda: (b.state / "key").exists() and (d.state / "key").exists(), 30, "b and d to start")
+        wait_for(lambda: {b.short(), d.short()} <= a.peers(), 30, "b and d to join")
+        d.stop()  # away while the secret rotates
+        out = subprocess.run([sys.executable, "-m", "meshllm.cli", "rotate", "--state-dir", str(a.state)],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert out.returncode == 0 and "epoch 1" in out.stdout, out.stderr
+        wait_for(lambda: epoch(a) == 1 and epoch(b) == 1, 15, "a and b to hold the new secret")
+        wait_for(lambda: (a.state / "token").read_text().strip() != old, 15, "a's new invite token")
+        c = NodeProc(tmp_path, "c", None, "--join", old)
+        nodes.append(c)
+        assert c.proc.wait(60) != 0 and "secret" in c.text(), c.text()
+        new = NodeProc(tmp_path, "e", None, "--join", (a.state / "token").read_text().strip())
+        nodes.append(new)
+        wait_for(lambda: (new.state / "key").exists() and new.short() in a.peers(), 30, "a new token to admit")
+        back = NodeProc(tmp_path, "d", None, "--join", old)  # d again, same state: its chain, the old secret
+        nodes.append(back)
+        wait_for(lambda: d.short() in a.peers() and epoch(back) == 1, 30, "d back in, with the new secret")
+    finally:
+        for n in nodes:
+            n.stop()

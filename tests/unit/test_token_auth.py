@@ -109,6 +109,7 @@ def _handshake(
     listener_chain: list[tok.Link] | None = None,
     listener_key: crypto.Ed25519PrivateKey | None = None,
     revoked: set[bytes] | None = None,
+    previous: list[bytes] | None = None,
 ) -> tuple[bool, str]:
     lkey = listener_key or mesh["key"]
     listener = crypto.node_id(lkey)  # type: ignore[arg-type]
@@ -125,7 +126,8 @@ def _handshake(
     )
     v = check_proof(
         key=lkey, my_chain=listener_chain or mesh["chain"], mesh_id=mesh["mesh_id"], secret=mesh["secret"],  # type: ignore[arg-type]
-        hello=hello, nonce=nonce, proof=proof, scope_of=known.get, revoked=revoked or set(), now=now,
+        hello=hello, nonce=nonce, proof=proof, scope_of=known.get, revoked=revoked or set(),
+        previous=previous or [], now=now,
     )  # fmt: skip
     if v.ok:
         assert v.chain is not None
@@ -236,3 +238,29 @@ def test_a_revoked_node_is_refused_with_its_chain_a_token_or_a_chain_it_signed(m
     assert "revoked" in _handshake(mesh, b, chain=cb, revoked=revoked)[1]
     assert "whom the founder revoked" in _handshake(mesh, c, chain=cc, revoked=revoked)[1]
     assert "revoked" in _handshake(mesh, b, token=_token(mesh), revoked=revoked)[1]  # a fresh token, the same key
+
+
+def test_a_rotated_secret_refuses_old_tokens_and_keeps_members(mesh: dict[str, object]) -> None:
+    """[trust] `mesh-llm rotate`: only the founder signs a new secret; tokens of the old one admit nobody; a member
+    that missed the rotation still gets in with the old secret (and then learns the new one)."""
+    from meshllm.proto.auth import make_rekey, rekey_refused
+
+    key, mid, old = mesh["key"], mesh["mesh_id"], mesh["secret"]
+    member = crypto.new_key()
+    with pytest.raises(ValueError, match="only the node that founded"):
+        make_rekey(member, mid, 1, os.urandom(32))  # type: ignore[arg-type]
+    r = make_rekey(key, mid, 1, os.urandom(32))  # type: ignore[arg-type]
+    assert rekey_refused(r, mid) is None  # type: ignore[arg-type]
+    assert "bad signature" in (rekey_refused(replace(r, secret=os.urandom(32)), mid) or "")  # type: ignore[arg-type]
+    assert "founder" in (rekey_refused(replace(r, by=crypto.node_id(member)), mid) or "")  # type: ignore[arg-type]
+    old_token = _token(mesh)
+    rotated = {**mesh, "secret": r.secret}
+    assert "secret" in _handshake(rotated, crypto.new_key(), token=old_token)[1]
+    fresh = tok.mint(key, mid, r.secret, [], NOW, 3600)  # type: ignore[arg-type]
+    assert _handshake(rotated, crypto.new_key(), token=fresh)[0]
+    cm = tok.admit(key, mesh["chain"], crypto.node_id(member), NOW)  # type: ignore[arg-type]
+    # the member proves with the old secret: refused unless the listener keeps it among the previous ones
+    assert "secret proof invalid" in _handshake(rotated, member, chain=cm, secret=old)[1]  # type: ignore[arg-type]
+    assert _handshake(rotated, member, chain=cm, secret=old, previous=[old])[0]  # type: ignore[list-item]
+    # ... but an old token never gets in that way
+    assert not _handshake(rotated, crypto.new_key(), token=old_token, previous=[old])[0]  # type: ignore[list-item]

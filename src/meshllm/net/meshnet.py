@@ -34,15 +34,17 @@ from meshllm.proto.auth import (
     AuthProof,
     AuthRefuse,
     AuthWelcome,
+    Rekey,
     check_proof,
     make_proof,
+    rekey_refused,
 )
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import PeerRecord, RecordUpdate
-from meshllm.proto.meshcore import MeshCore, Out
+from meshllm.proto.meshcore import EventKind, MeshCore, Out
 from meshllm.proto.reach import Observed, PunchRequest, RelayMode
 from meshllm.proto.wire import FrameDecoder, Message, encode
-from meshllm.state import Membership, load_revocations, save_membership, save_revocations
+from meshllm.state import Membership, load_rekey, load_revocations, save_membership, save_revocations
 
 log = logging.getLogger("meshllm.mesh")
 
@@ -78,6 +80,9 @@ async def _read_frame(stream: Stream, dec: FrameDecoder, timeout: float) -> Mess
             return msgs[0]
 
 
+MAX_PREVIOUS_SECRETS = 8  # a member away for this many rotations proves with a secret nobody accepts: re-invite it
+
+
 class MeshNet:
     def __init__(
         self,
@@ -96,6 +101,7 @@ class MeshNet:
         self.state_dir = state_dir
         self._revoked_stamp = -1  # the revoked file as last read (mtime); -1: not yet
         self._revoked_saved = 0
+        self._rekey_stamp = -1
         self.bind = bind
         self.advertise = advertise
         self.ep = Endpoint(key, on_accept=self._on_accept, on_control=self._on_control)
@@ -227,6 +233,7 @@ class MeshNet:
                     self._spawn(self._dial_member(rec.node, list(rec.addrs)))
             self.nat.try_upgrades()
             self._sync_revocations()
+            self._read_rekey_file()
             self.flush_events()
             self.emit(CHANGED)
             await asyncio.sleep(TICK_S)
@@ -250,6 +257,41 @@ class MeshNet:
             self._revoked_saved = len(self.core.table.revoked)
             save_revocations(self.state_dir, list(self.core.table.revoked.values()))
             self._revoked_stamp = path.stat().st_mtime_ns
+
+    def _rekey(self) -> Rekey | None:
+        """The founder's signed word for our current secret (None before the first rotation)."""
+        m = self.m
+        if m is None or m.epoch == 0:
+            return None
+        return Rekey(m.mesh_id, m.epoch, m.secret, m.founder, m.rekey_sig)
+
+    def _take_rekey(self, r: Rekey, source: NodeId | None) -> None:
+        """A rotated secret from a member (or ``mesh-llm rotate`` here): keep it if newer, and pass it on."""
+        if self.m is None:
+            return
+        why = rekey_refused(r, self.m.mesh_id)
+        if why is not None:
+            log.warning("rekey from %s refused: %s", crypto.short(source) if source else "the state dir", why)
+            return
+        if r.epoch <= self.m.epoch:
+            return
+        self.m.previous = [self.m.secret, *self.m.previous][:MAX_PREVIOUS_SECRETS]
+        self.m.secret, self.m.epoch, self.m.rekey_sig = r.secret, r.epoch, r.sig
+        save_membership(self.state_dir, self.m)
+        log.info("the mesh's admission secret rotated (epoch %d)", r.epoch)
+        self.send([(p, r) for p in self.gossip if p != source])
+        self.emit(MeshEvent(EventKind.REKEYED, self.me, f"epoch {r.epoch}"))
+
+    def _read_rekey_file(self) -> None:
+        """``mesh-llm rotate`` leaves the founder's new secret in the state dir's ``rekey``: taken within a tick."""
+        path = self.state_dir / "rekey"
+        stamp = path.stat().st_mtime_ns if path.exists() else 0
+        if stamp == self._rekey_stamp:
+            return
+        self._rekey_stamp = stamp
+        r = load_rekey(self.state_dir)
+        if r is not None:
+            self._take_rekey(Rekey(*r), None)
 
     def flush_events(self) -> None:
         if self.core is None:
@@ -393,7 +435,7 @@ class MeshNet:
         v = check_proof(
             key=self.key, my_chain=self.m.chain, mesh_id=self.m.mesh_id, secret=self.m.secret, hello=hello,
             nonce=nonce, proof=proof, scope_of=self.core.table.scope_of, revoked=self.core.table.revoked,
-            now=self.wall(),
+            previous=self.m.previous, now=self.wall(),
         )  # fmt: skip
         if not v.ok:
             self._refused(conn, hello.dialler, v.reason)
@@ -436,6 +478,9 @@ class MeshNet:
         self.send(self.core.on_connected(node, self.now))
         if conn.relay is None:
             self.send([(node, Observed(addr=f"{conn.addr[0]}:{conn.addr[1]}"))])
+        rekey = self._rekey()
+        if rekey is not None:
+            self.send([(node, rekey)])  # a member that was away when the secret rotated learns it here
         self._spawn(self._read_gossip(conn, node, st))
 
     async def _serve_streams(self, conn: Conn) -> None:
@@ -463,6 +508,8 @@ class MeshNet:
                         self.nat.on_observed(node, conn, msg)
                     elif isinstance(msg, PunchRequest):
                         self.nat.on_punch_request(node, conn, msg)
+                    elif isinstance(msg, Rekey):
+                        self._take_rekey(msg, node)
                     self.send(self.core.on_message(node, msg, self.now))
                 self.flush_events()
         except RemoteProtocolError as e:

@@ -18,7 +18,7 @@ signed by a member of this mesh, unexpired, and the proof made with the mesh's s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from meshllm.proto import crypto
 from meshllm.proto import token as tok
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.wire import Message, message
+from meshllm.proto.wire import Message, message, pack
 
 NONCE_LEN = 32
 AUTH_MAX_FRAME = 64 * 1024
@@ -71,6 +71,49 @@ class AuthWelcome(Message):
 class AuthRefuse(Message):
     TYPE = "auth.refuse"
     reason: str
+
+
+@message
+@dataclass(frozen=True)
+class Rekey(Message):
+    """A new admission secret for the mesh, signed by its founder (``mesh-llm rotate``). It travels only to members,
+    over their authenticated and encrypted connections, on gossip streams; each member takes a higher epoch, keeps
+    it in mesh.json and passes it on, and gives it to every member that connects later. Tokens carry the secret
+    they were minted with: from then on only tokens minted with the new one admit anybody."""
+
+    TYPE = "mesh.rekey"
+    mesh_id: bytes
+    epoch: int
+    secret: bytes
+    by: bytes
+    sig: bytes = b""
+
+    def body(self) -> bytes:
+        return pack([self.mesh_id, self.epoch, self.secret, self.by])
+
+
+def make_rekey(key: Ed25519PrivateKey, mesh_id: bytes, epoch: int, secret: bytes) -> Rekey:
+    """ValueError unless ``key`` founded ``mesh_id``."""
+    me = crypto.node_id(key)
+    if crypto.mesh_id_for(me) != mesh_id:
+        raise ValueError("only the node that founded the mesh can rotate its secret")
+    if len(secret) != tok.SECRET_LEN or epoch < 1:
+        raise ValueError("a new secret is 32 bytes, its epoch 1 or more")
+    r = Rekey(mesh_id, epoch, secret, me)
+    return replace(r, sig=crypto.sign(key, crypto.D_REKEY, r.body()))
+
+
+def rekey_refused(r: Rekey, mesh_id: bytes) -> str | None:
+    """Why a rekey is not one to take (None: it is this mesh's founder's, well formed)."""
+    if r.mesh_id != mesh_id or crypto.mesh_id_for(r.by) != mesh_id:
+        return "rekey not made by this mesh's founder"
+    if not (
+        isinstance(r.epoch, int) and r.epoch >= 1 and isinstance(r.secret, bytes) and len(r.secret) == tok.SECRET_LEN
+    ):
+        return "rekey malformed"
+    if not crypto.verify(r.by, crypto.D_REKEY, r.body(), r.sig):
+        return "rekey has a bad signature"
+    return None
 
 
 def _bound(nonce: bytes, dialler: NodeId, listener: NodeId) -> bytes:
@@ -119,6 +162,7 @@ def check_proof(
     proof: AuthProof,
     scope_of: Callable[[NodeId], tok.Scope | None],  # a member's scope from the verified table; None: not one
     revoked: Container[NodeId] = frozenset(),  # nodes the founder revoked
+    previous: Sequence[bytes] = (),  # secrets before the last rotations: a member may still prove with one
     now: float,
 ) -> Verdict:
     """The listener's decision. Every check is made here, by the listener, whatever the dialler checked."""
@@ -132,7 +176,9 @@ def check_proof(
     bound = _bound(nonce, hello.dialler, me)
     if not crypto.verify(hello.dialler, crypto.D_AUTH, bound, proof.sig):
         return _refuse("identity signature not made for this connection (forged or replayed)")
-    if not crypto.mac_ok(secret, crypto.D_PROOF, bound, proof.proof):
+    if not crypto.mac_ok(secret, crypto.D_PROOF, bound, proof.proof) and not (
+        proof.chain is not None and any(crypto.mac_ok(old, crypto.D_PROOF, bound, proof.proof) for old in previous)
+    ):  # a member that was away when the secret rotated proves with the old one (and gets the new one once in)
         return _refuse("secret proof invalid: wrong mesh secret, or a proof replayed from another connection")
     if hello.dialler in revoked:
         return _refuse("revoked from this mesh by its founder")

@@ -53,6 +53,7 @@ class EventKind(StrEnum):
     HOST = "host"  # a new host elected
     REFUTED = "refuted"  # we were declared dead and came back as a new incarnation
     REVOKED = "revoked"  # cut off by the founder (the node itself, or one admitted through it); ourselves too
+    REKEYED = "rekeyed"  # the founder rotated the admission secret (detail: the epoch); this node has the new one
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ def event_line(
         if node == me:
             return "[bold red]this node was revoked from the mesh by its founder: no member will take it again[/]"
         return f"[red]-[/] peer {who} revoked by the founder (itself, or the member that admitted it)"
+    if kind == EventKind.REKEYED:
+        return f"[yellow]the mesh's admission secret was rotated ({detail}): tokens minted before admit nobody now[/]"
     if kind == EventKind.REFUTED:
         return f"[yellow]was declared dead by a peer; back as {detail}[/]"
     return None

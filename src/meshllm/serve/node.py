@@ -231,6 +231,8 @@ class Node:
         assert self.net is not None and self.net.core is not None
         if ev.kind == EventKind.HOST:
             self.elections += 1
+        if ev.kind == EventKind.REKEYED:
+            publish_token(self.net, self.state, self.o.token_ttl_s, self.console)  # the old one admits nobody now
         conn = self.net.peers.get(ev.node)
         path = conn.path if conn else "not connected yet"
         rtt = self.net.core.rtt_ms.get(ev.node)
