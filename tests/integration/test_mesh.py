@@ -285,6 +285,8 @@ def test_scopes_decide_who_hosts_and_who_serves_layers(tmp_path: Path, tiny_mode
         for n in (a, b, c):
             assert n.status().get("host") == me_a, n.state.name
         assert waiting() == have, "c's memory went into the plan"
+        scopes = {p["short"]: p["scope"] for p in a.status()["peers"]}  # type: ignore[attr-defined, index]
+        assert scopes == {a.short(): "host", b.short(): "worker", c.short(): "client"}  # /mesh/status and status.json
     finally:
         for n in nodes:
             n.stop()

@@ -57,6 +57,7 @@ class Report:
             conn = self.net.peers.get(r.node)
             peers.append({
                 "node": r.node.hex(), "short": crypto.short(r.node), "name": r.name, "role": r.role,
+                "scope": str(r.scope),
                 "capacity": r.capacity,
                 "device": r.device, "state": r.state, "incarnation": r.incarnation,
                 "liveness": core.liveness(r.node, now).value,
