@@ -31,6 +31,7 @@ test *pytest_args="":
         "unit tests=={{bin}}/pytest -q -rs tests/unit {{pytest_args}}" \
         "simulation=={{bin}}/pytest -q -rs tests/sim {{pytest_args}}" \
         "integration tests=={{bin}}/pytest -q -rs tests/integration {{pytest_args}}" \
+        "security tests=={{bin}}/pytest -q -s -rs tests/security {{pytest_args}}" \
         "NAT lab=={{bin}}/pytest -q -s -rs tests/netns {{pytest_args}}"
 
 # Unit tests only (no binaries needed).

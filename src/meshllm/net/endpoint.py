@@ -127,11 +127,15 @@ def _peer_key(quic: QuicConnection) -> NodeId | None:
     return raw
 
 
-def _credentials(key: Ed25519PrivateKey) -> bytes:
-    """The node's self-signed certificate and its key, PEM, as qh3 loads them."""
-    cert = make_certificate(key).public_bytes(serialization.Encoding.PEM)
-    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    return cert + pem
+def load_identity(cfg: QuicConfiguration, key: Ed25519PrivateKey, cert: x509.Certificate | None = None) -> None:
+    """The node's self-signed certificate (``make_certificate``) and its key into a server configuration. Given as
+    two PEM texts: qh3 2.1 mangles a certificate and key in one text (the certificate's last line loses its newline;
+    a certificate whose base64 has no padding, about 1 in 180, then fails to load: "Incorrect padding")."""
+    cert_pem = (cert or make_certificate(key)).public_bytes(serialization.Encoding.PEM)
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    cfg.load_cert_chain(cert_pem, key_pem)
 
 
 class Stream:
@@ -512,7 +516,7 @@ class Endpoint:
             is_client=False, alpn_protocols=[ALPN], idle_timeout=IDLE_TIMEOUT_S, connection_id_length=CID_LEN,
             max_data=16 << 20, max_stream_data=4 << 20,
         )  # fmt: skip
-        self._server_cfg.load_cert_chain(_credentials(key))
+        load_identity(self._server_cfg, key)
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def open(self, host: str = "0.0.0.0", port: int = 0) -> Addr:
