@@ -478,7 +478,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         span = f"{layers[0]}-{layers[1]}" if layers else ""
         if isinstance(plan, dict) and p["node"] == plan.get("host"):
             span = f"{span} + output" if span else "output"  # the host's share always has the output layer
-        mem = f"{p['capacity'] / 1e9:.1f} GB {p.get('device') or ''}".strip() if p["capacity"] else "-"
+        used = p.get("planned_bytes")  # what the plan puts there, of what the node offers
+        share = f"{used / 1e9:.1f}/" if used else ""
+        mem = f"{share}{p['capacity'] / 1e9:.1f} GB {p.get('device') or ''}".strip() if p["capacity"] else "-"
         state = p["state"] if p["liveness"] == "alive" else f"{p['state']} ({p['liveness']})"
         name = str(p.get("name") or "")[:12]  # a second line under the id: the hostname or --name
         t.add_row(

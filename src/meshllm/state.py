@@ -3,7 +3,10 @@ one that names them; everything is written atomically (a temporary file, then re
 
     (the dir)          made 0700
     key                Ed25519 private key, raw 32 bytes                        0600, checked on load
-    mesh.json          mesh id, admission secret, admission chain, incarnation  0600, checked on load
+    mesh.json          mesh id, admission secret (+ epoch, the founder's        0600, checked on load
+                       signature of it, earlier secrets), chain, incarnation
+    revoked            the founder's revocations this node knows (all members)  0600, checked on load
+    rekey              founder: the new secret `mesh-llm rotate` made           0600, checked on load
     token              the latest invite token this node minted                 0600
     api-key            the generated API key of a --listen-all node             0600
     node.json          the addresses this node listens on / members see it at   0600

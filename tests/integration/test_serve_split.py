@@ -162,6 +162,12 @@ def test_status_command_shows_both_model_nodes(mesh: dict[str, NodeProc]) -> Non
     r2 = subprocess.run([sys.executable, "-m", "meshllm.cli", "status", "--state-dir", str(mesh["a"].state)],
                         capture_output=True, text=True, timeout=30, env=env)  # fmt: skip
     assert r2.returncode == 0 and "+ output" in r2.stdout and "…" not in r2.stdout, r2.stderr + r2.stdout
+    # [face] memory the plan uses of what each node offers, where the plan gives it a share
+    st = json.loads((mesh["a"].state / "status.json").read_text())
+    shares = {p["short"]: p["planned_bytes"] for p in st["peers"] if p.get("layers") or p["role"] == "host"}
+    assert shares and all(isinstance(b, int) and b > 0 for b in shares.values()), st["peers"]
+    for short, used in shares.items():
+        assert f"{used / 1e9:.1f}/" in next(x for x in r2.stdout.splitlines() if x.startswith(short)), r2.stdout
 
 
 def test_concurrent_requests_from_two_nodes(mesh: dict[str, NodeProc]) -> None:

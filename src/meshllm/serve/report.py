@@ -69,6 +69,7 @@ class Report:
                 "tunnel": self.hosting.tunnel_counts(r.node),
                 "rpc_path": self.hosting.rpc_path_of(r.node) or None,  # host: how llama-server reaches it
                 "layers": layers_of(v.plan, r.node),
+                "planned_bytes": planned_bytes(v.plan, r.node),  # of its capacity, what the plan puts on it
             })  # fmt: skip
         p = v.plan
         plan_obj: object = None
@@ -146,6 +147,13 @@ class Report:
                     x.metric("mesh_llm_tunnel_bytes_received_total", "counter", "tunnel bytes received from the peer",
                              t[f"{kind}_received"], {**peer, "kind": kind})  # fmt: skip
         return x.text()
+
+
+def planned_bytes(plan: Plan | Waiting | None, node: NodeId) -> int | None:
+    """What the plan puts on ``node`` (weights, KV cache, compute buffers), None when it has no share."""
+    if isinstance(plan, Plan):
+        return next((a.bytes for a in plan.assignments if a.node == node), None)
+    return None
 
 
 def layers_of(plan: Plan | Waiting | None, node: NodeId) -> list[int] | None:
