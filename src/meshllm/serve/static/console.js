@@ -18,7 +18,9 @@ function segment(p, plan) {
   d.innerHTML = `<div class="id"></div><div class="sub"></div><div class="sub"></div>`;
   d.children[0].textContent = `${p.name || p.short} · ${kind}${suspect ? " · not heard from" : ""}`;
   const dev = p.device && p.capacity ? ` (${p.device})` : "";
-  d.children[1].textContent = `${layers} · ${p.capacity ? gb(p.capacity) : "no capacity"}${dev}`;
+  const used = p.planned_bytes ? `${gb(p.planned_bytes)} of ` : "";  // what the plan puts there, of what it offers
+  const scope = p.scope && p.scope !== "host" ? ` · ${p.scope} scope` : "";
+  d.children[1].textContent = `${layers} · ${p.capacity ? used + gb(p.capacity) : "no capacity"}${dev}${scope}`;
   d.children[2].textContent = `${path}${rtt}`;
   return d;
 }
