@@ -50,3 +50,34 @@ def test_missing_or_damaged_addresses_are_one_line(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="damaged"):
         s.load_addrs(tmp_path)
     assert s.load_token(tmp_path) is None and not s.has_node(tmp_path)
+
+
+def test_a_planted_file_or_link_is_never_written_through_and_an_open_dir_is_closed(tmp_path: Path) -> None:
+    """[trust] low findings: a file planted at the temporary name left `token` world-writable; a 0777 state dir was
+    kept as is."""
+    import os
+
+    d = tmp_path / "node"
+    d.mkdir(mode=0o777)
+    d.chmod(0o777)
+    victim = tmp_path / "victim"
+    victim.write_text("untouched")
+    tmp = d / f".token.{os.getpid()}.tmp"
+    tmp.symlink_to(victim)  # a link planted where the temporary file goes
+    s.save_token(d, "TOKEN")
+    assert victim.read_text() == "untouched" and mode(d / "token") == 0o600 and s.load_token(d) == "TOKEN"
+    assert mode(d) == 0o700
+    planted = d / f".token.{os.getpid()}.tmp"
+    planted.write_text("x")
+    planted.chmod(0o666)  # a world-writable file planted there: replaced by a new 0600 one
+    s.save_token(d, "TOKEN2")
+    assert mode(d / "token") == 0o600 and s.load_token(d) == "TOKEN2" and not planted.exists()
+
+
+def test_a_shared_folder_is_refused_not_closed(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # like /tmp: closing it would break everyone else's use of it
+    with pytest.raises(UserError, match="others can write to"):
+        s.save_token(shared, "TOKEN")
+    assert mode(shared) == 0o1777
