@@ -159,6 +159,11 @@ def main() -> None:
         action="store_true",
         help="instead: nodes with several GPUs (a 2-GPU solo node; a 2-GPU worker under a 1-GPU host)",
     )
+    ap.add_argument(
+        "--quad",
+        action="store_true",
+        help="instead (4 GPUs): a 2-GPU host and a 2-GPU worker, next to stock RPC with the same four-device split",
+    )
     args = ap.parse_args()
     work: Path = args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -241,6 +246,9 @@ def main() -> None:
         wait_tcp_ready(c, port, 60)
         return c, f"127.0.0.1:{port}"
 
+    if args.quad:
+        quad(run_mesh, server, rpc_server, args.tokens, args.runs)
+        return
     if args.multi:
         multi(run_mesh, server, rpc_server, args.tokens, args.runs)
         return
@@ -351,6 +359,32 @@ def multi(run_mesh: Any, server: Any, rpc_server: Any, tokens: int, runs: int) -
         worker.stop()
     rows.append(("llama.cpp in one process, 2 GPUs, -sm layer", server("inproc2", "0,1", [], [], ("-sm", "layer"))))
     stock = rows[2][1]
+    print(f"\n# {tokens} greedy tokens, median of {runs}, llama-server's decode timing")
+    print("| setup | tok/s | ÷ stock RPC same split |\n|---|---:|---:|")
+    for name, val in rows:
+        print(f"| {name} | {val:.1f} | {val / stock:.2f} |")
+
+
+def quad(run_mesh: Any, server: Any, rpc_server: Any, tokens: int, runs: int) -> None:
+    """Two nodes of two GPUs each (GPUs 0,1 the host's, 2,3 the worker's; the worker capped below the host so the host
+    is elected and the model splits over all four), next to stock llama.cpp RPC with the same four devices and split
+    (llama-server on GPUs 0,1 in-process, an rpc-server with --device CUDA0,CUDA1 on GPUs 2,3, plain TCP) and
+    in-process llama.cpp on all four GPUs."""
+    rows: list[tuple[str, float]] = []
+    v, st = run_mesh("2x2", "auto", [("0,1", 3.5), ("2,3", 3.0)])
+    plan = st["plan"]
+    print(f"split plan: {plan}")
+    split = [float(x) for x in plan["tensor_split"]]
+    rows.append((f"mesh-llm: 2-GPU host + 2-GPU worker, direct path, tensor split {plan['tensor_split']}", v))
+    worker, at = rpc_server("rpc-2gpu", "2,3", "CUDA0,CUDA1")
+    try:
+        rows.append(
+            ("stock RPC: the same four devices and split, direct TCP", server("stock-4dev", "0,1", [at], split))
+        )
+    finally:
+        worker.stop()
+    rows.append(("llama.cpp in one process, 4 GPUs, -sm layer", server("inproc4", "0,1,2,3", [], [], ("-sm", "layer"))))
+    stock = rows[1][1]
     print(f"\n# {tokens} greedy tokens, median of {runs}, llama-server's decode timing")
     print("| setup | tok/s | ÷ stock RPC same split |\n|---|---:|---:|")
     for name, val in rows:
