@@ -359,6 +359,10 @@ def multi(run_mesh: Any, server: Any, rpc_server: Any, tokens: int, runs: int) -
         worker.stop()
     rows.append(("llama.cpp in one process, 2 GPUs, -sm layer", server("inproc2", "0,1", [], [], ("-sm", "layer"))))
     stock = rows[2][1]
+    _versus_stock(rows, stock, tokens, runs)
+
+
+def _versus_stock(rows: list[tuple[str, float]], stock: float, tokens: int, runs: int) -> None:
     print(f"\n# {tokens} greedy tokens, median of {runs}, llama-server's decode timing")
     print("| setup | tok/s | ÷ stock RPC same split |\n|---|---:|---:|")
     for name, val in rows:
@@ -385,10 +389,7 @@ def quad(run_mesh: Any, server: Any, rpc_server: Any, tokens: int, runs: int) ->
         worker.stop()
     rows.append(("llama.cpp in one process, 4 GPUs, -sm layer", server("inproc4", "0,1,2,3", [], [], ("-sm", "layer"))))
     stock = rows[1][1]
-    print(f"\n# {tokens} greedy tokens, median of {runs}, llama-server's decode timing")
-    print("| setup | tok/s | ÷ stock RPC same split |\n|---|---:|---:|")
-    for name, val in rows:
-        print(f"| {name} | {val:.1f} | {val / stock:.2f} |")
+    _versus_stock(rows, stock, tokens, runs)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -27,6 +27,9 @@ from meshllm import __version__
 from meshllm.errors import UserError
 from meshllm.llama.build import Binaries, BuildPlan
 from meshllm.proto.reach import RelayMode
+
+if TYPE_CHECKING:
+    from meshllm.state import Membership
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -235,18 +238,27 @@ def cmd_token(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_revoke(args: argparse.Namespace) -> int:
-    import json
-
+def _founder_state(state: Path | None) -> tuple[Path, Membership]:
+    """The state dir named (or the default) and its membership; one line when it holds none. Whether the node there
+    founded the mesh is checked where the founder's key signs (``revoke``, ``make_rekey``)."""
     from meshllm.paths import state_dir
-    from meshllm.proto import crypto
-    from meshllm.proto import token as tok
-    from meshllm.state import has_node, load_membership, load_or_create_key, load_revocations, save_revocations
+    from meshllm.state import has_node, load_membership
 
-    sd = state_dir(args.state_dir)
+    sd = state_dir(state)
     m = load_membership(sd) if has_node(sd) else None
     if m is None:
         raise UserError(f"no mesh member in {sd}: run this where the mesh's founder keeps its state (--state-dir)")
+    return sd, m
+
+
+def cmd_revoke(args: argparse.Namespace) -> int:
+    import json
+
+    from meshllm.proto import crypto
+    from meshllm.proto import token as tok
+    from meshllm.state import load_or_create_key, load_revocations, save_revocations
+
+    sd, m = _founder_state(args.state_dir)
     key = load_or_create_key(sd)
     text = args.node.strip().lower()
     known: list[str] = []
@@ -275,15 +287,11 @@ def cmd_revoke(args: argparse.Namespace) -> int:
 
 
 def cmd_rotate(args: argparse.Namespace) -> int:
-    from meshllm.paths import state_dir
     from meshllm.proto.auth import make_rekey
     from meshllm.proto.token import SECRET_LEN
-    from meshllm.state import has_node, load_membership, load_or_create_key, load_rekey, save_rekey
+    from meshllm.state import load_or_create_key, load_rekey, save_rekey
 
-    sd = state_dir(args.state_dir)
-    m = load_membership(sd) if has_node(sd) else None
-    if m is None:
-        raise UserError(f"no mesh member in {sd}: run this where the mesh's founder keeps its state (--state-dir)")
+    sd, m = _founder_state(args.state_dir)
     pending = load_rekey(sd)
     epoch = max(m.epoch, pending[1] if pending else 0) + 1
     try:
