@@ -26,6 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from meshllm import __version__
 from meshllm.errors import UserError
 from meshllm.llama.build import Binaries, BuildPlan
+from meshllm.proto import token as tok
 from meshllm.proto.reach import RelayMode
 
 if TYPE_CHECKING:
@@ -49,6 +50,13 @@ def parse_duration(text: str) -> float:
     seconds = float(m.group(1)) * {"d": 86400, "h": 3600, "m": 60, "s": 1, "": 1}[m.group(2)]
     if not 0 < seconds <= 10 * 365 * 86400:
         raise argparse.ArgumentTypeError(f"duration {text!r} must be more than 0 and at most 10 years")
+    return seconds
+
+
+def admission(text: str) -> float:
+    seconds = parse_duration(text)
+    if seconds > tok.MAX_ADMIT_S:
+        raise argparse.ArgumentTypeError(f"--admission {text!r}: at most {tok.MAX_ADMIT_S // 86400}d")
     return seconds
 
 
@@ -191,6 +199,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     opts = NodeOptions(
         model=args.model, client=args.client, join=tokens, state_dir=args.state_dir, bind_host=args.bind_host,
         bind_port=args.bind_port, advertise=args.advertise or [], token_ttl_s=args.token_ttl,
+        admission_s=args.admission,
         relay=args.relay, relay_mode=args.relay_mode,
         max_vram_gb=args.max_vram, ctx_size=args.ctx_size, tensor_split=args.tensor_split, port=args.port,
         listen_all=args.listen_all, api_key=api_key, bins=bins, auto_model=auto, models_dir=args.models_dir,
@@ -220,7 +229,6 @@ def cmd_token(args: argparse.Namespace) -> int:
 
     from meshllm.net.meshnet import mint_scoped
     from meshllm.paths import state_dir
-    from meshllm.proto import token as tok
     from meshllm.state import has_node, load_addrs, load_membership, load_or_create_key, save_token
 
     sd = state_dir(args.state_dir)
@@ -255,7 +263,6 @@ def cmd_revoke(args: argparse.Namespace) -> int:
     import json
 
     from meshllm.proto import crypto
-    from meshllm.proto import token as tok
     from meshllm.state import load_or_create_key, load_revocations, save_revocations
 
     sd, m = _founder_state(args.state_dir)
@@ -536,6 +543,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="never relay for other members",
     )
     p.add_argument("--token-ttl", type=parse_duration, default=86400.0, metavar="DURATION", help="default 1d")
+    p.add_argument("--admission", type=admission, default=tok.ADMIT_S, metavar="DURATION",
+                   help="how long a member this node admits (or renews) stays in unless renewed; members in good "
+                        f"standing renew themselves at half time (default {tok.ADMIT_S // 86400}d, at most "
+                        f"{tok.MAX_ADMIT_S // 86400}d)")  # fmt: skip
     p.add_argument("--max-vram", type=gigabytes, metavar="GB", help="cap the memory this node offers")
     p.add_argument("--ctx-size", type=ctx_size, default=4096, metavar="N", help="context size (default 4096)")
     p.add_argument("--tensor-split", type=parse_split, metavar="P,P,...", help="override the split plan")

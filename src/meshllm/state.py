@@ -125,12 +125,12 @@ def load_membership(state: Path) -> Membership | None:
     check_private(path)
     try:
         d = json.loads(path.read_text())
-        if any(len(link) == 5 for link in d["chain"]):
-            raise UserError(f"{path} is from an older mesh-llm (admission without scopes): move it away, then start "
-                            "a new mesh or join again with a new token")  # fmt: skip
+        if any(len(link) != 7 for link in d["chain"]):
+            raise UserError(f"{path} is from an older mesh-llm (admission without scopes or ends): move it away, "
+                            "then start a new mesh or join again with a new token")  # fmt: skip
         chain = [
-            (bytes.fromhex(m), bytes.fromhex(n), bytes.fromhex(b), int(at), int(sc), bytes.fromhex(s))
-            for m, n, b, at, sc, s in d["chain"]
+            (bytes.fromhex(m), bytes.fromhex(n), bytes.fromhex(b), int(at), int(until), int(sc), bytes.fromhex(s))
+            for m, n, b, at, until, sc, s in d["chain"]
         ]
         return Membership(
             mesh_id=bytes.fromhex(d["mesh_id"]),
@@ -149,7 +149,7 @@ def save_membership(state: Path, m: Membership) -> None:
     d = {
         "mesh_id": m.mesh_id.hex(),
         "secret": base64.b64encode(m.secret).decode(),
-        "chain": [[mid.hex(), n.hex(), b.hex(), at, sc, s.hex()] for mid, n, b, at, sc, s in m.chain],
+        "chain": [[mid.hex(), n.hex(), b.hex(), at, until, sc, s.hex()] for mid, n, b, at, until, sc, s in m.chain],
         "incarnation": m.incarnation,
         "epoch": m.epoch,
         "rekey_sig": m.rekey_sig.hex(),

@@ -192,7 +192,7 @@ def test_slots_for_takes_the_nodes_with_the_model_and_the_hosts_rtts() -> None:
     from meshllm.proto.token import Scope
 
     def chain(scope: Scope) -> tuple[tuple[bytes, bytes, bytes, int, int, bytes], ...]:
-        return ((b"", b"", b"", 0, int(scope), b""),)  # slots_for reads the scope; gossip verified the chain
+        return ((b"", b"", b"", 0, 0, int(scope), b""),)  # slots_for reads the scope; gossip verified the chain
 
     ids = [bytes([i]) * 32 for i in range(6)]
     same, other = ModelFacts("aa", 1, 18, "m"), ModelFacts("bb", 1, 18, "m")

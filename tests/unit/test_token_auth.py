@@ -90,7 +90,7 @@ def test_admission_chains(mesh: dict[str, object]) -> None:
     outsider = crypto.new_key()
     fake = tok.admit(outsider, tok.found(outsider, NOW), crypto.node_id(b), NOW)
     assert tok.verify_chain(fake, crypto.node_id(b), mid) is not None  # type: ignore[arg-type]
-    forged = [*chain, (mid, crypto.node_id(b), founder, int(NOW), 2, b"\0" * 64)]  # type: ignore[misc]
+    forged = [*chain, (mid, crypto.node_id(b), founder, int(NOW), int(NOW) + 60, 2, b"\0" * 64)]  # type: ignore[misc]
     assert "bad signature" in (tok.verify_chain(forged, crypto.node_id(b), mid) or "")  # type: ignore[arg-type]
     assert tok.verify_chain(tok.chain_from_wire(tok.chain_to_wire(cb)), crypto.node_id(b), mid) is None  # type: ignore[arg-type]
 
@@ -188,13 +188,13 @@ def test_scopes_narrow_along_the_chain_and_bound_what_a_token_admits(mesh: dict[
     h = crypto.new_key()
     with pytest.raises(ValueError, match="cannot admit"):
         tok.admit(w, cw, crypto.node_id(h), NOW, tok.Scope.HOST)
-    wider = [*cw, tok._link(w, mid, crypto.node_id(h), int(NOW), tok.Scope.HOST)]  # type: ignore[arg-type]
+    wider = [*cw, tok._link(w, mid, crypto.node_id(h), int(NOW), int(NOW) + 60, tok.Scope.HOST)]  # type: ignore[arg-type]
     assert "wider than its signer's" in (tok.verify_chain(wider, crypto.node_id(h), mid) or "")  # type: ignore[arg-type]
-    narrower = [*cw, tok._link(w, mid, crypto.node_id(h), int(NOW), tok.Scope.CLIENT)]  # type: ignore[arg-type]
+    narrower = [*cw, tok._link(w, mid, crypto.node_id(h), int(NOW), int(NOW) + 60, tok.Scope.CLIENT)]  # type: ignore[arg-type]
     assert tok.verify_chain(narrower, crypto.node_id(h), mid) is None  # type: ignore[arg-type]
     # a link's scope altered after signing
-    m0, n0, b0, at0, _, sig0 = cw[-1]
-    assert "bad signature" in (tok.verify_chain([*chain, (m0, n0, b0, at0, 2, sig0)], n0, mid) or "")  # type: ignore[arg-type, list-item]
+    m0, n0, b0, at0, u0, _, sig0 = cw[-1]
+    assert "bad signature" in (tok.verify_chain([*chain, (m0, n0, b0, at0, u0, 2, sig0)], n0, mid) or "")  # type: ignore[arg-type, list-item]
     # a host token minted by the worker (its own key, the real secret): refused by the founder
     host_t = tok.mint(w, mid, mesh["secret"], [], NOW, 3600, tok.Scope.HOST)  # type: ignore[arg-type]
     why = _handshake(mesh, h, token=host_t, members={crypto.node_id(w): tok.Scope.WORKER})[1]
@@ -264,3 +264,95 @@ def test_a_rotated_secret_refuses_old_tokens_and_keeps_members(mesh: dict[str, o
     assert _handshake(rotated, member, chain=cm, secret=old, previous=[old])[0]  # type: ignore[list-item]
     # ... but an old token never gets in that way
     assert not _handshake(rotated, crypto.new_key(), token=old_token, previous=[old])[0]  # type: ignore[list-item]
+
+
+def test_an_admission_ends_unless_renewed(mesh: dict[str, object]) -> None:
+    """[trust] audit finding 4: a node admitted with a 1-second token still authenticated years later. An admission
+    now holds for its span, a chain no longer than its shortest link, and nobody signs past their own end."""
+    key, chain, mid = mesh["key"], mesh["chain"], mesh["mesh_id"]
+    a, b, s = crypto.new_key(), crypto.new_key(), crypto.new_key()
+    na, nb = crypto.node_id(a), crypto.node_id(b)
+    ca = tok.admit(key, chain, na, NOW, ttl_s=100)  # type: ignore[arg-type]
+    assert tok.verify_chain(ca, na, mid, NOW + 99) is None  # type: ignore[arg-type]
+    assert "admission expired" in (tok.verify_chain(ca, na, mid, NOW + 100) or "")  # type: ignore[arg-type]
+    assert _handshake(mesh, a, chain=ca, now=NOW + 50)[0]
+    ok, why = _handshake(mesh, a, chain=ca, now=NOW + 101)
+    assert not ok and "admission expired" in why
+    assert not tok.needs_renewal(ca, NOW + 49) and tok.needs_renewal(ca, NOW + 50)
+    assert not tok.needs_renewal(chain, NOW + 10**9)  # type: ignore[arg-type]  # the founder's own never ends
+    # b admitted by a for 1000 s holds only as long as a does
+    cb = tok.admit(a, ca, nb, NOW + 10, ttl_s=1000)
+    assert tok.chain_until(cb) == NOW + 100
+    assert not _handshake(mesh, b, chain=cb, now=NOW + 150)[0]
+    # a, out since NOW + 100, signs a link dated back into its span: it ends with a's
+    backdated = [*ca, tok._link(a, mid, crypto.node_id(s), int(NOW + 99), int(NOW + 99 + tok.MAX_ADMIT_S),  # type: ignore[arg-type]
+                                tok.Scope.HOST)]  # fmt: skip
+    assert "admission expired" in (tok.verify_chain(backdated, crypto.node_id(s), mid, NOW + 200) or "")  # type: ignore[arg-type]
+    # a link signed after its signer's end, or one longer than the cap, is refused whatever the time
+    late = [*ca, tok._link(a, mid, crypto.node_id(s), int(NOW + 150), int(NOW + 160), tok.Scope.HOST)]  # type: ignore[arg-type]
+    assert "not in force" in (tok.verify_chain(late, crypto.node_id(s), mid) or "")  # type: ignore[arg-type]
+    long = [*chain, tok._link(key, mid, na, int(NOW), int(NOW + tok.MAX_ADMIT_S + 1), tok.Scope.HOST)]  # type: ignore[arg-type, list-item]
+    assert "holds longer" in (tok.verify_chain(long, na, mid) or "")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="at most"):
+        tok.admit(key, chain, na, NOW, ttl_s=tok.MAX_ADMIT_S + 1)  # type: ignore[arg-type]
+    # a joiner admitted by a member whose own admission ended is refused by that member
+    ok, why = _handshake(mesh, s, token=tok.mint(a, mid, mesh["secret"], [], NOW + 101, 60), listener_key=a,  # type: ignore[arg-type]
+                         listener_chain=ca, members={crypto.node_id(key): tok.Scope.HOST}, now=NOW + 101)  # type: ignore[arg-type]  # fmt: skip
+    assert not ok and "own admission has ended" in why
+
+
+def test_renewal_is_for_members_in_good_standing(mesh: dict[str, object]) -> None:
+    key, chain, mid = mesh["key"], mesh["chain"], mesh["mesh_id"]
+    a, b = crypto.new_key(), crypto.new_key()
+    na, nb = crypto.node_id(a), crypto.node_id(b)
+    ca = tok.admit(key, chain, na, NOW, ttl_s=100)  # type: ignore[arg-type]
+    cb = tok.admit(a, ca, nb, NOW, ttl_s=100, scope=tok.Scope.WORKER)
+    renewed = tok.renew(key, chain, nb, cb, mid, set(), NOW + 60, ttl_s=100)  # type: ignore[arg-type]
+    assert tok.chain_until(renewed) == NOW + 160 and len(renewed) == 2  # the founder's renewal: a shorter chain
+    assert tok.chain_scope(renewed) == tok.Scope.WORKER  # the scope it had, never wider
+    with pytest.raises(ValueError, match="revoked"):
+        tok.renew(key, chain, nb, cb, mid, {na}, NOW + 60)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="admission expired"):
+        tok.renew(key, chain, nb, cb, mid, set(), NOW + 100)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="ends sooner"):  # a cannot make b's admission last beyond its own
+        tok.renew(a, ca, nb, renewed, mid, set(), NOW + 70)
+    assert tok.better_renewer(chain) > tok.better_renewer(ca)  # type: ignore[arg-type]
+
+
+def test_members_renew_through_the_core_and_one_left_unrenewed_is_dropped(mesh: dict[str, object]) -> None:
+    """Two MeshCores (the founder and a member admitted for 100 s) exchange what they return: the member asks at
+    half time and takes the renewal; a third member nobody renews is dropped from the founder's table at its end."""
+    from meshllm.proto.gossip import GossipPush
+    from meshllm.proto.meshcore import EventKind, MeshCore
+
+    key, chain, mid = mesh["key"], mesh["chain"], mesh["mesh_id"]
+    a, c = crypto.new_key(), crypto.new_key()
+    na, nc, nf = crypto.node_id(a), crypto.node_id(c), crypto.node_id(key)  # type: ignore[arg-type]
+    f_core = MeshCore(key=key, mesh_id=mid, chain=chain, incarnation=1, now=0.0, admit_s=100)  # type: ignore[arg-type]
+    a_core = MeshCore(key=a, mesh_id=mid, chain=tok.admit(key, chain, na, NOW, ttl_s=100), incarnation=1, now=0.0)  # type: ignore[arg-type]
+    c_core = MeshCore(key=c, mesh_id=mid, chain=tok.admit(key, chain, nc, NOW, ttl_s=100), incarnation=1, now=0.0)  # type: ignore[arg-type]
+    cores = {nf: f_core, na: a_core}
+
+    def deliver(sender: bytes, out: list[tuple[bytes, object]], now: float) -> None:
+        for peer, msg in out:
+            if peer in cores:
+                deliver(peer, cores[peer].on_message(sender, msg, now), now)  # type: ignore[arg-type]
+
+    deliver(nf, f_core.on_connected(na, 0.0), 0.0)
+    deliver(na, a_core.on_connected(nf, 0.0), 0.0)
+    f_core.on_message(nc, GossipPush(records=[c_core.record.to_wire(c)]), 0.0)
+    assert {na, nc} <= set(f_core.table.entries)
+    assert not [m for _, m in a_core.tick(1.0, NOW + 10)]  # not half over: nothing asked
+    deliver(nf, f_core.tick(1.5, NOW + 54), 1.5)  # the founder renews by its own clock
+    deliver(na, a_core.tick(2.0, NOW + 55), 2.0)
+    assert tok.chain_until(a_core.chain) == NOW + 154 and len(a_core.chain) == 2
+    assert any(e.kind == EventKind.RENEWED for e in a_core.events)
+    assert f_core.table.entries[na].record.chain == tuple(a_core.chain)  # its new record reached the founder
+    f_core.tick(3.0, NOW + 101)
+    assert nc not in f_core.table.entries and na in f_core.table.entries
+    assert any(e.kind == EventKind.EXPIRED and e.node == nc for e in f_core.events)
+    # c's record offered again after its end is refused
+    dropped = f_core.table.merge_push(GossipPush(records=[c_core.record.to_wire(c)]), 4.0).dropped
+    assert nc not in f_core.table.entries and "admission expired" in dropped[0]
+    c_core.tick(5.0, NOW + 101)
+    assert any(e.kind == EventKind.EXPIRED and e.node == nc for e in c_core.events)  # it knows it is out

@@ -94,8 +94,10 @@ class MeshNet:
         advertise: list[str] | None = None,
         relay: RelayMode = RelayMode.AUTO,
         relay_hint: str | None = None,
+        admit_s: float = tok.ADMIT_S,
     ) -> None:
         self.key = key
+        self.admit_s = admit_s  # how long the admissions we sign hold (--admission)
         self.me = crypto.node_id(key)
         self.m = membership
         self.state_dir = state_dir
@@ -155,7 +157,8 @@ class MeshNet:
         self.nat.on_control(data, addr)
 
     def _make_core(self, m: Membership) -> MeshCore:
-        self.core = MeshCore(key=self.key, mesh_id=m.mesh_id, chain=m.chain, incarnation=m.incarnation, now=self.now)
+        self.core = MeshCore(key=self.key, mesh_id=m.mesh_id, chain=m.chain, incarnation=m.incarnation, now=self.now,
+                             admit_s=self.admit_s)  # fmt: skip
         first: RecordUpdate = {"addrs": tuple(self.all_addrs), **self._pending_fields}
         self.core.update(self.now, **first)
         return self.core
@@ -227,7 +230,7 @@ class MeshNet:
                 await asyncio.sleep(TICK_S)
                 continue
             now = self.now
-            self.send(self.core.tick(now))
+            self.send(self.core.tick(now, self.wall()))
             for rec in self.core.wants_to_dial(now):
                 if rec.node not in self._dialling:
                     self._spawn(self._dial_member(rec.node, list(rec.addrs)))
@@ -297,7 +300,10 @@ class MeshNet:
         if self.core is None:
             return
         for ev in self.core.events:
-            if ev.kind in ("died", "left", "revoked") and ev.node in self.peers:
+            if ev.kind == EventKind.RENEWED and self.m is not None:
+                self.m.chain = list(self.core.chain)
+                save_membership(self.state_dir, self.m)
+            if ev.kind in ("died", "left", "revoked", "expired") and ev.node in self.peers:
                 self.peers[ev.node].close(f"peer {ev.kind}")  # if it lives, it refutes and reconnects
             self.emit(MeshEvent(ev.kind, ev.node, ev.detail))
         self.core.events.clear()
@@ -358,14 +364,14 @@ class MeshNet:
         if not isinstance(ans, AuthWelcome):
             raise RemoteProtocolError("expected welcome or refusal")
         chain = tok.chain_from_wire(ans.chain)
-        why = tok.verify_chain(chain, self.me, mesh_id)
+        why = tok.verify_chain(chain, self.me, mesh_id, self.wall())
         if why is not None:
             raise RemoteProtocolError(f"welcome with an invalid admission chain: {why}")
         return chain
 
     async def join(self, token: tok.Token) -> None:
         """Connect to the token's issuer; as a joiner (token) unless we are already a member of its mesh."""
-        as_member = self.m is not None and self.m.mesh_id == token.mesh_id
+        as_member = self.m is not None and self.m.mesh_id == token.mesh_id and self.admitted()
         conn = await self.dial_any(token.issuer, list(token.addrs))
         try:
             chain = await asyncio.wait_for(
@@ -435,7 +441,7 @@ class MeshNet:
         v = check_proof(
             key=self.key, my_chain=self.m.chain, mesh_id=self.m.mesh_id, secret=self.m.secret, hello=hello,
             nonce=nonce, proof=proof, scope_of=self.core.table.scope_of, revoked=self.core.table.revoked,
-            previous=self.m.previous, now=self.wall(),
+            previous=self.m.previous, now=self.wall(), admit_s=self.admit_s,
         )  # fmt: skip
         if not v.ok:
             self._refused(conn, hello.dialler, v.reason)
@@ -525,6 +531,10 @@ class MeshNet:
                 self.core.on_disconnected(node, self.now)
 
     # ---------------------------------------------------------------- tokens
+
+    def admitted(self) -> bool:
+        """Whether our admission holds now (it ends unless renewed: token.py)."""
+        return self.m is not None and self.wall() < tok.chain_until(self.m.chain)
 
     def mint_token(self, ttl_s: float, scope: tok.Scope | None = None) -> tok.Token:
         """An invite token of ``scope`` (default: our own, the widest we may give)."""

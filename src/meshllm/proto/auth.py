@@ -164,6 +164,7 @@ def check_proof(
     revoked: Container[NodeId] = frozenset(),  # nodes the founder revoked
     previous: Sequence[bytes] = (),  # secrets before the last rotations: a member may still prove with one
     now: float,
+    admit_s: float = tok.ADMIT_S,  # how long the admission of a joiner holds (unless renewed)
 ) -> Verdict:
     """The listener's decision. Every check is made here, by the listener, whatever the dialler checked."""
     me = crypto.node_id(key)
@@ -187,7 +188,7 @@ def check_proof(
             chain = tok.chain_from_wire(proof.chain)
         except Exception:
             return _refuse("malformed admission chain")
-        why = tok.verify_chain(chain, hello.dialler, mesh_id)
+        why = tok.verify_chain(chain, hello.dialler, mesh_id, now)
         if why is not None:
             return _refuse(f"not a member: {why}")
         gone = tok.cut_off(chain, revoked)
@@ -216,5 +217,7 @@ def check_proof(
         return _refuse(f"token scope {t.scope} is wider than its issuer's ({issuer})")
     if t.scope > mine:
         return _refuse(f"this member is {mine}-scoped and cannot admit a {t.scope}: join through a {t.scope} member")
-    chain = tok.admit(key, my_chain, hello.dialler, now, t.scope)
+    if now >= tok.chain_until(my_chain):
+        return _refuse("this member's own admission has ended: join through another member")
+    chain = tok.admit(key, my_chain, hello.dialler, now, t.scope, admit_s)
     return Verdict(True, f"joined with a {t.scope} token", chain, joined=True)

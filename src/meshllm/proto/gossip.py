@@ -198,7 +198,7 @@ def record_from_wire(
     opened: tuple[bytes, bytes, dict[str, Any]] | None = None,
 ) -> PeerRecord:  # fmt: skip
     """Decode, verify the signature and the admission chain. RemoteProtocolError otherwise. ``chains_ok``
-    caches chains already verified (by their encoding), since a node's chain never changes; ``opened`` is the
+    caches chains already verified (by their encoding; a chain changes only when renewed, and its end is checked by the table); ``opened`` is the
     record already unpacked by :func:`open_record`."""
     body, sig, d = opened or open_record(raw)
     node = _field(d, "node", bytes)
@@ -293,6 +293,23 @@ class Pong(Message):
     t: float
 
 
+@message
+@dataclass(frozen=True)
+class RenewAsk(Message):
+    """A member whose admission is half over asks a peer whose own holds longer to renew it (token.renew)."""
+
+    TYPE = "admit.renew"
+
+
+@message
+@dataclass(frozen=True)
+class Renewal(Message):
+    """The answer: the asker's new admission chain (the renewer's plus a fresh link)."""
+
+    TYPE = "admit.renewal"
+    chain: list[Any] = field(default_factory=list)
+
+
 class Liveness(Enum):
     ALIVE = "alive"
     SUSPECT = "suspect"
@@ -315,6 +332,7 @@ class MergeResult:
     new_revocations: list[tok.Revocation] = field(default_factory=list)  # to forward (and keep on disk)
     cut: list[NodeId] = field(default_factory=list)  # members a revocation removed
     revoked_me: bool = False
+    expired: list[NodeId] = field(default_factory=list)  # members whose admission ended (not renewed in time)
     dropped: list[str] = field(default_factory=list)  # why, for logs
 
 
@@ -331,6 +349,7 @@ class Table:
         self.graveyard: dict[NodeId, PeerRecord] = {}  # last record of nodes declared dead, until forgotten
         self.my_incarnation = 0  # our own current life (MeshCore keeps it): only it can be buried
         self.revoked: dict[NodeId, tok.Revocation] = {}  # for good: never forgotten
+        self.wall: float | None = None  # wall time as of the last tick (admissions end at wall times); None: unchecked
 
     # -- merging
 
@@ -362,6 +381,9 @@ class Table:
         if gone is not None:
             res.dropped.append(f"record of {crypto.short(rec.node)}: its admission passes through revoked "
                                f"{crypto.short(gone)}")  # fmt: skip
+            return res
+        if self.wall is not None and self.wall >= tok.chain_until(rec.chain):
+            res.dropped.append(f"record of {crypto.short(rec.node)}: {tok.admission_ended(rec.chain, self.wall)}")
             return res
         old = self.entries.get(rec.node)
         if old is not None and (rec.incarnation, rec.seq) <= (old.record.incarnation, old.record.seq):
@@ -463,6 +485,19 @@ class Table:
         if age >= SUSPECT_AFTER_S:
             return Liveness.SUSPECT
         return Liveness.ALIVE
+
+    def drop_expired(self, res: MergeResult) -> None:
+        """Members whose admission ended (at ``self.wall``) are members no more: dropped like revoked ones."""
+        if self.wall is None:
+            return
+        for node, e in list(self.entries.items()):
+            if self.wall >= tok.chain_until(e.record.chain):
+                del self.entries[node]
+                res.changed.append(node)
+                res.expired.append(node)
+        for node, r in list(self.graveyard.items()):
+            if self.wall >= tok.chain_until(r.chain):
+                del self.graveyard[node]
 
     def expire(self, key: Ed25519PrivateKey, now: float) -> MergeResult:
         """Bury nodes silent for DEAD_AFTER_S (signed by us, to be gossiped); forget old tombstones."""

@@ -14,6 +14,7 @@ from typing import Unpack
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from meshllm.errors import RemoteProtocolError
 from meshllm.proto import crypto
 from meshllm.proto import token as tok
 from meshllm.proto.crypto import NodeId
@@ -28,6 +29,8 @@ from meshllm.proto.gossip import (
     Ping,
     Pong,
     RecordUpdate,
+    Renewal,
+    RenewAsk,
     Role,
     Table,
     Tombstone,
@@ -44,6 +47,7 @@ DIAL_FALLBACK_S = 8.0
 # a directly connected peer answers our pings every HEARTBEAT_S: silence this long means it is gone (faster than
 # waiting for its record to age out; a false alarm costs the peer one refutation)
 DIRECT_DEAD_S = 6.0
+RENEW_RETRY_S = 10.0  # a renewal asked for and not given: ask again (maybe another peer) after this long
 
 
 class EventKind(StrEnum):
@@ -54,6 +58,8 @@ class EventKind(StrEnum):
     REFUTED = "refuted"  # we were declared dead and came back as a new incarnation
     REVOKED = "revoked"  # cut off by the founder (the node itself, or one admitted through it); ourselves too
     REKEYED = "rekeyed"  # the founder rotated the admission secret (detail: the epoch); this node has the new one
+    RENEWED = "renewed"  # our admission was renewed by a peer (node: the renewer; detail: until when, unix s)
+    EXPIRED = "expired"  # a member's admission ended without renewal (ours too): it is out
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,7 @@ class MeshCore:
     chain: list[tok.Link]
     incarnation: int
     now: float
+    admit_s: float = tok.ADMIT_S  # how long the admissions we sign (renewals, token joins) hold
     me: NodeId = field(init=False)
     table: Table = field(init=False)
     record: PeerRecord = field(init=False)
@@ -83,6 +90,9 @@ class MeshCore:
     _apart: dict[NodeId, float] = field(default_factory=dict)  # known, not connected, since
     _heard: dict[NodeId, float] = field(default_factory=dict)  # last message from each connected peer
     _raw_self: bytes = b""
+    wall: float | None = None  # wall time as of the last tick (admissions end at wall times); None: not told yet
+    _renew_asked: float = -1e18
+    _expired_told: bool = False
 
     def __post_init__(self) -> None:
         self.me = crypto.node_id(self.key)
@@ -138,7 +148,66 @@ class MeshCore:
             before = set(self.table.entries)
             res = self.table.merge_push(msg, now)
             return self._after_merge(res, before, exclude=peer, now=now)
+        if isinstance(msg, RenewAsk):
+            return self._renew_for(peer)
+        if isinstance(msg, Renewal):
+            return self._take_renewal(peer, msg, now)
         return []
+
+    # ---------------------------------------------------------------- admission renewal
+
+    def _renew_for(self, peer: NodeId) -> Out:
+        """A peer asks us to renew its admission: granted only to a member in good standing (token.renew)."""
+        e = self.table.entries.get(peer)
+        if e is None or self.wall is None or self.record.left:
+            return []
+        try:
+            chain = tok.renew(self.key, self.chain, peer, e.record.chain, self.mesh_id, self.table.revoked, self.wall,
+                              self.admit_s)  # fmt: skip
+        except ValueError:
+            return []  # it asks another peer, or its admission ends
+        return [(peer, Renewal(chain=tok.chain_to_wire(chain)))]
+
+    def _take_renewal(self, peer: NodeId, msg: Renewal, now: float) -> Out:
+        """Our new admission chain, from the peer we asked: taken if it is ours, holds, keeps our scope and holds
+        longer than the one we have."""
+        if self.wall is None:
+            return []
+        try:
+            chain = tok.chain_from_wire(msg.chain)
+        except RemoteProtocolError:
+            return []
+        if (tok.verify_chain(chain, self.me, self.mesh_id, self.wall) is not None
+                or tok.chain_scope(chain) != tok.chain_scope(self.chain)
+                or tok.chain_until(chain) <= tok.chain_until(self.chain)):  # fmt: skip
+            return []
+        self.chain = chain
+        self._renew_asked = -1e18
+        self.events.append(Event(EventKind.RENEWED, peer, str(int(tok.chain_until(chain)))))
+        self.record = dataclasses.replace(self.record, seq=self.record.seq + 1, chain=tuple(chain))
+        self._sign()
+        self._last_beat = now
+        return self._to_all(GossipPush(records=[self._raw_self]))
+
+    def _renewal(self, now: float, wall: float) -> Out:
+        """Ask the best connected peer to renew our admission once half of it is over; say when it has ended."""
+        if wall >= tok.chain_until(self.chain):
+            if not self._expired_told:
+                self._expired_told = True
+                self.events.append(Event(EventKind.EXPIRED, self.me, tok.admission_ended(self.chain, wall)))
+            return []
+        if not tok.needs_renewal(self.chain, wall) or now - self._renew_asked < RENEW_RETRY_S:
+            return []
+        mine = tok.chain_scope(self.chain)
+        best = max(
+            (e.record for p in self.peers if (e := self.table.entries.get(p)) is not None and e.record.scope >= mine
+             and tok.chain_until(e.record.chain) > tok.chain_until(self.chain)),
+            key=lambda r: (tok.better_renewer(r.chain), r.node), default=None,
+        )  # fmt: skip
+        if best is None:
+            return []
+        self._renew_asked = now
+        return [(best.node, RenewAsk())]
 
     def revoke(self, revocations: list[tok.Revocation], now: float) -> Out:
         """Revocations the founder made on this machine (``mesh-llm revoke``): taken and gossiped like any."""
@@ -152,6 +221,8 @@ class MeshCore:
         out: Out = []
         for n in res.cut:
             self.events.append(Event(EventKind.REVOKED, n))
+        for n in res.expired:
+            self.events.append(Event(EventKind.EXPIRED, n))
         if res.revoked_me:
             self.events.append(Event(EventKind.REVOKED, self.me))
         after = set(self.table.entries)
@@ -179,8 +250,13 @@ class MeshCore:
 
     # ---------------------------------------------------------------- time
 
-    def tick(self, now: float) -> Out:
+    def tick(self, now: float, wall: float | None = None) -> Out:
+        """Heartbeats, deaths by silence; with ``wall`` (admissions end at wall times) also renewals and the
+        admissions that ended."""
         out: Out = []
+        if wall is not None:
+            self.wall = self.table.wall = wall
+            out += self._renewal(now, wall)
         if now - self._last_beat >= HEARTBEAT_S:
             rtt = {p: round(v, 2) for p, v in self.rtt_ms.items()}
             links = {p: v for p, v in self.links.items() if p in self.peers}
@@ -188,6 +264,7 @@ class MeshCore:
             out += [(p, Ping(t=now)) for p in sorted(self.peers)]
         before = set(self.table.entries)
         res = self.table.expire(self.key, now)
+        self.table.drop_expired(res)
         for p in sorted(self.peers):
             e = self.table.entries.get(p)
             if e is not None and now - self._heard.get(p, now) >= DIRECT_DEAD_S:

@@ -9,10 +9,15 @@ admission secret: whoever holds a valid token can prove it to a member (see auth
 the token itself — signature, issuer is a member, mesh, expiry, lifetime, scope — before admitting anyone.
 
 Admission chain (what makes a node a member, carried in its gossip record and its auth): a list of links
-``[mesh_id, node, by, at, scope, sig]``, each signed by ``by``. The first is the founder's self-link (``node ==
-by``, ``mesh_id == mesh_id_for(founder)``, scope host); each next link is signed by the node of the previous one and
-is no wider than it; the last names the member and its scope. So anyone can verify membership and scope without a
-member list, and an expired token admits nobody new.
+``[mesh_id, node, by, at, until, scope, sig]``, each signed by ``by``. The first is the founder's self-link (``node ==
+by``, ``mesh_id == mesh_id_for(founder)``, scope host, no end: the mesh is its founder's key); each next link is
+signed by the node of the previous one, while that one's admission was in force, and is no wider than it; the last
+names the member and its scope. So anyone can verify membership and scope without a member list, and an expired
+token admits nobody new.
+
+Admission expires: a link holds from ``at`` to ``until`` (at most MAX_ADMIT_S), and a chain holds while every link
+does. A member in good standing renews before then (``renew``: a peer whose own chain holds longer signs it a new
+last link); one that was away, or cut off, past its end is out, and the links it signed hold no longer than its own.
 
 Scopes, narrowest first: ``client`` (the API only: it serves no layers), ``worker`` (serves layers for a host, is
 never elected), ``host`` (may be elected host). A member mints tokens no wider than its own scope.
@@ -36,6 +41,9 @@ from meshllm.proto.wire import pack, unpack
 TOKEN_PREFIX = "mesh1."
 TOKEN_VERSION = 2
 MAX_TTL_S = 30 * 86400  # no token lives longer: a leaked one stops admitting within a month at most
+ADMIT_S = 14 * 86400  # how long an admission holds unless renewed (renewed once half of it is left)
+MAX_ADMIT_S = 30 * 86400  # no link holds longer, whoever signed it
+CLOCK_SKEW_S = 300  # how far apart members' clocks may be where one checks what another signed
 MAX_TOKEN_CHARS = 4096
 MAX_ADDRS = 16
 MAX_CHAIN = 64
@@ -159,71 +167,131 @@ def check(token: Token, now: float, mesh_id: bytes | None = None) -> Token:
 
 # ------------------------------------------------------------------------------------------ admission chains
 
-Link = tuple[bytes, NodeId, NodeId, int, int, bytes]  # mesh_id, node, by, at, scope, sig
+Link = tuple[bytes, NodeId, NodeId, int, int, int, bytes]  # mesh_id, node, by, at, until (0: the founder's), scope, sig
+NEVER = 0  # the founder's self-link has no end
 
 
-def _link_body(mesh_id: bytes, node: NodeId, by: NodeId, at: int, scope: int) -> bytes:
-    return pack([mesh_id, node, by, at, scope])
+def _link_body(mesh_id: bytes, node: NodeId, by: NodeId, at: int, until: int, scope: int) -> bytes:
+    return pack([mesh_id, node, by, at, until, scope])
 
 
-def _link(key: Ed25519PrivateKey, mesh_id: bytes, node: NodeId, at: int, scope: Scope) -> Link:
+def _link(key: Ed25519PrivateKey, mesh_id: bytes, node: NodeId, at: int, until: int, scope: Scope) -> Link:
     by = crypto.node_id(key)
-    return (
-        mesh_id,
-        node,
-        by,
-        at,
-        int(scope),
-        crypto.sign(key, crypto.D_ADMIT, _link_body(mesh_id, node, by, at, scope)),
-    )
+    body = _link_body(mesh_id, node, by, at, until, scope)
+    return (mesh_id, node, by, at, until, int(scope), crypto.sign(key, crypto.D_ADMIT, body))
 
 
 def found(key: Ed25519PrivateKey, now: float) -> list[Link]:
-    """The founder's chain: one self-signed link, scope host. The mesh id follows from the founder's key."""
+    """The founder's chain: one self-signed link, scope host, no end. The mesh id follows from the founder's key."""
     me = crypto.node_id(key)
-    return [_link(key, crypto.mesh_id_for(me), me, int(now), Scope.HOST)]
+    return [_link(key, crypto.mesh_id_for(me), me, int(now), NEVER, Scope.HOST)]
 
 
 def chain_scope(chain: list[Link] | tuple[Link, ...]) -> Scope:
     """The scope a (verified) chain gives its member: its last link's."""
-    return Scope(chain[-1][4]) if chain else Scope.CLIENT
+    return Scope(chain[-1][5]) if chain else Scope.CLIENT
+
+
+def chain_until(chain: list[Link] | tuple[Link, ...]) -> float:
+    """When a chain stops admitting its member: the earliest end of its links (inf: the founder's own)."""
+    return min((float(link[4]) for link in chain[1:]), default=float("inf"))
 
 
 def admit(key: Ed25519PrivateKey, own_chain: list[Link], joiner: NodeId, now: float,
-          scope: Scope = Scope.HOST) -> list[Link]:  # fmt: skip
-    """The joiner's chain: ours plus one link signed by us. ValueError for a scope wider than ours."""
+          scope: Scope = Scope.HOST, ttl_s: float = ADMIT_S) -> list[Link]:  # fmt: skip
+    """The joiner's chain: ours plus one link signed by us, holding ``ttl_s`` (no longer than ours holds: the
+    chain's end is its earliest link's). ValueError for a scope wider than ours or a lifetime over MAX_ADMIT_S."""
     if scope > chain_scope(own_chain):
         raise ValueError(f"a {chain_scope(own_chain)}-scoped member cannot admit a {scope}")
-    return [*own_chain, _link(key, own_chain[0][0], joiner, int(now), scope)]
+    if not 0 < ttl_s <= MAX_ADMIT_S:
+        raise ValueError(f"an admission holds at most {MAX_ADMIT_S // 86400} days")
+    at = int(now)
+    return [*own_chain, _link(key, own_chain[0][0], joiner, at, at + max(1, int(ttl_s)), scope)]
 
 
-def verify_chain(chain: object, subject: NodeId, mesh_id: bytes) -> str | None:
-    """None when ``chain`` proves ``subject`` a member of ``mesh_id``; else why not (for logs)."""
+def verify_chain(chain: object, subject: NodeId, mesh_id: bytes, now: float | None = None) -> str | None:
+    """None when ``chain`` proves ``subject`` a member of ``mesh_id`` (at ``now``: its admission has not ended;
+    None skips that one check, for a caller that checks ``chain_until`` itself); else why not (for logs)."""
     if not isinstance(chain, list) or not 1 <= len(chain) <= MAX_CHAIN:
         return "admission chain missing or too long"
-    prev: NodeId | None = None
-    widest = Scope.HOST
+    prev: Link | None = None
     for i, link in enumerate(chain):
-        if not (isinstance(link, list | tuple) and len(link) == 6):
+        if not _link_shape_ok(link):
             return f"link {i} malformed"
-        mid, node, by, at, scope, sig = link
-        if not (isinstance(mid, bytes) and isinstance(node, bytes) and isinstance(by, bytes)
-                and isinstance(at, int) and _is_scope(scope) and isinstance(sig, bytes)):  # fmt: skip
-            return f"link {i} malformed"
+        mid, node, by, at, until, scope, sig = link
         if mid != mesh_id:
             return f"link {i} is for another mesh"
-        if i == 0 and not (node == by and crypto.mesh_id_for(node) == mesh_id):
-            return "chain does not start at the mesh's founder"
-        if i > 0 and by != prev:
-            return f"link {i} not signed by the previous member"
-        if scope > widest:
-            return f"link {i} gives scope {Scope(scope)}, wider than its signer's {widest}"
-        if not crypto.verify(by, crypto.D_ADMIT, _link_body(mid, node, by, at, scope), sig):
+        if prev is None:
+            if not (node == by and crypto.mesh_id_for(node) == mesh_id and until == NEVER):
+                return "chain does not start at the mesh's founder"
+        else:
+            if by != prev[1]:
+                return f"link {i} not signed by the previous member"
+            if scope > prev[5]:
+                return f"link {i} gives scope {Scope(scope)}, wider than its signer's {Scope(prev[5])}"
+            if not at < until <= at + MAX_ADMIT_S:
+                return f"link {i} holds longer than {MAX_ADMIT_S // 86400} days"
+            if at + CLOCK_SKEW_S < prev[3] or (prev[4] != NEVER and at >= prev[4]):
+                return f"link {i} was signed when its signer's own admission was not in force"
+        if not crypto.verify(by, crypto.D_ADMIT, _link_body(mid, node, by, at, until, scope), sig):
             return f"link {i} has a bad signature"
-        prev, widest = node, Scope(scope)
-    if prev != subject:
+        prev = link
+    assert prev is not None
+    if prev[1] != subject:
         return "chain admits another node"
+    if now is not None:
+        if prev[3] > now + CLOCK_SKEW_S:
+            return "admission signed in the future (a clock far ahead?)"
+        if now >= chain_until(chain):
+            return admission_ended(chain, now)
     return None
+
+
+def admission_ended(chain: list[Link] | tuple[Link, ...], now: float) -> str:
+    return (f"admission expired {int(now - chain_until(chain))} s ago (not renewed in time): "
+            "join again with a new token")  # fmt: skip
+
+
+def _link_shape_ok(link: object) -> bool:
+    if not (isinstance(link, list | tuple) and len(link) == 7):
+        return False
+    mid, node, by, at, until, scope, sig = link
+    return (isinstance(mid, bytes) and isinstance(node, bytes) and isinstance(by, bytes) and _is_int(at)
+            and _is_int(until) and _is_scope(scope) and isinstance(sig, bytes))  # fmt: skip
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63
+
+
+def needs_renewal(chain: list[Link] | tuple[Link, ...], now: float) -> bool:
+    """Once less than half of the last link's span is left (never, for the founder)."""
+    if len(chain) < 2:
+        return False
+    at, until = chain[-1][3], chain_until(chain)
+    return now >= until - (until - at) / 2
+
+
+def renew(key: Ed25519PrivateKey, own_chain: list[Link], asker: NodeId, asker_chain: list[Link] | tuple[Link, ...],
+          mesh_id: bytes, revoked: Container[NodeId], now: float, ttl_s: float = ADMIT_S) -> list[Link]:  # fmt: skip
+    """A member's new chain, signed by us: ours plus a fresh link of the scope it has now. Only for a member in good
+    standing (its chain holds now and passes through nobody revoked) that a renewal would keep longer; ValueError
+    (why not) otherwise."""
+    why = verify_chain(list(asker_chain), asker, mesh_id, now)
+    if why is not None:
+        raise ValueError(f"not renewed: {why}")
+    gone = cut_off(asker_chain, revoked)
+    if gone is not None:
+        raise ValueError(f"not renewed: admitted through {crypto.short(gone)}, whom the founder revoked")
+    new = admit(key, own_chain, asker, now, chain_scope(asker_chain), ttl_s)
+    if len(new) > MAX_CHAIN or chain_until(new) <= chain_until(asker_chain):
+        raise ValueError("not renewed: this member's own admission ends sooner")
+    return new
+
+
+def better_renewer(chain: list[Link] | tuple[Link, ...]) -> tuple[float, int]:
+    """How good a peer with this chain is at renewing others: the later its end and the shorter it is, the better."""
+    return (chain_until(chain), -len(chain))
 
 
 def chain_to_wire(chain: list[Link]) -> list[list[object]]:
@@ -236,13 +304,9 @@ def chain_from_wire(obj: object) -> list[Link]:
         raise RemoteProtocolError("admission chain is not a list")
     out: list[Link] = []
     for link in obj[: MAX_CHAIN + 1]:
-        if not (isinstance(link, list) and len(link) == 6):
+        if not (isinstance(link, list) and _link_shape_ok(link)):
             raise RemoteProtocolError("admission link malformed")
-        mid, node, by, at, scope, sig = link
-        if not (isinstance(mid, bytes) and isinstance(node, bytes) and isinstance(by, bytes)
-                and isinstance(at, int) and _is_scope(scope) and isinstance(sig, bytes)):  # fmt: skip
-            raise RemoteProtocolError("admission link malformed")
-        out.append((mid, node, by, at, scope, sig))
+        out.append(tuple(link))
     return out
 
 

@@ -35,6 +35,10 @@ def event_line(
         return f"[red]-[/] peer {who} revoked by the founder (itself, or the member that admitted it)"
     if kind == EventKind.REKEYED:
         return f"[yellow]the mesh's admission secret was rotated ({detail}): tokens minted before admit nobody now[/]"
+    if kind == EventKind.EXPIRED:
+        if node == me:
+            return f"[bold red]this node's {detail}[/]"
+        return f"[red]-[/] peer {who}'s admission ended (not renewed in time): it is out"
     if kind == EventKind.REFUTED:
         return f"[yellow]was declared dead by a peer; back as {detail}[/]"
     return None

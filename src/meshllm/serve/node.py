@@ -93,6 +93,10 @@ class Node:
                 self.console.print(note)
         self.key = load_or_create_key(self.state)
         self.me = crypto.node_id(self.key)
+        if m is not None and now >= tok.chain_until(m.chain) and not tokens:
+            raise UserError(f"this node's admission to mesh {m.mesh_id.hex()[:8]} ended "
+                            f"{int(now - tok.chain_until(m.chain))} s ago (it was away longer than its admission "
+                            "held): start it with --join and a new token from a member")  # fmt: skip
         if m is None and not tokens:
             m = new_mesh(self.key, now)
             self.console.print(f"new mesh [bold]{m.mesh_id.hex()[:8]}[/] founded by this node")
@@ -101,7 +105,8 @@ class Node:
             save_membership(self.state, m)
         o = self.o
         self.net = net = MeshNet(self.key, m, self.state, bind=(o.bind_host, o.bind_port),
-                                 advertise=o.advertise or None, relay=o.relay_mode, relay_hint=o.relay)  # fmt: skip
+                                 advertise=o.advertise or None, relay=o.relay_mode, relay_hint=o.relay,
+                                 admit_s=o.admission_s)  # fmt: skip
         self.hosting = Hosting(net, o.bins, self.state, o.ctx_size, o.draft_max, lambda: net.emit(CHANGED),
                                lambda: self.host, o.rpc_path, o.rpc_port)  # fmt: skip
         return tokens

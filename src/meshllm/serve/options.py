@@ -31,6 +31,7 @@ class NodeOptions:
     relay: str | None = None  # --relay HOST:PORT
     relay_mode: RelayMode = RelayMode.AUTO
     token_ttl_s: float = 86400.0
+    admission_s: float = tok.ADMIT_S  # --admission: how long the admissions this node signs hold unless renewed
     max_vram_gb: float | None = None
     ctx_size: int = 4096
     tensor_split: list[float] | None = None

@@ -11,8 +11,7 @@ import urllib.request
 from pathlib import Path
 
 from meshllm.llama.processes import free_port
-
-from .meshlab import NodeProc, wait_for
+from tests.integration.meshlab import NodeProc, wait_for
 
 BODY = json.dumps({"prompt": "Hello", "max_tokens": 4, "temperature": 0}).encode()
 

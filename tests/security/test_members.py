@@ -1,0 +1,189 @@
+"""[trust] What a member cannot do, tried with real mesh-llm processes on loopback: take the host's seat without a host
+scope, serve layers with a client scope, mint wider or longer-lived tokens than allowed, stay in after the founder
+revoked it, join with a token of a rotated secret, or come back after its admission ended unrenewed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from meshllm.proto import crypto
+from meshllm.proto.auth import make_proof
+from meshllm.proto.planner import GB
+from tests.integration.meshlab import NodeProc, _free_port, wait_for
+from tests.integration.test_mesh import _attempt, _membership
+
+
+def _mint(state: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "meshllm.cli", "token", "--state-dir", str(state), *args],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+
+
+def test_scopes_decide_who_hosts_and_who_serves_layers(tmp_path: Path, tiny_model: Path) -> None:
+    """[trust] a worker-scoped member with more memory than the host is not elected (capacity is self-reported:
+    2**62 once took the mesh); a client-scoped member with a model and 2 GB serves no layers, even where the plan
+    needs them; nobody mints a token wider than itself or longer-lived than 30 days."""
+    a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024", "--max-vram", "0.07")
+    nodes = [a]
+    try:
+        wait_for(lambda: (a.state / "token").exists() and bool(a.status()), 30, "a's token")
+        worker = _mint(a.state, "--scope", "worker")
+        assert worker.returncode == 0 and "worker token" in worker.stderr, worker.stderr
+        b = NodeProc(tmp_path, "b", tiny_model, "--ctx-size", "1024", "--max-vram", "0.1",
+                     "--join", worker.stdout.strip())  # fmt: skip
+        nodes.append(b)
+        wait_for(lambda: "scope worker: this node serves layers" in b.text(), 30, "b to say its scope")
+        wait_for(lambda: (b.state / "token").exists(), 30, "b's token")
+        # b may invite workers and clients, not hosts, and no token lives past 30 days
+        wider = _mint(b.state, "--scope", "host")
+        assert wider.returncode != 0 and "worker-scoped: it can invite client, worker nodes, not host" in wider.stderr
+        assert "mesh1." not in wider.stdout
+        longer = _mint(a.state, "--ttl", "60d")
+        assert longer.returncode != 0 and "30 days" in longer.stderr and "mesh1." not in longer.stdout
+        me_a = crypto.node_id(a.key()).hex()
+
+        def waiting() -> object:
+            p = a.status().get("plan")
+            return p.get("have") if isinstance(p, dict) and a.status().get("host") == me_a else None
+
+        have = int(0.07 * GB) + int(0.1 * GB)  # a and b: not enough for the model
+        wait_for(lambda: waiting() == have, 60, "a to host and wait for more memory than a and b have")
+        client = _mint(b.state, "--scope", "client")
+        assert client.returncode == 0, client.stderr
+        c = NodeProc(tmp_path, "c", tiny_model, "--ctx-size", "1024", "--max-vram", "2",
+                     "--join", client.stdout.strip())  # fmt: skip
+        nodes.append(c)
+        wait_for(lambda: "scope client: this node may use the API only" in c.text(), 30, "c to say its scope")
+        wait_for(lambda: c.short() in a.peers(), 30, "c to be a member")
+        time.sleep(4)  # past the election and plan debounces: nothing changes with c in the mesh
+        for n in (a, b, c):
+            assert n.status().get("host") == me_a, n.state.name
+        assert waiting() == have, "c's memory went into the plan"
+        scopes = {p["short"]: p["scope"] for p in a.status()["peers"]}  # type: ignore[attr-defined, index]
+        assert scopes == {a.short(): "host", b.short(): "worker", c.short(): "client"}  # /mesh/status and status.json
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def test_a_revoked_member_and_those_it_admitted_are_cut_off_everywhere(tmp_path: Path, tiny_model: Path) -> None:
+    """[trust] `mesh-llm revoke` on the founder's machine: within seconds every member drops the revoked node and the
+    node it admitted, keeps the revocation in its state dir, and refuses both when they dial again."""
+    a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024")
+    nodes = [a]
+    try:
+        wait_for(lambda: (a.state / "token").exists() and bool(a.status()), 30, "a's token")
+        token_a = (a.state / "token").read_text().strip()
+        b = NodeProc(tmp_path, "b", None, "--join", token_a)
+        d = NodeProc(tmp_path, "d", None, "--join", token_a)
+        nodes += [b, d]
+        wait_for(lambda: (b.state / "token").exists(), 30, "b's token")
+        c = NodeProc(tmp_path, "c", None, "--join", (b.state / "token").read_text().strip())  # admitted by b
+        nodes.append(c)
+        wait_for(lambda: (c.state / "key").exists() and (d.state / "key").exists(), 30, "c and d to start")
+        wait_for(lambda: {b.short(), c.short(), d.short()} <= a.peers() and c.short() in d.peers(), 60, "all four")
+        wrong = subprocess.run([sys.executable, "-m", "meshllm.cli", "revoke", a.short(), "--state-dir", str(d.state)],
+                               capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert wrong.returncode != 0 and "only the node that founded the mesh" in wrong.stderr
+        t0 = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "meshllm.cli", "revoke", b.short(), "--state-dir", str(a.state)],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert done.returncode == 0 and f"revoked {b.short()}" in done.stdout, done.stderr
+        cut = {b.short(), c.short()}
+        wait_for(lambda: not (cut & (a.peers() | d.peers())), 30, "a and d to drop b and c")
+        print(f"\nrevoked member and its descendant dropped everywhere {time.monotonic() - t0:.1f} s after the command")
+        assert "revoked by the founder" in a.text() and "revoked by the founder" in d.text()
+        wait_for(lambda: "this node was revoked" in b.text() or "revoked" in (d.state / "revoked").read_text(), 10, "")
+        assert crypto.node_id(b.key()).hex() in (d.state / "revoked").read_text()  # kept by a member, not only a
+        # they keep trying (their own tables still list a and d): every member refuses them
+        wait_for(lambda: "revoked from this mesh by its founder" in a.text() + d.text(), 30, "b or c refused")
+        time.sleep(3)
+        assert not (cut & (a.peers() | d.peers())), "a revoked node came back"
+        assert d.short() in a.peers()
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def test_rotating_the_secret_stops_old_tokens_and_keeps_members(tmp_path: Path, tiny_model: Path) -> None:
+    """[trust] `mesh-llm rotate` on the founder's machine: members get the new secret within seconds (one that was
+    away gets it when it comes back), a token minted before admits nobody, a token minted after does."""
+    a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024")
+    nodes = [a]
+
+    def epoch(n: NodeProc) -> int:
+        return int(json.loads((n.state / "mesh.json").read_text()).get("epoch", 0))
+
+    try:
+        wait_for(lambda: (a.state / "token").exists() and bool(a.status()), 30, "a's token")
+        old = (a.state / "token").read_text().strip()
+        b = NodeProc(tmp_path, "b", None, "--join", old)
+        d = NodeProc(tmp_path, "d", None, "--join", old)
+        nodes += [b, d]
+        wait_for(lambda: (b.state / "key").exists() and (d.state / "key").exists(), 30, "b and d to start")
+        wait_for(lambda: {b.short(), d.short()} <= a.peers(), 30, "b and d to join")
+        d.stop()  # away while the secret rotates
+        out = subprocess.run([sys.executable, "-m", "meshllm.cli", "rotate", "--state-dir", str(a.state)],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert out.returncode == 0 and "epoch 1" in out.stdout, out.stderr
+        wait_for(lambda: epoch(a) == 1 and epoch(b) == 1, 15, "a and b to hold the new secret")
+        wait_for(lambda: (a.state / "token").read_text().strip() != old, 15, "a's new invite token")
+        c = NodeProc(tmp_path, "c", None, "--join", old)
+        nodes.append(c)
+        assert c.proc.wait(60) != 0 and "secret" in c.text(), c.text()
+        new = NodeProc(tmp_path, "e", None, "--join", (a.state / "token").read_text().strip())
+        nodes.append(new)
+        wait_for(lambda: (new.state / "key").exists() and new.short() in a.peers(), 30, "a new token to admit")
+        back = NodeProc(tmp_path, "d", None, "--join", old)  # d again, same state: its chain, the old secret
+        nodes.append(back)
+        wait_for(lambda: d.short() in a.peers() and epoch(back) == 1, 30, "d back in, with the new secret")
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def _chain_of(n: NodeProc) -> list[list[object]]:
+    return json.loads((n.state / "mesh.json").read_text())["chain"]  # type: ignore[no-any-return]
+
+
+def test_an_admission_is_renewed_while_in_good_standing_and_ends_for_a_node_away_too_long(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """[trust] audit finding 4: admission was for ever. The founder signs admissions of 6 s here (--admission): a
+    member renews at half time and stays; stopped past its end, its chain is refused by the founder and it cannot
+    start on its old membership."""
+    a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024", "--admission", "6s")
+    nodes = [a]
+    try:
+        wait_for(lambda: (a.state / "token").exists() and bool(a.status()), 30, "a's token")
+        b = NodeProc(tmp_path, "b", None, "--join", (a.state / "token").read_text().strip())
+        nodes.append(b)
+        wait_for(lambda: (b.state / "mesh.json").exists() and b.short() in a.peers(), 30, "b to join")
+        first_until = int(_chain_of(b)[-1][4])  # type: ignore[call-overload]
+        assert first_until - time.time() <= 7
+        wait_for(lambda: int(_chain_of(b)[-1][4]) > first_until, 15, "b's admission renewed")  # type: ignore[call-overload]
+        time.sleep(max(0.0, first_until + 2 - time.time()))  # past its first end: still a member
+        assert b.short() in a.peers() and a.short() in b.peers()
+        b_key, b_chain = b.key(), _chain_of(b)
+        b.stop()
+        ended = int(b_chain[-1][4])  # type: ignore[call-overload]
+        time.sleep(max(0.0, ended + 1 - time.time()))
+        addr = json.loads((a.state / "node.json").read_text())["addrs"][0]
+        a_id = crypto.node_id(a.key())
+        mesh_id, secret = _membership(a.state)
+        chain = [[bytes.fromhex(str(f)) if isinstance(f, str) else f for f in link] for link in b_chain]
+        ans, _ = asyncio.run(_attempt(addr, a_id, mesh_id, lambda k, ch: make_proof(k, secret, ch, a_id, chain=chain),  # type: ignore[arg-type]
+                                      key=b_key))  # fmt: skip
+        assert ans.startswith("AuthRefuse") and "admission expired" in ans, ans
+        argv = ["--model", str(tiny_model), "--state-dir", str(b.state), "--port", str(_free_port())]
+        again = subprocess.run([sys.executable, "-m", "meshllm.cli", *argv], capture_output=True, text=True, timeout=60)
+        assert again.returncode == 2 and "admission to mesh" in again.stderr and "new token" in again.stderr, (
+            again.stderr
+        )
+    finally:
+        for n in nodes:
+            n.stop()
