@@ -187,3 +187,83 @@ def test_an_admission_is_renewed_while_in_good_standing_and_ends_for_a_node_away
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_a_member_that_claims_to_host_reaches_no_rpc_server_and_takes_no_seat(tmp_path: Path, tiny_model: Path) -> None:
+    """[trust] audit findings 1 and 2, performed against real nodes: a worker-scoped member gossips a signed record
+    that says role host, the mesh's model and 2**62 bytes of memory, then opens an RPC tunnel and asks for the
+    direct-path key at the worker that serves the host's layers. Before: the record alone opened the worker's
+    rpc-server (and cut the real host's tunnels), and the claimed memory won the election. Now both streams are
+    reset, the host stays host, and the split still answers the same text."""
+    from meshllm.net.endpoint import STREAM_AUTH, STREAM_GOSSIP, STREAM_RPC, STREAM_RPC_KEY, Endpoint
+    from meshllm.net.meshnet import _read_frame
+    from meshllm.proto import token as tok
+    from meshllm.proto.auth import AuthChallenge, AuthHello, AuthWelcome
+    from meshllm.proto.gossip import GossipPush, NodeState, PeerRecord, Role
+    from meshllm.proto.wire import FrameDecoder, encode
+    from meshllm.serve.modelfiles import open_model
+    from tests.integration.test_serve_split import complete, text_of
+
+    a = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.5", "--ctx-size", "1024", "--rpc-path", "tunnel")
+    nodes = [a]
+    try:
+        wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
+        b = NodeProc(tmp_path, "b", tiny_model, "--max-vram", "0.3", "--ctx-size", "1024", "--join",
+                     (a.state / "token").read_text().strip())  # fmt: skip
+        nodes.append(b)
+        wait_for(lambda: "ready:" in a.text() and len((a.status().get("plan") or {}).get("assignments", [])) == 2,  # type: ignore[union-attr]
+                 120, "a to serve a split with b")  # fmt: skip
+        before = text_of(complete(a.port, "/v1/completions"))
+        worker = _mint(a.state, "--scope", "worker")
+        assert worker.returncode == 0, worker.stderr
+        token = tok.parse(worker.stdout.strip())
+        b_id = crypto.node_id(b.key())
+        b_addr = json.loads((b.state / "node.json").read_text())["addrs"][0]
+        facts = open_model(tiny_model, None, None, True)[0].facts
+
+        async def attack() -> tuple[bytes, bytes]:
+            key = crypto.new_key()
+            ep = Endpoint(key)
+            await ep.open("127.0.0.1", 0)
+            host, port = b_addr.rsplit(":", 1)
+            try:
+                conn = await ep.dial((host, int(port)), b_id)
+                st = conn.open_stream(STREAM_AUTH)
+                dec = FrameDecoder()
+                st.write(encode(AuthHello(dialler=crypto.node_id(key), listener=b_id, mesh_id=token.mesh_id)))
+                ch = await _read_frame(st, dec, 5)
+                assert isinstance(ch, AuthChallenge)
+                st.write(encode(make_proof(key, token.secret, ch, b_id, token=token)))
+                welcome = await _read_frame(st, dec, 5)
+                assert isinstance(welcome, AuthWelcome), welcome  # a member now, worker-scoped
+                conn.peer = b_id
+                conn.set_authenticated()
+                chain = tok.chain_from_wire(welcome.chain)
+                claim = PeerRecord(node=crypto.node_id(key), incarnation=1, seq=1, role=Role.HOST, capacity=2**62,
+                                   model=facts, state=NodeState.SERVING, chain=tuple(chain))  # fmt: skip
+                g = conn.open_stream(STREAM_GOSSIP)
+                g.write(encode(GossipPush(records=[claim.to_wire(key)])))
+                await asyncio.sleep(4)  # past the election debounce
+                rpc = conn.open_stream(STREAM_RPC)
+                rpc.write(bytes([14]) + (0).to_bytes(8, "little"))  # HELLO
+                got_key = conn.open_stream(STREAM_RPC_KEY)
+                out = []
+                for s in (rpc, got_key):
+                    try:
+                        out.append(await asyncio.wait_for(s.read(), 10))
+                    except ConnectionError:
+                        out.append(b"")
+                return out[0], out[1]
+            finally:
+                ep.close()
+
+        rpc_reply, key_reply = asyncio.run(attack())
+        assert rpc_reply == b"" and key_reply == b"", (rpc_reply, key_reply)
+        wait_for(lambda: "refused an RPC tunnel from" in b.text() and "refused an RPC key to" in b.text(), 10,
+                 "b to log both refusals")  # fmt: skip
+        me_a = crypto.node_id(a.key()).hex()
+        assert a.status().get("host") == me_a and b.status().get("host") == me_a
+        assert text_of(complete(a.port, "/v1/completions")) == before
+    finally:
+        for n in nodes:
+            n.stop()
