@@ -259,37 +259,62 @@ def _founder_state(state: Path | None) -> tuple[Path, Membership]:
     return sd, m
 
 
-def cmd_revoke(args: argparse.Namespace) -> int:
+def _node_arg(sd: Path, text: str) -> bytes:
+    """A node id as typed: all 64 hex digits, or 8 or more of a node the node in ``sd`` knows (its status.json)."""
     import json
 
-    from meshllm.proto import crypto
-    from meshllm.state import load_or_create_key, load_revocations, save_revocations
-
-    sd, m = _founder_state(args.state_dir)
-    key = load_or_create_key(sd)
-    text = args.node.strip().lower()
+    text = text.strip().lower()
     known: list[str] = []
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         known = [p["node"] for p in json.loads((sd / "status.json").read_text())["peers"]]
     found = [n for n in known if n.startswith(text)] if len(text) >= 8 else []
     if re.fullmatch(r"[0-9a-f]{64}", text):
-        node = bytes.fromhex(text)
-    elif len(found) == 1:
-        node = bytes.fromhex(found[0])
-    else:
-        raise UserError(f"{args.node!r}: give a node id as `mesh-llm status` shows it (8 or more hex digits of a "
-                        "node this node knows, or all 64)")  # fmt: skip
+        return bytes.fromhex(text)
+    if len(found) == 1:
+        return bytes.fromhex(found[0])
+    raise UserError(f"{text!r}: give a node id as `mesh-llm status` shows it (8 or more hex digits of a node this "
+                    "node knows, or all 64)")  # fmt: skip
+
+
+def cmd_revoke(args: argparse.Namespace) -> int:
+    from meshllm.proto import crypto
+    from meshllm.state import ADMINS, REVOKED, load_or_create_key, load_signed, save_signed
+
+    sd, m = _founder_state(args.state_dir)
+    key = load_or_create_key(sd)
+    node = _node_arg(sd, args.node)
+    admins = {tok.grant_from_wire(o, m.mesh_id).node for o in load_signed(sd, ADMINS)}
     try:
-        r = tok.revoke(key, m.mesh_id, node, time.time())
+        r = tok.revoke(key, m.mesh_id, node, time.time(), admins)
     except ValueError as e:
         raise UserError(str(e)) from None
-    have = [tok.revocation_from_wire(o, m.mesh_id) for o in load_revocations(sd)]
+    have = [tok.revocation_from_wire(o, m.mesh_id, admins) for o in load_signed(sd, REVOKED)]
     if any(x.node == node for x in have):
         print(f"{crypto.short(node)} was already revoked")
         return 0
-    save_revocations(sd, [*have, r])
-    print(f"revoked {crypto.short(node)}: the running founder gossips it within a second; every member drops it and "
+    save_signed(sd, REVOKED, [*have, r])
+    print(f"revoked {crypto.short(node)}: the running node gossips it within a second; every member drops it and "
           "every node it admitted, and refuses them from now on")  # fmt: skip
+    return 0
+
+
+def cmd_admin(args: argparse.Namespace) -> int:
+    from meshllm.proto import crypto
+    from meshllm.state import ADMINS, load_or_create_key, load_signed, save_signed
+
+    sd, m = _founder_state(args.state_dir)
+    node = _node_arg(sd, args.node)
+    try:
+        g = tok.grant_admin(load_or_create_key(sd), m.mesh_id, node, time.time())
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    have = [tok.grant_from_wire(o, m.mesh_id) for o in load_signed(sd, ADMINS)]
+    if any(x.node == node for x in have):
+        print(f"{crypto.short(node)} is an admin already")
+        return 0
+    save_signed(sd, ADMINS, [*have, g])
+    print(f"{crypto.short(node)} is an admin: the running founder gossips it within a second; from then on "
+          "`mesh-llm revoke` works on that node's machine too")  # fmt: skip
     return 0
 
 
@@ -591,13 +616,21 @@ def build_parser() -> argparse.ArgumentParser:
                     help="what the new node may do: client (the API only), worker (serve layers, never host), host "
                     "(may be elected host). Default: this node's own scope, the widest it may give")  # fmt: skip
     pt.set_defaults(func=cmd_token)
-    pr = sub.add_parser("revoke", help="cut a member off the mesh for good (the founder only)",
-                        description="Revoke a member: signed by this node (the mesh's founder), written to its state "
+    pr = sub.add_parser("revoke", help="cut a member off the mesh for good (the founder or an admin)",
+                        description="Revoke a member: signed by this node (the mesh's founder or an admin it named), "
+                        "written to its state "
                         "dir, gossiped by the running node. The member, and every node it admitted, is dropped by "
                         "every member and refused from then on, whatever chain or token it shows.")  # fmt: skip
     pr.add_argument("node", type=nonempty, help="the member's node id (8+ hex digits as `mesh-llm status` shows)")
-    pr.add_argument("--state-dir", type=Path, metavar="DIR", help="the founder's state (default ~/.mesh-llm)")
+    pr.add_argument("--state-dir", type=Path, metavar="DIR", help="this node's state (default ~/.mesh-llm)")
     pr.set_defaults(func=cmd_revoke)
+    pa = sub.add_parser("admin", help="let a member revoke others too (the founder only)",
+                        description="Name a member admin: signed by this node (the mesh's founder), written to its "
+                        "state dir, gossiped by the running node. An admin may `mesh-llm revoke` members, never the "
+                        "founder or another admin; revoking the admin ends that.")  # fmt: skip
+    pa.add_argument("node", type=nonempty, help="the member's node id (8+ hex digits as `mesh-llm status` shows)")
+    pa.add_argument("--state-dir", type=Path, metavar="DIR", help="the founder's state (default ~/.mesh-llm)")
+    pa.set_defaults(func=cmd_admin)
     po = sub.add_parser("rotate", help="a new admission secret: old tokens stop working (the founder only)",
                         description="Rotate the mesh's admission secret: every token minted before stops admitting "
                         "new nodes; members stay members and get the new secret from the running founder.")  # fmt: skip

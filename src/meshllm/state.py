@@ -5,7 +5,8 @@ one that names them; everything is written atomically (a temporary file, then re
     key                Ed25519 private key, raw 32 bytes                        0600, checked on load
     mesh.json          mesh id, admission secret (+ epoch, the founder's        0600, checked on load
                        signature of it, earlier secrets), chain, incarnation
-    revoked            the founder's revocations this node knows (all members)  0600, checked on load
+    revoked            the revocations this node knows (all members)            0600, checked on load
+    admins             the founder's admin grants this node knows (all members) 0600, checked on load
     rekey              founder: the new secret `mesh-llm rotate` made           0600, checked on load
     token              the latest invite token this node minted                 0600
     api-key            the generated API key of a --listen-all node             0600
@@ -214,9 +215,14 @@ def save_rpc_client_keys(state: Path, rows: list[tuple[str, str, bytes]]) -> Pat
     return path
 
 
-def load_revocations(state: Path) -> list[list[object]]:
-    """The revocations this node knows (wire form: the reader verifies each), from ``revoked`` in the state dir."""
-    path = state / "revoked"
+REVOKED = "revoked"
+ADMINS = "admins"
+
+
+def load_signed(state: Path, name: str) -> list[list[object]]:
+    """The founder's (or an admin's) signed words this node knows — ``revoked`` (revocations) or ``admins`` (admin
+    grants) — in wire form: the reader verifies each."""
+    path = state / name
     if not path.exists():
         return []
     check_private(path)
@@ -228,9 +234,9 @@ def load_revocations(state: Path) -> list[list[object]]:
         raise UserError(f"{path} is damaged ({e})") from None
 
 
-def save_revocations(state: Path, revocations: list[tok.Revocation]) -> None:
-    rows = [[r.mesh_id.hex(), r.node.hex(), r.at, r.by.hex(), r.sig.hex()] for r in revocations]
-    write_private(state / "revoked", (json.dumps(rows, indent=1) + "\n").encode())
+def save_signed(state: Path, name: str, words: list[tok.Revocation] | list[tok.Grant]) -> None:
+    rows = [[w.mesh_id.hex(), w.node.hex(), w.at, w.by.hex(), w.sig.hex()] for w in words]
+    write_private(state / name, (json.dumps(rows, indent=1) + "\n").encode())
 
 
 def load_rekey(state: Path) -> tuple[bytes, int, bytes, bytes, bytes] | None:

@@ -221,3 +221,38 @@ def test_a_revocation_cuts_the_member_and_everyone_it_admitted_for_good() -> Non
     assert t.merge_push(GossipPush(revocations=[r.to_wire()]), T).new_revocations == []  # no news twice
     other = Table(nb, MESH)
     assert other.merge_push(GossipPush(revocations=[r.to_wire()]), T).revoked_me
+
+
+def test_an_admin_the_founder_named_revokes_members_but_not_the_founder_or_other_admins() -> None:
+    """[trust] revocation "signed by the founder or a node it made admin": the founder's grant travels in gossip
+    before the admin's revocations; an admin's word counts only while it stands."""
+    t = Table(crypto.node_id(crypto.new_key()), MESH)
+    (a, ca), (b, cb), (e, ce) = member(), member(), member()
+    na, nb, ne = (crypto.node_id(k) for k in (a, b, e))
+    for k, ch in ((a, ca), (b, cb), (e, ce)):
+        t.merge_record(rec(k, ch), T)
+    with pytest.raises(ValueError, match="only the node that founded"):
+        tok.grant_admin(a, MESH, nb, T)
+    g, ge = tok.grant_admin(FOUNDER, MESH, na, T), tok.grant_admin(FOUNDER, MESH, ne, T)
+    r = tok.revoke(a, MESH, nb, T, admins={na})
+    # before the grant is known, a's revocation is an outsider's; forged grants are refused
+    res = t.merge_push(GossipPush(revocations=[r.to_wire()]), T)
+    assert "only the node that founded the mesh, or an admin" in res.dropped[0] and not t.revoked
+    forged = dataclasses.replace(tok.grant_admin(FOUNDER, MESH, na, T), node=nb)
+    assert "bad signature" in t.merge_push(GossipPush(admins=[forged.to_wire()]), T).dropped[0]
+    res = t.merge_push(GossipPush(admins=[g.to_wire(), ge.to_wire()], revocations=[r.to_wire()]), T)
+    assert res.cut == [nb] and set(t.admins) == {na, ne}
+    assert {tuple(x) for x in t.push_all().admins} == {tuple(g.to_wire()), tuple(ge.to_wire())}
+    # an admin revokes neither the founder nor another admin (made by hand, signed by a: refused where it arrives)
+    for victim in (crypto.node_id(FOUNDER), ne):
+        with pytest.raises(ValueError, match="cannot revoke the founder or another admin"):
+            tok.revoke(a, MESH, victim, T, admins={na, ne})
+        bad = tok.Revocation(MESH, victim, int(T), na)
+        bad = dataclasses.replace(bad, sig=crypto.sign(a, crypto.D_REVOKE, bad.body()))
+        assert "cannot revoke the founder" in t.merge_push(GossipPush(revocations=[bad.to_wire()]), T).dropped[0]
+    # the founder revokes the admin: its word counts no more
+    t.merge_push(GossipPush(revocations=[tok.revoke(FOUNDER, MESH, na, T).to_wire()]), T)
+    c, cc = member()
+    t.merge_record(rec(c, cc), T)
+    late = tok.revoke(a, MESH, crypto.node_id(c), T, admins={na})
+    assert t.merge_push(GossipPush(revocations=[late.to_wire()]), T).dropped and crypto.node_id(c) in t.entries

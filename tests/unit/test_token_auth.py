@@ -236,7 +236,7 @@ def test_a_revoked_node_is_refused_with_its_chain_a_token_or_a_chain_it_signed(m
     revoked = {crypto.node_id(b)}
     assert _handshake(mesh, b, chain=cb)[0] and _handshake(mesh, c, chain=cc)[0]
     assert "revoked" in _handshake(mesh, b, chain=cb, revoked=revoked)[1]
-    assert "whom the founder revoked" in _handshake(mesh, c, chain=cc, revoked=revoked)[1]
+    assert "whom the mesh revoked" in _handshake(mesh, c, chain=cc, revoked=revoked)[1]
     assert "revoked" in _handshake(mesh, b, token=_token(mesh), revoked=revoked)[1]  # a fresh token, the same key
 
 

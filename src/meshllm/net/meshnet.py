@@ -17,7 +17,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Unpack
+from typing import TypeVar, Unpack
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -44,8 +44,9 @@ from meshllm.proto.gossip import PeerRecord, RecordUpdate
 from meshllm.proto.meshcore import EventKind, MeshCore, Out
 from meshllm.proto.reach import Observed, PunchRequest, RelayMode
 from meshllm.proto.wire import FrameDecoder, Message, encode
-from meshllm.state import Membership, load_rekey, load_revocations, save_membership, save_revocations
+from meshllm.state import ADMINS, REVOKED, Membership, load_rekey, load_signed, save_membership, save_signed
 
+_W = TypeVar("_W", tok.Revocation, tok.Grant)
 log = logging.getLogger("meshllm.mesh")
 
 AUTH_TIMEOUT_S = 5.0
@@ -101,8 +102,8 @@ class MeshNet:
         self.me = crypto.node_id(key)
         self.m = membership
         self.state_dir = state_dir
-        self._revoked_stamp = -1  # the revoked file as last read (mtime); -1: not yet
-        self._revoked_saved = 0
+        self._revoked_stamp: tuple[int, ...] = ()  # the admins and revoked files as last read (mtimes)
+        self._revoked_saved = (0, 0)
         self._rekey_stamp = -1
         self.bind = bind
         self.advertise = advertise
@@ -242,24 +243,35 @@ class MeshNet:
             await asyncio.sleep(TICK_S)
 
     def _sync_revocations(self) -> None:
-        """The state dir's ``revoked`` file and the table agree: the founder's ``mesh-llm revoke`` writes there (the
-        running node takes it within a tick and gossips it); revocations heard from peers are kept there."""
+        """The state dir's ``revoked`` and ``admins`` files and the table agree: ``mesh-llm revoke`` / ``mesh-llm
+        admin`` write there (the running node takes them within a tick and gossips them); what is heard from peers
+        is kept there."""
         assert self.core is not None
-        path = self.state_dir / "revoked"
-        stamp = path.stat().st_mtime_ns if path.exists() else 0
-        if stamp != self._revoked_stamp:
-            self._revoked_stamp = stamp
-            got = []
-            for obj in load_revocations(self.state_dir):
-                try:
-                    got.append(tok.revocation_from_wire(obj, self.core.mesh_id))
-                except RemoteProtocolError as e:
-                    log.warning("%s: an entry refused: %s", path, e)
-            self.send(self.core.revoke(got, self.now))
-        if len(self.core.table.revoked) != self._revoked_saved:
-            self._revoked_saved = len(self.core.table.revoked)
-            save_revocations(self.state_dir, list(self.core.table.revoked.values()))
-            self._revoked_stamp = path.stat().st_mtime_ns
+        table, mid = self.core.table, self.core.mesh_id
+        if self._stamps() != self._revoked_stamp:
+            grants = self._load_signed(ADMINS, lambda o: tok.grant_from_wire(o, mid))
+            admins = {g.node for g in grants} | set(table.admins)
+            got = self._load_signed(REVOKED, lambda o: tok.revocation_from_wire(o, mid, admins - set(table.revoked)))
+            self.send(self.core.revoke(got, self.now, grants))
+        saved = (len(table.admins), len(table.revoked))
+        if saved != self._revoked_saved:
+            self._revoked_saved = saved
+            save_signed(self.state_dir, ADMINS, list(table.admins.values()))
+            save_signed(self.state_dir, REVOKED, list(table.revoked.values()))
+        self._revoked_stamp = self._stamps()
+
+    def _stamps(self) -> tuple[int, ...]:
+        paths = (self.state_dir / ADMINS, self.state_dir / REVOKED)
+        return tuple(p.stat().st_mtime_ns if p.exists() else 0 for p in paths)
+
+    def _load_signed(self, name: str, parse: Callable[[object], _W]) -> list[_W]:
+        out = []
+        for obj in load_signed(self.state_dir, name):
+            try:
+                out.append(parse(obj))
+            except RemoteProtocolError as e:
+                log.warning("%s: an entry refused: %s", self.state_dir / name, e)
+        return out
 
     def _rekey(self) -> Rekey | None:
         """The founder's signed word for our current secret (None before the first rotation)."""

@@ -182,7 +182,7 @@ def check_proof(
     ):  # a member that was away when the secret rotated proves with the old one (and gets the new one once in)
         return _refuse("secret proof invalid: wrong mesh secret, or a proof replayed from another connection")
     if hello.dialler in revoked:
-        return _refuse("revoked from this mesh by its founder")
+        return _refuse("revoked from this mesh (by its founder or an admin)")
     if proof.chain is not None:
         try:
             chain = tok.chain_from_wire(proof.chain)
@@ -193,7 +193,7 @@ def check_proof(
             return _refuse(f"not a member: {why}")
         gone = tok.cut_off(chain, revoked)
         if gone is not None:
-            return _refuse(f"admitted through {crypto.short(gone)}, whom the founder revoked")
+            return _refuse(f"admitted through {crypto.short(gone)}, whom the mesh revoked")
         return Verdict(True, "member", chain)
     if proof.token is None:
         return _refuse("neither a token nor an admission chain")

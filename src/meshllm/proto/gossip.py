@@ -198,8 +198,8 @@ def record_from_wire(
     opened: tuple[bytes, bytes, dict[str, Any]] | None = None,
 ) -> PeerRecord:  # fmt: skip
     """Decode, verify the signature and the admission chain. RemoteProtocolError otherwise. ``chains_ok``
-    caches chains already verified (by their encoding; a chain changes only when renewed, and its end is checked by the table); ``opened`` is the
-    record already unpacked by :func:`open_record`."""
+    caches chains already verified (by their encoding: a chain changes only when renewed; the table checks when it
+    ends); ``opened`` is the record already unpacked by :func:`open_record`."""
     body, sig, d = opened or open_record(raw)
     node = _field(d, "node", bytes)
     if not crypto.verify(node, crypto.D_RECORD, body, sig):
@@ -277,6 +277,7 @@ class GossipPush(Message):
     records: list[bytes] = field(default_factory=list)
     tombstones: list[list[Any]] = field(default_factory=list)
     revocations: list[list[Any]] = field(default_factory=list)
+    admins: list[list[Any]] = field(default_factory=list)  # the founder's admin grants (before revocations)
 
 
 @message
@@ -330,6 +331,7 @@ class MergeResult:
     new_tombstones: list[Tombstone] = field(default_factory=list)
     refuted: bool = False  # a tombstone named our own current life
     new_revocations: list[tok.Revocation] = field(default_factory=list)  # to forward (and keep on disk)
+    new_grants: list[tok.Grant] = field(default_factory=list)  # admin grants, likewise
     cut: list[NodeId] = field(default_factory=list)  # members a revocation removed
     revoked_me: bool = False
     expired: list[NodeId] = field(default_factory=list)  # members whose admission ended (not renewed in time)
@@ -349,6 +351,7 @@ class Table:
         self.graveyard: dict[NodeId, PeerRecord] = {}  # last record of nodes declared dead, until forgotten
         self.my_incarnation = 0  # our own current life (MeshCore keeps it): only it can be buried
         self.revoked: dict[NodeId, tok.Revocation] = {}  # for good: never forgotten
+        self.admins: dict[NodeId, tok.Grant] = {}  # whom the founder made admin (they may revoke members)
         self.wall: float | None = None  # wall time as of the last tick (admissions end at wall times); None: unchecked
 
     # -- merging
@@ -451,11 +454,24 @@ class Table:
                 res.cut.append(node)
         return res
 
+    def add_grant(self, g: tok.Grant, res: MergeResult | None = None) -> MergeResult:
+        """Take a (verified) admin grant."""
+        res = res or MergeResult()
+        if g.node not in self.admins:
+            self.admins[g.node] = g
+            res.new_grants.append(g)
+        return res
+
     def merge_push(self, push: GossipPush, now: float) -> MergeResult:
         res = MergeResult()
+        for obj in push.admins[:MAX_RECORDS]:  # first: a revocation may be an admin's
+            try:
+                self.add_grant(tok.grant_from_wire(obj, self.mesh_id), res)
+            except RemoteProtocolError as e:
+                res.dropped.append(str(e))
         for obj in push.revocations[:MAX_RECORDS]:
             try:
-                self.add_revocation(tok.revocation_from_wire(obj, self.mesh_id), res)
+                self.add_revocation(tok.revocation_from_wire(obj, self.mesh_id, self._standing_admins()), res)
             except RemoteProtocolError as e:
                 res.dropped.append(str(e))
         for obj in push.tombstones[:MAX_RECORDS]:
@@ -520,6 +536,10 @@ class Table:
     def is_member(self, node: NodeId) -> bool:
         return node in self.entries
 
+    def _standing_admins(self) -> set[NodeId]:
+        """Admins whose word counts: those the founder named and nobody revoked."""
+        return {n for n in self.admins if n not in self.revoked}
+
     def scope_of(self, node: NodeId) -> tok.Scope | None:
         """A member's scope, from its verified admission chain (None: not a member we know)."""
         e = self.entries.get(node)
@@ -530,4 +550,5 @@ class Table:
             records=[e.raw for e in self.entries.values()] + list(self.leaves.values()),
             tombstones=[t.to_wire() for t in self.tombstones.values() if t.sig],
             revocations=[r.to_wire() for r in self.revoked.values()],
+            admins=[g.to_wire() for g in self.admins.values()],
         )

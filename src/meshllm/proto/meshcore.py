@@ -209,10 +209,13 @@ class MeshCore:
         self._renew_asked = now
         return [(best.node, RenewAsk())]
 
-    def revoke(self, revocations: list[tok.Revocation], now: float) -> Out:
-        """Revocations the founder made on this machine (``mesh-llm revoke``): taken and gossiped like any."""
+    def revoke(self, revocations: list[tok.Revocation], now: float, grants: list[tok.Grant] | None = None) -> Out:
+        """Revocations and admin grants made on this machine (``mesh-llm revoke``, ``mesh-llm admin``) or kept in
+        its state dir: taken and gossiped like any."""
         before = set(self.table.entries)
         res = MergeResult()
+        for g in grants or []:
+            self.table.add_grant(g, res)
         for r in revocations:
             self.table.add_revocation(r, res)
         return self._after_merge(res, before, exclude=None, now=now)
@@ -239,9 +242,10 @@ class MeshCore:
             self.record = dataclasses.replace(self.record, incarnation=self.incarnation, seq=0)
             self._sign()
             out += self._to_all(GossipPush(records=[self._raw_self]))
-        if res.new_raw or res.new_tombstones or res.new_revocations:
+        if res.new_raw or res.new_tombstones or res.new_revocations or res.new_grants:
             push = GossipPush(records=res.new_raw, tombstones=[t.to_wire() for t in res.new_tombstones if t.sig],
-                              revocations=[r.to_wire() for r in res.new_revocations])  # fmt: skip
+                              revocations=[r.to_wire() for r in res.new_revocations],
+                              admins=[g.to_wire() for g in res.new_grants])  # fmt: skip
             out += [(p, push) for p in sorted(self.peers) if p != exclude]
         return out
 

@@ -282,7 +282,7 @@ def renew(key: Ed25519PrivateKey, own_chain: list[Link], asker: NodeId, asker_ch
         raise ValueError(f"not renewed: {why}")
     gone = cut_off(asker_chain, revoked)
     if gone is not None:
-        raise ValueError(f"not renewed: admitted through {crypto.short(gone)}, whom the founder revoked")
+        raise ValueError(f"not renewed: admitted through {crypto.short(gone)}, whom the mesh revoked")
     new = admit(key, own_chain, asker, now, chain_scope(asker_chain), ttl_s)
     if len(new) > MAX_CHAIN or chain_until(new) <= chain_until(asker_chain):
         raise ValueError("not renewed: this member's own admission ends sooner")
@@ -315,9 +315,28 @@ def chain_from_wire(obj: object) -> list[Link]:
 
 @dataclass(frozen=True)
 class Revocation:
-    """The founder's word that ``node`` is out: its chain, and every chain it signed a link of, admit nobody any
-    more; its tokens admit nobody (their issuer is no member). Gossiped to every member and kept in each state dir,
-    so a revoked node cannot come back with an old chain, an old token or a new token for the same key."""
+    """The word of the founder (or of an admin it named) that ``node`` is out: its chain, and every chain it signed a
+    link of, admit nobody any more; its tokens admit nobody (their issuer is no member). Gossiped to every member
+    and kept in each state dir, so a revoked node cannot come back with an old chain, an old token or a new token
+    for the same key."""
+
+    mesh_id: bytes
+    node: NodeId
+    at: int
+    by: NodeId  # the founder, or an admin
+    sig: bytes = b""
+
+    def body(self) -> bytes:
+        return pack([self.mesh_id, self.node, self.at, self.by])
+
+    def to_wire(self) -> list[object]:
+        return [self.mesh_id, self.node, self.at, self.by, self.sig]
+
+
+@dataclass(frozen=True)
+class Grant:
+    """The founder's word that ``node`` is an admin: it may revoke members too (never the founder or another
+    admin). Gossiped and kept like revocations (state dir ``admins``)."""
 
     mesh_id: bytes
     node: NodeId
@@ -332,31 +351,71 @@ class Revocation:
         return [self.mesh_id, self.node, self.at, self.by, self.sig]
 
 
-def revoke(key: Ed25519PrivateKey, mesh_id: bytes, node: NodeId, now: float) -> Revocation:
-    """ValueError unless ``key`` founded ``mesh_id`` (only the founder revokes) and ``node`` is someone else."""
+def revoke(key: Ed25519PrivateKey, mesh_id: bytes, node: NodeId, now: float,
+           admins: Container[NodeId] = frozenset()) -> Revocation:  # fmt: skip
+    """ValueError unless ``key`` founded ``mesh_id`` or is one of its ``admins``, and may revoke ``node`` (an
+    admin revokes neither the founder nor another admin; nobody revokes itself)."""
     me = crypto.node_id(key)
-    if crypto.mesh_id_for(me) != mesh_id:
-        raise ValueError("only the node that founded the mesh can revoke members")
-    if node == me:
-        raise ValueError("the founder cannot revoke itself")
+    why = _revoke_refused(mesh_id, me, node, admins)
+    if why is not None:
+        raise ValueError(why)
     r = Revocation(mesh_id, node, int(now), me)
     return replace(r, sig=crypto.sign(key, crypto.D_REVOKE, r.body()))
 
 
-def revocation_from_wire(obj: object, mesh_id: bytes) -> Revocation:
-    """A revocation of this mesh, signed by its founder; RemoteProtocolError otherwise."""
-    if not (isinstance(obj, list) and len(obj) == 5):
-        raise RemoteProtocolError("revocation malformed")
-    mid, node, at, by, sig = obj
-    if not (isinstance(mid, bytes) and isinstance(node, bytes) and len(node) == crypto.NODE_ID_LEN
-            and isinstance(at, int) and isinstance(by, bytes) and isinstance(sig, bytes)):  # fmt: skip
-        raise RemoteProtocolError("revocation malformed")
-    r = Revocation(mid, node, at, by, sig)
-    if mid != mesh_id or crypto.mesh_id_for(by) != mesh_id or node == by:
-        raise RemoteProtocolError("revocation not made by this mesh's founder")
-    if not crypto.verify(by, crypto.D_REVOKE, r.body(), sig):
+def _revoke_refused(mesh_id: bytes, by: NodeId, node: NodeId, admins: Container[NodeId]) -> str | None:
+    founder = crypto.mesh_id_for(by) == mesh_id
+    if not founder and by not in admins:
+        return "only the node that founded the mesh, or an admin it named, can revoke members"
+    if node == by:
+        return "a node cannot revoke itself"
+    if not founder and (crypto.mesh_id_for(node) == mesh_id or node in admins):
+        return "an admin cannot revoke the founder or another admin"
+    return None
+
+
+def revocation_from_wire(obj: object, mesh_id: bytes, admins: Container[NodeId] = frozenset()) -> Revocation:
+    """A revocation of this mesh, signed by its founder or one of ``admins``; RemoteProtocolError otherwise."""
+    r = Revocation(*_signed_word(obj, "revocation"))
+    why = _revoke_refused(mesh_id, r.by, r.node, admins) if r.mesh_id == mesh_id else "for another mesh"
+    if why is not None:
+        raise RemoteProtocolError(f"revocation refused: {why}")
+    if not crypto.verify(r.by, crypto.D_REVOKE, r.body(), r.sig):
         raise RemoteProtocolError("revocation has a bad signature")
     return r
+
+
+def grant_admin(key: Ed25519PrivateKey, mesh_id: bytes, node: NodeId, now: float) -> Grant:
+    """ValueError unless ``key`` founded ``mesh_id`` and ``node`` is someone else."""
+    me = crypto.node_id(key)
+    if crypto.mesh_id_for(me) != mesh_id:
+        raise ValueError("only the node that founded the mesh can name admins")
+    if node == me:
+        raise ValueError("the founder is more than an admin already")
+    g = Grant(mesh_id, node, int(now), me)
+    return replace(g, sig=crypto.sign(key, crypto.D_ADMIN, g.body()))
+
+
+def grant_from_wire(obj: object, mesh_id: bytes) -> Grant:
+    """An admin grant of this mesh, signed by its founder; RemoteProtocolError otherwise."""
+    g = Grant(*_signed_word(obj, "admin grant"))
+    if g.mesh_id != mesh_id or crypto.mesh_id_for(g.by) != mesh_id or g.node == g.by:
+        raise RemoteProtocolError("admin grant not made by this mesh's founder")
+    if not crypto.verify(g.by, crypto.D_ADMIN, g.body(), g.sig):
+        raise RemoteProtocolError("admin grant has a bad signature")
+    return g
+
+
+def _signed_word(obj: object, what: str) -> tuple[bytes, NodeId, int, NodeId, bytes]:
+    """The shape both revocations and grants have on the wire: [mesh_id, node, at, by, sig]."""
+    if not (isinstance(obj, list) and len(obj) == 5):
+        raise RemoteProtocolError(f"{what} malformed")
+    mid, node, at, by, sig = obj
+    if not (isinstance(mid, bytes) and isinstance(node, bytes) and len(node) == crypto.NODE_ID_LEN
+            and _is_int(at) and isinstance(by, bytes) and len(by) == crypto.NODE_ID_LEN
+            and isinstance(sig, bytes)):  # fmt: skip
+        raise RemoteProtocolError(f"{what} malformed")
+    return mid, node, at, by, sig
 
 
 def cut_off(chain: list[Link] | tuple[Link, ...], revoked: Container[NodeId]) -> NodeId | None:

@@ -31,8 +31,8 @@ def event_line(
         return f"[bold]host elected:[/] {who}"
     if kind == EventKind.REVOKED:
         if node == me:
-            return "[bold red]this node was revoked from the mesh by its founder: no member will take it again[/]"
-        return f"[red]-[/] peer {who} revoked by the founder (itself, or the member that admitted it)"
+            return "[bold red]this node was revoked from the mesh: no member takes it again[/]"
+        return f"[red]-[/] peer {who} revoked from the mesh (itself, or the member that admitted it)"
     if kind == EventKind.REKEYED:
         return f"[yellow]the mesh's admission secret was rotated ({detail}): tokens minted before admit nobody now[/]"
     if kind == EventKind.EXPIRED:
