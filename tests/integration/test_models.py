@@ -117,6 +117,22 @@ def test_a_url_of_another_host_is_refused(hub: HubStandin, tmp_path: Path) -> No
     assert not hub.files["org/repo/m.gguf"].gets
 
 
+def test_a_file_name_that_climbs_out_of_the_models_dir_is_refused(hub: HubStandin, tmp_path: Path) -> None:
+    """[trust] low finding: `..` in `org/repo/file` and URL forms resolved outside the models dir (huggingface_hub
+    refused it; we no longer rely on that). Nothing is asked of the hub, nothing is written outside."""
+    models = tmp_path / "models"
+    hub.files["org/repo/m.gguf"] = HubFile(DATA)
+    url = f"{hub.url}/org/repo/resolve/main/../x.gguf"
+    for arg in ["org/repo/../../../evil.gguf", "org/repo/sub/../../x.gguf", url, "org/repo//x.gguf",
+                "org/repo/a\\..\\x.gguf"]:  # fmt: skip
+        for fetch in (True, False):
+            with pytest.raises(UserError, match="not a file name inside a repository"):
+                resolve(arg, models, fetch=fetch)
+    with pytest.raises(UserError, match="not a repository name"):
+        download_file("org/..", "m.gguf", models)
+    assert not hub.files["org/repo/m.gguf"].gets and not list(tmp_path.rglob("*.gguf"))
+
+
 def _check(hub: HubStandin, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "MESH_LLM_MODELS": str(tmp_path)}
     env.pop("HF_TOKEN", None)

@@ -75,10 +75,22 @@ def _on_the_hub(url: str) -> None:
         raise UserError(f"{url}: not a URL of the hub ({hub_endpoint()}); set HF_ENDPOINT to download from a mirror")
 
 
+def inside(dest_dir: Path, filename: str) -> Path:
+    """``dest_dir/filename`` for a file name that came from the user or the hub: one that could land anywhere else
+    (``..``, an absolute path, a backslash, an empty part) is refused, whatever the hub library would do with it."""
+    parts = filename.split("/")
+    if filename.startswith("/") or "\\" in filename or "\0" in filename or any(p in ("", ".", "..") for p in parts):
+        raise UserError(f"{filename!r}: not a file name inside a repository (no '..', '.', empty parts or '\\')")
+    return dest_dir / filename
+
+
 def download_file(repo: str, filename: str, dest_dir: Path, revision: str = "main") -> Path:
     """``dest_dir/filename``, fetched unless already there with the right content."""
     import huggingface_hub as hf
 
+    target = inside(dest_dir, filename)
+    if any(p in ("", ".", "..") for p in repo.split("/")) or revision in (".", ".."):
+        raise UserError(f"{repo!r}: not a repository name")
     what = f"{repo}/{filename}"
     url = hf.hf_hub_url(repo, filename, revision=revision)
     try:
@@ -87,7 +99,6 @@ def download_file(repo: str, filename: str, dest_dir: Path, revision: str = "mai
         raise _hub_error(e, what) from None
     expected = (meta.etag or "").strip('"').lower()
     expected = expected if _SHA256.match(expected) else ""
-    target = dest_dir / filename
     same_size = target.is_file() and meta.size is not None and target.stat().st_size == meta.size
     if same_size and (not expected or _sha256(target) == expected):
         return target
@@ -244,11 +255,11 @@ def resolve(arg: str, where: Path | None = None, fetch: bool = True) -> Path:
     m = _URL.match(arg)
     if m:
         _on_the_hub(arg)
-        return download_file(m["repo"], m["file"], where, revision=m["rev"]) if fetch else where / m["file"]
+        return download_file(m["repo"], m["file"], where, revision=m["rev"]) if fetch else inside(where, m["file"])
     parts = arg.split("/")
     if len(parts) >= 3 and arg.endswith(".gguf") and not arg.startswith(("/", ".", "~")):
         repo, file = "/".join(parts[:2]), "/".join(parts[2:])
-        return download_file(repo, file, where) if fetch else where / file
+        return download_file(repo, file, where) if fetch else inside(where, file)
     hints = catalog.closest(arg)
     hint = f"; did you mean {', '.join(hints)}?" if hints else "; `mesh-llm download` lists the catalog"
     raise UserError(f"unknown model {arg!r}: not a file, a catalog name or an installed model{hint}")
