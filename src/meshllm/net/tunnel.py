@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import struct
 from collections.abc import Callable
@@ -258,13 +259,19 @@ class TunnelListener:
         return self.port
 
     def _protocol(self) -> asyncio.Protocol:
+        return _Gate(self)
+
+    def bridge(self, transport: asyncio.Transport) -> None:
+        """An accepted client of our own user: carried over a new stream (closed at once if the peer is gone)."""
         st = self.open_stream()
         if st is None:
-            return _Refuse()
+            transport.close()
+            return
         b = Bridge(st, self.stats)
         self._bridges.add(b)
         b.done.add_done_callback(lambda _: self._bridges.discard(b))
-        return b
+        transport.set_protocol(b)
+        b.connection_made(transport)
 
     async def close(self) -> None:
         if self.server:
@@ -273,11 +280,44 @@ class TunnelListener:
             b.close()
 
 
-class _Refuse(asyncio.Protocol):
-    """A TCP client of a tunnel whose peer cannot be reached: closed at once."""
+class _Gate(asyncio.Protocol):
+    """A new client of a tunnel listener: only processes of our own user get through (our llama-server). Others on
+    the machine could otherwise speak RPC to the workers at the far end, and whoever reaches an rpc-server owns it."""
+
+    def __init__(self, listener: TunnelListener) -> None:
+        self.listener = listener
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.close()
+        assert isinstance(transport, asyncio.Transport)
+        peer, local = transport.get_extra_info("peername"), transport.get_extra_info("sockname")
+        uid = loopback_peer_uid(peer, local)
+        if uid is not None and uid != os.getuid():
+            log.warning("refused a tunnel client of another user (uid %d) from port %d", uid, peer[1])
+            transport.close()
+            return
+        self.listener.bridge(transport)
+
+
+def loopback_peer_uid(peer: tuple[str, int], local: tuple[str, int]) -> int | None:
+    """The user owning the client end of a loopback TCP connection (Linux: /proc/net/tcp, where that socket's row
+    has the peer's address as its local one); None where that cannot be known (another OS). A client gone
+    already counts as a stranger (-1)."""
+    want = (_proc_addr(peer), _proc_addr(local))
+    try:
+        with open("/proc/net/tcp") as f:
+            rows = f.read().splitlines()[1:]
+    except OSError:
+        return None
+    for row in rows:
+        cols = row.split()
+        if len(cols) > 7 and (cols[1], cols[2]) == want:
+            return int(cols[7])
+    return -1
+
+
+def _proc_addr(addr: tuple[str, int]) -> str:
+    """An IPv4 address as /proc/net/tcp writes it: the address as a little-endian u32 in hex, then the port."""
+    return f"{int.from_bytes(socket.inet_aton(addr[0]), 'little'):08X}:{addr[1]:04X}"
 
 
 async def connect_and_bridge(stream: Stream, port: int, stats: TunnelStats) -> None:
