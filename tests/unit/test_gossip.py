@@ -256,3 +256,20 @@ def test_an_admin_the_founder_named_revokes_members_but_not_the_founder_or_other
     t.merge_record(rec(c, cc), T)
     late = tok.revoke(a, MESH, crypto.node_id(c), T, admins={na})
     assert t.merge_push(GossipPush(revocations=[late.to_wire()]), T).dropped and crypto.node_id(c) in t.entries
+
+
+def test_a_departed_nodes_old_record_does_not_come_back_after_its_tombstone_is_forgotten() -> None:
+    """[trust] low finding: once the tombstone of a node that left was forgotten (10 min), its last record replayed
+    by anyone was taken as alive again. Records carry their signing time now; one older than MAX_RECORD_AGE_S is
+    stale (a record of unknown time, from a core never told the wall clock, is not judged)."""
+    from meshllm.proto.gossip import MAX_RECORD_AGE_S, TOMBSTONE_TTL_S
+
+    t = Table(crypto.node_id(crypto.new_key()), MESH)
+    k, ch = member()
+    t.wall = T
+    assert t.merge_record(rec(k, ch, at=int(T - 5)), T).changed  # a fresh one
+    later = T + TOMBSTONE_TTL_S + 60
+    t.wall = later
+    res = t.merge_record(rec(k, ch, seq=2, at=int(T)), later)
+    assert not res.changed and "stale" in res.dropped[0]
+    assert t.merge_record(rec(k, ch, seq=3, at=int(later - MAX_RECORD_AGE_S + 30)), later).changed  # clocks apart

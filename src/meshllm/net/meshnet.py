@@ -159,7 +159,7 @@ class MeshNet:
 
     def _make_core(self, m: Membership) -> MeshCore:
         self.core = MeshCore(key=self.key, mesh_id=m.mesh_id, chain=m.chain, incarnation=m.incarnation, now=self.now,
-                             admit_s=self.admit_s)  # fmt: skip
+                             admit_s=self.admit_s, wall=self.wall())  # fmt: skip
         first: RecordUpdate = {"addrs": tuple(self.all_addrs), **self._pending_fields}
         self.core.update(self.now, **first)
         return self.core

@@ -31,6 +31,10 @@ HEARTBEAT_S = 2.0
 SUSPECT_AFTER_S = 4.0  # two heartbeats missed (a direct peer is declared dead at 6 s: DIRECT_DEAD_S)
 DEAD_AFTER_S = 10.0
 TOMBSTONE_TTL_S = 600.0
+# a record signed longer ago than this (by its own wall time) is stale: once a departed node's tombstone is forgotten
+# (TOMBSTONE_TTL_S), its last record replayed must not bring it back. Half the tombstone's life leaves room for clocks
+# that disagree by minutes.
+MAX_RECORD_AGE_S = TOMBSTONE_TTL_S / 2
 MAX_RECORD = 16 * 1024
 MAX_RECORDS = 256
 MAX_NAME = 32
@@ -107,6 +111,7 @@ class PeerRecord:
     planned: tuple[NodeId, ...] = ()  # a host: the nodes of the plan it runs (every node prefers them when planning)
     chain: tuple[tok.Link, ...] = ()
     left: bool = False  # a clean leave: this record is the node's own tombstone
+    at: int = 0  # wall time of signing (unix s; 0: unknown, then its age is not checked)
 
     @property
     def scope(self) -> tok.Scope:
@@ -122,7 +127,7 @@ class PeerRecord:
                 "model": dataclasses.asdict(self.model) if self.model else None, "state": self.state,
                 "ver": self.version, "rtt": self.rtt_ms, "links": self.links, "relay": self.relay,
                 "nat": list(self.reflexive), "host": self.host, "planned": list(self.planned),
-                "chain": tok.chain_to_wire(list(self.chain)), "left": self.left,
+                "chain": tok.chain_to_wire(list(self.chain)), "left": self.left, "at": self.at,
             }
         )  # fmt: skip
         return pack([body, crypto.sign(key, crypto.D_RECORD, body)])
@@ -232,7 +237,7 @@ def record_from_wire(
         rtt_ms={k: float(v) for k, v in list(rtt.items())[:64] if _is_id(k) and isinstance(v, int | float)},
         links={k: str(v)[:40] for k, v in list(_field(d, "links", dict).items())[:64] if _is_id(k)},
         relay=_field(d, "relay", bool), reflexive=tuple(str(a) for a in _field(d, "nat", list)[:4]),
-        host=host, planned=_planned(d), chain=tuple(chain), left=_field(d, "left", bool),
+        host=host, planned=_planned(d), chain=tuple(chain), left=_field(d, "left", bool), at=_field(d, "at", int),
     )  # fmt: skip
 
 
@@ -387,6 +392,9 @@ class Table:
             return res
         if self.wall is not None and self.wall >= tok.chain_until(rec.chain):
             res.dropped.append(f"record of {crypto.short(rec.node)}: {tok.admission_ended(rec.chain, self.wall)}")
+            return res
+        if self.wall is not None and rec.at and rec.at < self.wall - MAX_RECORD_AGE_S:
+            res.dropped.append(f"record of {crypto.short(rec.node)} signed {int(self.wall - rec.at)} s ago: stale")
             return res
         old = self.entries.get(rec.node)
         if old is not None and (rec.incarnation, rec.seq) <= (old.record.incarnation, old.record.seq):

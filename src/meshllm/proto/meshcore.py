@@ -99,12 +99,15 @@ class MeshCore:
         self.table = Table(self.me, self.mesh_id)
         self.record = PeerRecord(node=self.me, incarnation=self.incarnation, seq=0, chain=tuple(self.chain))
         self.table.my_incarnation = self.incarnation
+        self.table.wall = self.wall
         self._sign()
         self._last_beat = self.now
 
     # ---------------------------------------------------------------- own record
 
     def _sign(self) -> None:
+        if self.wall is not None:
+            self.record = dataclasses.replace(self.record, at=int(self.wall))
         self._raw_self = self.record.to_wire(self.key)
 
     def update(self, now: float, **fields: Unpack[RecordUpdate]) -> Out:
