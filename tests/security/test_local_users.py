@@ -1,5 +1,6 @@
 """[trust] Other users of the same machine: the host's loopback tunnel listeners (llama-server's way to the workers'
-rpc-servers) take clients of our own user only. Acting as another user needs root (CI runs as root)."""
+rpc-servers) and the web console (it hands out the invite token) serve our own user only. Acting as another user
+needs root (CI runs as root)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from meshllm.net.tunnel import TunnelListener, TunnelStats
 
 pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="acting as another user (nobody) needs root")
 
-def _connect_as(uid: int | None, port: int) -> str:
-    """In a forked child (running as ``uid`` if given): connect, send an RPC HELLO, say whether anything came back."""
+def _connect_as(uid: int | None, port: int, send: bytes = b"\x0e" + bytes(8)) -> str:
+    """In a forked child (running as ``uid`` if given): connect, send ``send`` (an RPC HELLO), say whether anything
+    came back ("closed"), or the first line of what did."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: no asyncio, no exec (another user may not read our virtualenv)
@@ -25,10 +27,11 @@ def _connect_as(uid: int | None, port: int) -> str:
                 os.setgid(uid)
                 os.setuid(uid)
             s = socket.create_connection(("127.0.0.1", port))
-            s.sendall(b"\x0e" + bytes(8))
+            s.sendall(send)
             s.settimeout(10)
             try:
-                got = b"closed" if s.recv(1) == b"" else b"answered"
+                first = s.recv(4096)
+                got = first.split(b"\r\n")[0] if first else b"closed"
             except ConnectionResetError:
                 got = b"closed"
             os.write(w, got)
@@ -57,5 +60,24 @@ def test_a_tunnel_listener_takes_clients_of_our_own_user_only() -> None:
             assert await asyncio.to_thread(_connect_as, None, port) == "closed" and asked == [1]  # ours got to ask
         finally:
             await listener.close()
+
+    asyncio.run(main())
+
+
+def test_the_console_and_its_token_serve_our_own_user_only() -> None:
+    """The console's /token would give any local user a host-scoped way into the mesh."""
+    from meshllm.llama.processes import free_port
+    from meshllm.serve.console import Console
+
+    async def main() -> None:
+        console = Console(lambda: {}, lambda: "mesh1.secret-token", "http://127.0.0.1:1/v1", None)
+        port = free_port()
+        await console.start(port)
+        get = b"GET /token HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+        try:
+            assert await asyncio.to_thread(_connect_as, 65534, port, get) == "HTTP/1.1 403 Forbidden"
+            assert await asyncio.to_thread(_connect_as, None, port, get) == "HTTP/1.1 200 OK"
+        finally:
+            await console.stop()
 
     asyncio.run(main())

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 import struct
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from meshllm.errors import RemoteProtocolError
 from meshllm.llama.rpcwire import CommandParser, WireStats
 from meshllm.net.endpoint import Stream
+from meshllm.net.localuser import other_user
 
 log = logging.getLogger("meshllm.tunnel")
 
@@ -289,35 +289,12 @@ class _Gate(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
-        peer, local = transport.get_extra_info("peername"), transport.get_extra_info("sockname")
-        uid = loopback_peer_uid(peer, local)
-        if uid is not None and uid != os.getuid():
-            log.warning("refused a tunnel client of another user (uid %d) from port %d", uid, peer[1])
+        uid = other_user(transport)
+        if uid is not None:
+            log.warning("refused a tunnel client of another user of this machine (uid %d)", uid)
             transport.close()
             return
         self.listener.bridge(transport)
-
-
-def loopback_peer_uid(peer: tuple[str, int], local: tuple[str, int]) -> int | None:
-    """The user owning the client end of a loopback TCP connection (Linux: /proc/net/tcp, where that socket's row
-    has the peer's address as its local one); None where that cannot be known (another OS). A client gone
-    already counts as a stranger (-1)."""
-    want = (_proc_addr(peer), _proc_addr(local))
-    try:
-        with open("/proc/net/tcp") as f:
-            rows = f.read().splitlines()[1:]
-    except OSError:
-        return None
-    for row in rows:
-        cols = row.split()
-        if len(cols) > 7 and (cols[1], cols[2]) == want:
-            return int(cols[7])
-    return -1
-
-
-def _proc_addr(addr: tuple[str, int]) -> str:
-    """An IPv4 address as /proc/net/tcp writes it: the address as a little-endian u32 in hex, then the port."""
-    return f"{int.from_bytes(socket.inet_aton(addr[0]), 'little'):08X}:{addr[1]:04X}"
 
 
 async def connect_and_bridge(stream: Stream, port: int, stats: TunnelStats) -> None:

@@ -1,6 +1,7 @@
 """The web console: a live view of this node's status object, a chat, the invite token, agent lines.
 
-Served on 127.0.0.1 only (even with --listen-all): it hands out the invite token. Static files ship in the
+Served on 127.0.0.1 only (even with --listen-all), to the processes of the user who started the node (Linux): it
+hands out the invite token. Static files ship in the
 package (no CDN). The page gets the status object over SSE whenever it changes, and chats through this server
 (same origin), which forwards to the node's own API — the API itself does not open CORS to every site.
 """
@@ -32,7 +33,7 @@ class Console:
         self.token = token
         self.api_url = api_url
         self.api_key = api_key
-        self.app = web.Application(middlewares=[webguard.middleware(False)])
+        self.app = web.Application(middlewares=[webguard.middleware(False, own_user_only=True)])
         self.app.router.add_get("/", self.index)
         self.app.router.add_get("/static/{name}", self.static)
         self.app.router.add_get("/events", self.events)

@@ -16,6 +16,8 @@ from urllib.parse import urlsplit
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from meshllm.net.localuser import other_user
+
 LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -44,11 +46,16 @@ def origin_ok(origin: str | None) -> bool:
         return False  # "null" (sandboxed frames, files) and garbage
 
 
-def middleware(listen_all: bool, allow_headers: str = "Authorization, Content-Type") -> Middleware:
-    """An aiohttp middleware applying the rules above."""
+def middleware(listen_all: bool, allow_headers: str = "Authorization, Content-Type",
+               own_user_only: bool = False) -> Middleware:  # fmt: skip
+    """An aiohttp middleware applying the rules above; ``own_user_only``: clients of other users of this machine
+    get 403 too (net/localuser.py)."""
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if own_user_only and request.transport is not None and other_user(request.transport) is not None:
+            msg = "this node's console serves the user who started it only"
+            return web.json_response({"error": {"message": msg, "type": "forbidden"}}, status=403)
         if not host_ok(request.headers.get("Host"), listen_all):
             return web.json_response({"error": {"message": "Host not allowed", "type": "forbidden"}}, status=403)
         origin = request.headers.get("Origin")
