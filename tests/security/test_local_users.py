@@ -1,6 +1,6 @@
 """[trust] Other users of the same machine: the host's loopback tunnel listeners (llama-server's way to the workers'
-rpc-servers) and the web console (it hands out the invite token) serve our own user only. Acting as another user
-needs root (CI runs as root)."""
+rpc-servers), a worker's rpc-server (the tunnels' far end) and the web console (it hands out the invite token) serve
+our own user only. Acting as another user needs root (CI runs as root)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,14 @@ import asyncio
 import encodings.idna  # noqa: F401  (loaded before the fork: the child, as nobody, may not read the stdlib)
 import os
 import socket
+from pathlib import Path
 
 import pytest
 
+from meshllm.llama import rpcwire
+from meshllm.llama.build import Binaries
+from meshllm.llama.processes import Child, free_port, rpc_server_argv, wait_tcp_ready
+from meshllm.llama.rpcwire import CONN_CAPS_SIZE, HEADER, Cmd
 from meshllm.net.tunnel import TunnelListener, TunnelStats
 
 pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="acting as another user (nobody) needs root")
@@ -66,7 +71,6 @@ def test_a_tunnel_listener_takes_clients_of_our_own_user_only() -> None:
 
 def test_the_console_and_its_token_serve_our_own_user_only() -> None:
     """The console's /token would give any local user a host-scoped way into the mesh."""
-    from meshllm.llama.processes import free_port
     from meshllm.serve.console import Console
 
     async def main() -> None:
@@ -81,3 +85,19 @@ def test_the_console_and_its_token_serve_our_own_user_only() -> None:
             await console.stop()
 
     asyncio.run(main())
+
+
+def test_a_workers_rpc_server_takes_loopback_clients_of_our_own_user_only(
+    patched_bins: Binaries, tmp_path: Path, children: list[Child]
+) -> None:
+    """The patched rpc-server's plain listener is on loopback (the worker's tunnels end there): another user of the
+    worker's machine could speak RPC to it and own the machine. Patch 0006: such a client is refused at accept, the
+    server goes on serving ours."""
+    port = free_port()
+    srv = Child.start("rpc", rpc_server_argv(patched_bins, port, threads=1), tmp_path / "rpc.log")
+    children.append(srv)
+    wait_tcp_ready(srv, port)
+    hello = HEADER.pack(Cmd.HELLO, CONN_CAPS_SIZE) + bytes(CONN_CAPS_SIZE)
+    assert _connect_as(65534, port, hello) == "closed"
+    assert rpcwire.hello(port)[0] >= 3  # ours: a protocol version back
+    assert srv.alive() and "refused a loopback client of another user (uid 65534)" in (tmp_path / "rpc.log").read_text()
