@@ -202,7 +202,8 @@ def cmd_node(args: argparse.Namespace) -> int:
         admission_s=args.admission,
         relay=args.relay, relay_mode=args.relay_mode,
         max_vram_gb=args.max_vram, ctx_size=args.ctx_size, tensor_split=args.tensor_split, port=args.port,
-        listen_all=args.listen_all, api_key=api_key, bins=bins, auto_model=auto, models_dir=args.models_dir,
+        listen_all=args.listen_all, api_key=api_key, max_tokens=args.max_tokens, bins=bins, auto_model=auto,
+        models_dir=args.models_dir,
         draft=args.draft, draft_max=args.draft_max, no_draft=args.no_draft, console_port=args.console,
         rpc_path=args.rpc_path, rpc_port=args.rpc_port, name=args.name or "",
     )  # fmt: skip
@@ -579,6 +580,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=tcp_port, default=9337, help="API port (default 9337)")
     p.add_argument("--listen-all", action="store_true", help="API on all interfaces (then an API key is required)")
     p.add_argument("--api-key", type=nonempty, metavar="KEY", help="require this API key (or $MESH_LLM_API_KEY)")
+    p.add_argument("--max-tokens", type=positive_int, metavar="N",
+                   help="the most tokens one request may generate, on the API and the console (a request asking for "
+                   "more, or not saying, gets N); default: no cap on the API, 4096 in the console's chat")  # fmt: skip
     p.add_argument("--bin-dir", type=Path, metavar="DIR", help="your own ggml-rpc-server and llama-server")
     p.add_argument("--console", nargs="?", type=tcp_port, const=3131, metavar="PORT",
                    help="web console on 127.0.0.1 (default port 3131)")  # fmt: skip

@@ -38,7 +38,7 @@ def _generated(port: int) -> float:
 
 def test_pages_of_other_sites_cannot_use_the_api_or_the_console(tmp_path: Path, tiny_model: Path) -> None:
     cport = free_port()
-    a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024", "--console", str(cport))
+    a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024", "--console", str(cport), "--max-tokens", "48")
     try:
         wait_for(lambda: "ready:" in a.text(), 120, "a to serve")
         api = f"http://127.0.0.1:{a.port}/v1/completions"
@@ -70,6 +70,10 @@ def test_pages_of_other_sites_cannot_use_the_api_or_the_console(tmp_path: Path, 
         assert _generated(a.port) == before
         status, _ = _ask(f"{console}/chat", data=chat, Origin=f"http://127.0.0.1:{cport}")  # the console's own page
         assert status == 200
-        assert before < _generated(a.port) <= before + 4096  # capped, not a billion tokens
+        assert before < _generated(a.port) <= before + 48  # capped (--max-tokens), not a billion tokens
+        before = _generated(a.port)
+        big = json.dumps({"prompt": "Once upon a time", "max_tokens": 10**9, "ignore_eos": True}).encode()
+        assert _ask(api, data=big)[0] == 200
+        assert _generated(a.port) == before + 48  # the API too
     finally:
         a.stop()

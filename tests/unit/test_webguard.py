@@ -26,3 +26,15 @@ def test_the_upstreams_cors_headers_never_pass() -> None:
     got = strip_cors({"Access-Control-Allow-Origin": "https://evil.example", "access-control-allow-credentials": "true",
                       "Content-Type": "application/json"}.items())  # fmt: skip
     assert dict(got) == {"Content-Type": "application/json"}
+
+
+def test_max_tokens_capped_where_configured() -> None:
+    """[trust] a request for 10**9 tokens was passed on; --max-tokens caps what any request asks (and one that does
+    not say), under every name llama-server takes."""
+    from meshllm.serve.api import cap_tokens
+
+    assert cap_tokens({"prompt": "x", "max_tokens": 100}, 256) is None
+    assert cap_tokens({"prompt": "x", "max_tokens": 10**9}, 256) == {"prompt": "x", "max_tokens": 256}
+    assert cap_tokens({"prompt": "x"}, 256) == {"prompt": "x", "max_tokens": 256}
+    assert cap_tokens({"prompt": "x", "n_predict": -1, "max_tokens": 5}, 256) == {"prompt": "x", "max_tokens": 256}
+    assert cap_tokens({"messages": [], "max_completion_tokens": True}, 8) == {"messages": [], "max_tokens": 8}

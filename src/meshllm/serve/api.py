@@ -118,6 +118,18 @@ def _error(
 REQUIRED = {"/v1/completions": ("prompt", (str, list)), "/v1/chat/completions": ("messages", (list,))}
 
 
+TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")  # OpenAI's two names and llama-server's own
+
+
+def cap_tokens(req: dict[str, object], cap: int) -> dict[str, object] | None:
+    """A completion request asking for more than ``cap`` tokens (or not saying: until the context is full) made to
+    ask for ``cap`` at most; None when it already does."""
+    asked = [req.get(f) for f in TOKEN_FIELDS if f in req]
+    if asked and all(isinstance(n, int) and not isinstance(n, bool) and 0 < n <= cap for n in asked):
+        return None
+    return {**{k: v for k, v in req.items() if k not in TOKEN_FIELDS}, "max_tokens": cap}
+
+
 def _openai_ids(body: bytes) -> bytes:
     return body.replace(b'"id":"chatcmpl-', b'"id":"cmpl-')
 
@@ -131,8 +143,10 @@ class Api:
         api_key: str | None = None,
         metrics: Callable[[], str] | None = None,
         listen_all: bool = False,
+        max_tokens: int | None = None,
     ) -> None:
         self.router = router
+        self.max_tokens = max_tokens  # --max-tokens: the most a completion request may ask for (None: no cap)
         self.metrics = metrics
         self.counters = Counters()
         self.models = models
@@ -223,6 +237,9 @@ class Api:
             if need is not None and isinstance(parsed, dict) and not isinstance(parsed.get(need[0]), need[1]):
                 return _error(400, f"'{need[0]}' is required", "invalid_request_error", param=need[0],
                               code="missing_required_parameter")  # fmt: skip
+            if need is not None and self.max_tokens and isinstance(parsed, dict):
+                capped = cap_tokens(parsed, self.max_tokens)
+                body = body if capped is None else json.dumps(capped).encode()
         up = self.router(model)
         if up is None:
             names = ", ".join(self.models()) or "none"

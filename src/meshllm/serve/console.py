@@ -23,12 +23,14 @@ from meshllm.serve import webguard
 
 STATIC = ("console.html", "console.js", "console.css")
 MAX_CHAT_TOKENS = 4096  # the console's chat box adds the API key itself: it must not pass on what a page asks
+# (--max-tokens sets another cap, for the API too)
 TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
 
 
 class Console:
     def __init__(self, status: Callable[[], dict[str, object]], token: Callable[[], str | None], api_url: str,
-                 api_key: str | None) -> None:  # fmt: skip
+                 api_key: str | None, max_tokens: int | None = None) -> None:  # fmt: skip
+        self.max_tokens = max_tokens or MAX_CHAT_TOKENS
         self.status = status
         self.token = token
         self.api_url = api_url
@@ -97,7 +99,7 @@ class Console:
             temp = min(2.0, max(0.0, float(got.get("temperature", 0.7))))
         except (ValueError, TypeError, AttributeError):
             return web.json_response({"error": "expected {messages, max_tokens, temperature}"}, status=400)
-        body = {"messages": msgs, "stream": True, "max_tokens": max(1, min(n, MAX_CHAT_TOKENS)), "temperature": temp}
+        body = {"messages": msgs, "stream": True, "max_tokens": max(1, min(n, self.max_tokens)), "temperature": temp}
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
@@ -118,10 +120,10 @@ class Console:
 
 async def start_console(
     port: int, status: Callable[[], dict[str, object]], token: Callable[[], str | None], api_url: str,
-    api_key: str | None, out: RichConsole,
+    api_key: str | None, out: RichConsole, max_tokens: int | None = None,
 ) -> Console:  # fmt: skip
     """The web console on 127.0.0.1:``port``; one line if the port is taken."""
-    web = Console(status, token, api_url, api_key)
+    web = Console(status, token, api_url, api_key, max_tokens)
     try:
         await web.start(port)
     except OSError as e:

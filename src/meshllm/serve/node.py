@@ -152,7 +152,7 @@ class Node:
 
             self.web_console = await start_console(
                 self.o.console_port, lambda: self.status(time.monotonic()), lambda: load_token(self.state),
-                f"http://127.0.0.1:{self.o.port}/v1", self.o.api_key, self.console,
+                f"http://127.0.0.1:{self.o.port}/v1", self.o.api_key, self.console, self.o.max_tokens,
             )  # fmt: skip
         if self.o.auto_model:
             await self._adopt_model()
@@ -175,7 +175,7 @@ class Node:
             return self.report.metrics(self.me, self.elections, time.monotonic()) if self.report else ""
 
         self.api = Api(self._route, self._models, lambda: self.status(time.monotonic()), api_key=self.o.api_key,
-                       metrics=metrics, listen_all=self.o.listen_all)  # fmt: skip
+                       metrics=metrics, listen_all=self.o.listen_all, max_tokens=self.o.max_tokens)  # fmt: skip
         try:
             await self.api.start(self.api_host, self.o.port)
         except OSError as e:

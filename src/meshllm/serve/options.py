@@ -38,6 +38,7 @@ class NodeOptions:
     port: int = 9337
     listen_all: bool = False
     api_key: str | None = None
+    max_tokens: int | None = None  # --max-tokens: the most one request may generate (API and console)
     bins: Binaries | None = None  # None: a lite client
     console_port: int | None = None  # --console [PORT]
     draft: str | None = None  # --draft PATH|NAME
