@@ -91,6 +91,10 @@ def _scope(text: str) -> object:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _events_n(text: str) -> int:
+    return _int_in(text, 0, 50, "the number of events")
+
+
 def ctx_size(text: str) -> int:
     return _int_in(text, 64, 1 << 24, "the context size")
 
@@ -530,6 +534,19 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{p['rtt_ms']:.1f}" if p.get("rtt_ms") is not None else "-",
         )  # fmt: skip
     out.print(t)
+    mt, tt = st.get("mesh_tokens"), st.get("ttft_s")
+    if isinstance(mt, dict):
+        loading = f"; loading the model: {mt['progress']}%" if mt.get("progress", -1) >= 0 else ""
+        out.print(f"mesh: {mt['generated']} tokens generated, {mt['prompt']} prompt tokens (host {mt['host']})"
+                  + loading)  # fmt: skip
+    mtt = st.get("mesh_ttft_s")
+    if isinstance(mtt, dict):
+        out.print(f"first token: {mtt['avg'] * 1000:.0f} ms on average over the mesh's {mtt['count']} requests")
+    if isinstance(tt, dict):
+        out.print(f"first token via this node: {tt['last'] * 1000:.0f} ms last, median <= {tt['p50'] * 1000:.0f} ms "
+                  f"({tt['count']} requests)")  # fmt: skip
+    for ev in (st.get("events") or [])[-args.events :] if args.events else []:
+        out.print(f"{time.strftime('%H:%M:%S', time.localtime(ev['t']))} {ev['text']}", markup=False)
     return 0
 
 
@@ -672,6 +689,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--state-dir", type=Path, metavar="DIR", help="read the status the node last wrote into DIR instead"
     )
     ps.add_argument("--json", action="store_true", help="the raw /mesh/status JSON")
+    ps.add_argument("--events", type=_events_n, default=5, metavar="N",
+                    help="the latest N events of the timeline (joins, leaves, elections, plans); default 5, 0: none")
     ps.set_defaults(func=cmd_status)
     return p
 

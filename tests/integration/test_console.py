@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import socket
@@ -125,10 +126,23 @@ def test_console_shows_the_mesh_and_chats(tmp_path: Path, tiny_model: Path, brow
         # nodes by name (the hostname by default); requests in words, not JSON
         assert segs()[b_short].startswith("worker-b · ") and segs()[a_short].startswith(socket.gethostname()[:32])
         assert "× 200" in drv.find_element(By.ID, "m-req").text  # type: ignore[attr-defined]
-        # a node killed -9 is shown as not heard from once it is suspect, then disappears
+        # the whole mesh's counts (the host's llama-server: every completion runs there) and first-token times
+        wait_for(lambda: re.search(r"[1-9]\d* tokens generated", drv.find_element(By.ID, "m-tps").text) is not None,  # type: ignore[attr-defined]
+                 10, "the mesh's token count")  # fmt: skip
+        assert "ms median" in drv.find_element(By.ID, "m-ttft").text  # type: ignore[attr-defined]
+        wait_for(lambda: "ms average over" in drv.find_element(By.ID, "m-ttft").text, 10, "the mesh's first-token time")  # type: ignore[attr-defined]
+
+        def timeline() -> str:
+            return str(drv.find_element(By.ID, "timeline").text)  # type: ignore[attr-defined]
+
+        assert "ready:" in timeline() and f"peer {b_short} joined" in timeline(), timeline()
+        # a node killed -9 is shown as not heard from once it is suspect, then disappears, and the timeline says so
         b.stop(signal.SIGKILL)
         wait_for(lambda: "not heard from" in segs().get(b_short, ""), 20, "b to be shown as suspect")
         wait_for(lambda: list(segs()) == [a_short], 30, "b to vanish from the page")
+        dead = f"peer {b_short} went silent and is declared dead"
+        wait_for(lambda: dead in timeline(), 10, "the death in the timeline")
+        assert timeline().index("declared dead") < timeline().index("joined")  # newest first
     finally:
         for n in nodes:
             n.stop()
@@ -138,11 +152,17 @@ def test_metrics_parse_and_move(tmp_path: Path, tiny_model: Path) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024")
+    nodes = [a]
     try:
         wait_for(lambda: "ready:" in a.text(), 120, "a to serve")
+        c = NodeProc(tmp_path, "c", None, "--join", (a.state / "token").read_text().strip())  # a lite client
+        nodes.append(c)
+        wait_for(lambda: "API up:" in c.text(), 60, "c's API")
+        # [face] load progress: llama-server (patch 0007) reports each step; the host reads the last one
+        assert "load progress: text_model 100.0%" in a.text_of("llama-server.log")
 
-        def scrape() -> dict[str, float]:
-            with urllib.request.urlopen(f"http://127.0.0.1:{a.port}/metrics", timeout=10) as r:
+        def scrape(n: NodeProc = a) -> dict[str, float]:
+            with urllib.request.urlopen(f"http://127.0.0.1:{n.port}/metrics", timeout=10) as r:
                 text = r.read().decode()
                 assert "version=0.0.4" in r.headers["Content-Type"], r.headers["Content-Type"]
             assert "e+" not in text  # counters exact, not %g
@@ -172,5 +192,24 @@ def test_metrics_parse_and_move(tmp_path: Path, tiny_model: Path) -> None:
         assert after["mesh_llm_tokens_per_second"] > 0
         assert after["mesh_llm_decode_seconds_total"] > before.get("mesh_llm_decode_seconds_total", 0)
         assert any(k.startswith("mesh_llm_build_info") for k in after)
+        # [face] counts were per node only: a request through the lite client is counted mesh-wide by the host's
+        # llama-server, and every node shows that count (from the host's gossip); latency and time to first token
+        # are histograms
+        mesh = f'mesh_llm_mesh_tokens_generated_total{{"host": "{a.short()}"}}'
+        wait_for(lambda: scrape().get(mesh, 0) >= 12 and scrape(c).get(mesh, 0) >= 12, 15, "the mesh-wide count")
+        had = scrape(c)[mesh]
+        req = urllib.request.Request(f"http://127.0.0.1:{c.port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        urllib.request.urlopen(req, timeout=60).read()
+        wait_for(lambda: scrape(c)[mesh] >= had + 12 and scrape()[mesh] >= had + 12, 15, "c's request counted")
+        on_c = scrape(c)
+        assert on_c["mesh_llm_request_seconds_count"] == 1 and on_c["mesh_llm_time_to_first_token_seconds_count"] == 1
+        assert on_c['mesh_llm_request_seconds_bucket{"le": "+Inf"}'] == 1
+        assert 0 < on_c["mesh_llm_time_to_first_token_seconds_sum"] <= on_c["mesh_llm_request_seconds_sum"]
+        assert scrape()["mesh_llm_request_seconds_count"] == 1  # a's own: the first request only
+        # the mesh's time to first token: each node's own count and sum, gossiped; a and c agree
+        wait_for(lambda: all((n.status().get("mesh_ttft_s") or {}).get("count") == 2 for n in (a, c)), 15,
+                 "both requests' first-token times on both nodes")  # fmt: skip
     finally:
-        a.stop()
+        for n in nodes:
+            n.stop()

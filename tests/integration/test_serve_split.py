@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import socket
 import threading
 import urllib.request
@@ -158,6 +159,9 @@ def test_status_command_shows_both_model_nodes(mesh: dict[str, NodeProc]) -> Non
     assert socket.gethostname()[:12] in r.stdout, r.stdout  # each node's name (here: the hostname) under its id
     for header in ("node", "role", "state", "memory", "layers", "path", "RTT ms"):
         assert header in r.stdout.splitlines()[1], r.stdout
+    # the mesh-wide count (the host's, through gossip, on a lite client) and the latest events
+    assert re.search(r"mesh: \d+ tokens generated, \d+ prompt tokens \(host [0-9a-f]{8}\)", r.stdout), r.stdout
+    assert "joined" in r.stdout, r.stdout
     # the host's view, from the state dir it writes (no API needed): every share, the host's with the output
     r2 = subprocess.run([sys.executable, "-m", "meshllm.cli", "status", "--state-dir", str(mesh["a"].state)],
                         capture_output=True, text=True, timeout=30, env=env)  # fmt: skip

@@ -169,7 +169,7 @@ def llama_server_argv(
     """The one place that builds llama-server's command line."""
     argv = [
         str(bins.llama_server), "--host", LOOPBACK, "--port", str(port), "--model", str(model),
-        "--ctx-size", str(ctx_size), "--no-webui", "--parallel", "1",
+        "--ctx-size", str(ctx_size), "--no-webui", "--parallel", "1", "--metrics",
     ]  # fmt: skip
     if threads:
         argv += ["--threads", str(threads)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -174,7 +175,9 @@ class LocalServer(Supervised):
     """The llama-server this node runs when it hosts a model (solo, or the host of a split)."""
 
     def __init__(self, bins: Binaries, cfg: ServerConfig, log_dir: Path) -> None:
-        env = {"GGML_RPC_TLS_CLIENT_KEYS": str(cfg.tls_keys)} if cfg.tls_keys else None
+        env = {"LLAMA_SERVER_LOAD_PROGRESS": "1"}  # a line per progress step (patch 0007): load_progress()
+        if cfg.tls_keys:
+            env["GGML_RPC_TLS_CLIENT_KEYS"] = str(cfg.tls_keys)
 
         def argv(port: int) -> list[str]:
             return llama_server_argv(
@@ -192,6 +195,45 @@ class LocalServer(Supervised):
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def load_progress(self) -> int:
+        """Percent of the model loaded while loading (from its log); -1 when not loading."""
+        if self.state != ChildState.LOADING:
+            return -1
+        return load_progress(self.log_path)
+
+    async def generated(self) -> tuple[int, int] | None:
+        """(tokens generated, prompt tokens processed) since this llama-server started, from its /metrics."""
+        import aiohttp
+
+        try:
+            async with (
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s,
+                s.get(f"{self.base_url}/metrics") as r,
+            ):
+                text = await r.text() if r.status == 200 else ""
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return None
+        values = dict(line.split()[:2] for line in text.splitlines() if line.startswith("llamacpp:") and " " in line)
+        try:
+            return (int(float(values["llamacpp:tokens_predicted_total"])),
+                    int(float(values["llamacpp:prompt_tokens_total"])))  # fmt: skip
+        except (KeyError, ValueError):
+            return None
+
+
+def load_progress(log_path: Path, tail: int = 1 << 16) -> int:
+    """The latest "load progress: STAGE P%" line of the current run in a llama-server log (patch 0007, asked for
+    with LLAMA_SERVER_LOAD_PROGRESS), as a whole percent; 0 before the first, -1 when the log cannot be read."""
+    try:
+        with log_path.open("rb") as f:
+            f.seek(max(0, log_path.stat().st_size - tail))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return -1
+    run = text[text.rfind("\n$ ") + 1 :]  # each start writes its command line first ("$ argv")
+    found = re.findall(r"(?m)^load progress: \S+ (\d+(?:\.\d+)?)%$", run)
+    return min(100, int(float(found[-1]))) if found else 0
 
 
 class RpcServer(Supervised):

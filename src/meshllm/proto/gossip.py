@@ -86,6 +86,9 @@ class RecordUpdate(TypedDict, total=False):
     reflexive: tuple[str, ...]
     host: NodeId | None
     planned: tuple[NodeId, ...]
+    served: tuple[int, int]
+    progress: int
+    ttft: tuple[int, int]
     left: bool
 
 
@@ -112,6 +115,9 @@ class PeerRecord:
     chain: tuple[tok.Link, ...] = ()
     left: bool = False  # a clean leave: this record is the node's own tombstone
     at: int = 0  # wall time of signing (unix s; 0: unknown, then its age is not checked)
+    served: tuple[int, int] = (0, 0)  # a host: tokens its llama-server generated and prompt tokens it processed
+    progress: int = -1  # a host whose model loads: percent loaded (-1: not loading, or not known)
+    ttft: tuple[int, int] = (0, 0)  # requests through this node's API, and their summed time to first token (ms)
 
     @property
     def scope(self) -> tok.Scope:
@@ -128,6 +134,7 @@ class PeerRecord:
                 "ver": self.version, "rtt": self.rtt_ms, "links": self.links, "relay": self.relay,
                 "nat": list(self.reflexive), "host": self.host, "planned": list(self.planned),
                 "chain": tok.chain_to_wire(list(self.chain)), "left": self.left, "at": self.at,
+                "srv": list(self.served), "prog": self.progress, "ttft": list(self.ttft),
             }
         )  # fmt: skip
         return pack([body, crypto.sign(key, crypto.D_RECORD, body)])
@@ -170,6 +177,22 @@ def _shares(d: dict[str, Any]) -> tuple[int, ...]:
     if not isinstance(v, list) or len(v) > 16 or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
         raise RemoteProtocolError("record field shares has the wrong type")
     return tuple(max(0, x) for x in v)
+
+
+def _int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _progress(d: dict[str, Any]) -> int:
+    v = d.get("prog", -1)
+    return max(-1, min(100, v)) if _int(v) else -1
+
+
+def _pair(d: dict[str, Any], name: str) -> tuple[int, int]:
+    v = d.get(name, [0, 0])  # absent from records of versions before mesh-wide counts
+    if not (isinstance(v, list) and len(v) == 2 and all(_int(x) and 0 <= x < 2**63 for x in v)):
+        raise RemoteProtocolError(f"record field {name} has the wrong type")
+    return v[0], v[1]
 
 
 def _is_id(k: object) -> bool:
@@ -238,6 +261,7 @@ def record_from_wire(
         links={k: str(v)[:40] for k, v in list(_field(d, "links", dict).items())[:64] if _is_id(k)},
         relay=_field(d, "relay", bool), reflexive=tuple(str(a) for a in _field(d, "nat", list)[:4]),
         host=host, planned=_planned(d), chain=tuple(chain), left=_field(d, "left", bool), at=_field(d, "at", int),
+        served=_pair(d, "srv"), ttft=_pair(d, "ttft"), progress=_progress(d),
     )  # fmt: skip
 
 

@@ -277,6 +277,7 @@ class Api:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in drop}
         url = up.base_url + request.path_qs
         resp: web.StreamResponse | None = None
+        t0 = time.monotonic()
         try:
             async with self._session.request(request.method, url, data=body or None, headers=headers) as r:
                 resp = web.StreamResponse(status=r.status)
@@ -287,6 +288,8 @@ class Api:
                 await resp.prepare(request)
                 sse = "event-stream" in r.headers.get("Content-Type", "")
                 tally = _TokenTally(sse)
+                timed = request.path in REQUIRED and r.status == 200  # completions and chats: their latency counts
+                first_token: float | None = None
                 held = b""  # an event's first part: sent once it is whole, so a cut never leaves half an event
                 # llama-server names text completions "chatcmpl-…"; OpenAI's are "cmpl-…" (a completion body is
                 # small: without SSE it is sent whole, so the rewrite never meets half a field)
@@ -294,6 +297,8 @@ class Api:
                 try:
                     async for chunk in r.content.iter_any():
                         tally.feed(chunk)
+                        if first_token is None and tally.tokens:
+                            first_token = time.monotonic() - t0
                         if sse or fix_id:
                             held += chunk
                             cut = held.rfind(b"\n\n") if sse else -1
@@ -305,6 +310,12 @@ class Api:
                         await resp.write(_openai_ids(held) if fix_id else held)
                     await resp.write_eof()
                     tally.done(self.counters)
+                    if timed:
+                        took = time.monotonic() - t0
+                        self.counters.duration.observe(took)
+                        # a whole (not streamed) answer: the first token came when decoding began
+                        self.counters.ttft.observe(first_token if first_token is not None else max(0.0,
+                                                   took - tally.decode_s))  # fmt: skip
                 except (ConnectionResetError, aiohttp.ClientConnectionResetError):
                     # our client went away: leaving the block closes the upstream request, which stops generating
                     log.debug("client of %s went away", request.path)

@@ -11,10 +11,12 @@ import contextlib
 import logging
 import signal
 import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from rich.console import Console
+from rich.text import Text
 
 from meshllm import __version__
 from meshllm.errors import UserError
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("meshllm.node")
 PLAN_DEBOUNCE_S = 2.0
+TIMELINE = 50  # the latest mesh events kept for the console (joins, leaves, deaths, elections, plans, ready)
 
 
 class Node:
@@ -67,6 +70,7 @@ class Node:
         self.host: NodeId | None = None
         self.plan: Plan | Waiting | None = None
         self.elections = 0
+        self.timeline: deque[dict[str, object]] = deque(maxlen=TIMELINE)  # what the console's timeline shows
         self._api_said: NodeId | None = None  # the host our "API up" line named
         # joins come in bursts and a new plan costs a model load: adopt one once it has held for a moment
         self._plan_debounce = Debouncer[Plan | Waiting](PLAN_DEBOUNCE_S, first_at_once=True)
@@ -154,6 +158,7 @@ class Node:
                 self.o.console_port, lambda: self.status(time.monotonic()), lambda: load_token(self.state),
                 f"http://127.0.0.1:{self.o.port}/v1", self.o.api_key, self.console, self.o.max_tokens,
             )  # fmt: skip
+        watcher = asyncio.ensure_future(self._watch_llama())
         if self.o.auto_model:
             await self._adopt_model()
         loop = asyncio.get_running_loop()
@@ -162,6 +167,7 @@ class Node:
         await self._stop.wait()
         self.console.print("leaving the mesh")
         events.cancel()
+        watcher.cancel()
         await self.net.stop(leave=True)
         await self.hosting.stop()
         if self.api:
@@ -243,7 +249,7 @@ class Node:
         rtt = self.net.core.rtt_ms.get(ev.node)
         line = narration.event_line(ev.kind, ev.node, self.me, ev.detail, self._record(ev.node), path, rtt)
         if line:
-            self.console.print(line)
+            self._say(line, str(ev.kind))
 
     def _on_change(self) -> None:
         net, hosting = self.net, self.hosting
@@ -266,14 +272,14 @@ class Node:
             hosting.open_http_listener(remote)  # ready before the first request
             if remote != self._api_said and remote != self.me and remote in hosting.http_listeners:
                 self._api_said = remote  # workers and lite clients say their API is up too (once per host)
-                self.console.print(narration.api_line(self.api_host, self.o.port, self._record(remote), self.me))
+                self._say(narration.api_line(self.api_host, self.o.port, self._record(remote), self.me), "ready")
         if self.report is not None:
             self.report.save(self._view(), now, self.state)
 
     def _say_ready(self) -> None:
         model = self.facts.source if self.facts else "?"
         draft = f", draft {self.model.draft.name}" if self.model and self.model.draft else ""
-        self.console.print(f"[bold green]ready:[/] http://{self.api_host}:{self.o.port}/v1 — model {model}{draft}")
+        self._say(f"[bold green]ready:[/] http://{self.api_host}:{self.o.port}/v1 — model {model}{draft}", "ready")
         self.console.print("\n".join(agent_lines(model, self.o.port)), markup=False)
 
     def _replan(self, now: float) -> None:
@@ -293,11 +299,41 @@ class Node:
         self.plan = settled
         if self.host == self.me:  # every node keeps our plan's nodes first: they converge on the plan we run
             self.net.update(planned=tuple(a.node for a in settled.assignments) if isinstance(settled, Plan) else ())
-        self.console.print(narration.plan_line(settled, self.me))
+        self._say(narration.plan_line(settled, self.me), "plan")
+
+    async def _watch_llama(self) -> None:
+        """A host tells the mesh, in its record, how far its model has loaded and what its llama-server has done
+        (every completion of the mesh runs there: tokens generated, prompt tokens), counted across restarts; every
+        node tells how soon its requests got their first token."""
+        assert self.net is not None and self.hosting is not None
+        base, last, progress, asked = (0, 0), (0, 0), -1, 0
+        while True:
+            await asyncio.sleep(1.0)
+            h = self.api.counters.ttft if self.api else None
+            if h is not None and h.n != asked:  # every node: its requests' time to first token, for the mesh's view
+                asked = h.n
+                self.net.update(ttft=(h.n, int(h.total * 1000)))
+            server = self.hosting.server if self.host == self.me else None
+            p = server.load_progress() if server is not None else -1
+            if p != progress:
+                progress = p
+                self.net.update(progress=p)
+            got = await server.generated() if server is not None and p < 0 else None
+            if got is not None and got != last:
+                if got[0] < last[0] or got[1] < last[1]:  # a new llama-server counts from zero
+                    base = (base[0] + last[0], base[1] + last[1])
+                last = got
+                self.net.update(served=(base[0] + got[0], base[1] + got[1]))
+
+    def _say(self, line: str, kind: str) -> None:
+        """A line about the mesh: on the terminal, and in the timeline the console shows (plain text, wall time)."""
+        self.console.print(line)
+        self.timeline.append({"t": round(time.time(), 1), "kind": kind, "text": Text.from_markup(line).plain})
 
     def _view(self) -> NodeView:
         draft = self.model.draft.name if self.model and self.model.draft else None
-        return NodeView(self.me, self.host, self.plan, self.facts, draft, self._models(), self.elections)
+        return NodeView(self.me, self.host, self.plan, self.facts, draft, self._models(), self.elections,
+                        list(self.timeline))  # fmt: skip
 
     def status(self, now: float) -> dict[str, object]:
         assert self.report is not None

@@ -5,8 +5,9 @@ console), the Prometheus text of ``/metrics``, and the agent launch lines. Reads
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from meshllm import __version__
 from meshllm.net.meshnet import MeshNet
@@ -31,6 +32,14 @@ class NodeView:
     draft: str | None
     served: list[str]
     elections: int
+    events: list[dict[str, object]] = field(default_factory=list)  # the timeline: {t, kind, text}, oldest first
+
+
+class MeshTokens(NamedTuple):
+    host: str  # short id of the host whose llama-server counted
+    generated: int
+    prompt: int
+    progress: int  # percent of the model loaded while the host loads it; -1 otherwise
 
 
 class Report:
@@ -48,6 +57,31 @@ class Report:
         if text != self._saved:
             self._saved = text
             save_status(state_dir, text)
+
+    def _ttft(self) -> dict[str, object] | None:
+        """This node's time to first token: the last one and the median (of its histogram's buckets)."""
+        h = self.api.counters.ttft if self.api else None
+        if h is None or not h.n:
+            return None
+        return {"last": _fmt(h.last), "p50": _fmt(h.quantile(0.5)), "count": h.n}
+
+    def mesh_ttft(self, now: float) -> dict[str, object] | None:
+        """Time to first token over every node's requests (each node's own count and sum, from gossip)."""
+        core = self.net.core
+        recs = core.alive(now) if core is not None else []
+        n, total_ms = sum(r.ttft[0] for r in recs), sum(r.ttft[1] for r in recs)
+        return {"count": n, "avg": round(total_ms / n / 1000, 3)} if n else None
+
+    def mesh_tokens(self, now: float) -> MeshTokens | None:
+        """What the serving host says its llama-server did, for every node's requests: one source for the whole
+        mesh (every completion runs there)."""
+        core = self.net.core
+        if core is None:
+            return None
+        host = next((r for r in core.alive(now) if r.role == "host"), None)
+        if host is None:
+            return None
+        return MeshTokens(crypto.short(host.node), host.served[0], host.served[1], host.progress)
 
     def status(self, v: NodeView, now: float) -> dict[str, object]:
         assert self.net.core is not None
@@ -109,6 +143,10 @@ class Report:
                 "relay_refused": ep.stats.relay_refused,
             },
             "model": v.model.__dict__ if v.model else None, "version": __version__,
+            "events": v.events,
+            "mesh_tokens": (mt._asdict() if (mt := self.mesh_tokens(now)) else None),
+            "ttft_s": self._ttft(),
+            "mesh_ttft_s": self.mesh_ttft(now),
         }  # fmt: skip
 
     def metrics(self, me: NodeId, elections: int, now: float) -> str:
@@ -121,8 +159,19 @@ class Report:
                      c.decode_seconds)  # fmt: skip
             x.metric("mesh_llm_tokens_per_second", "gauge", "decode speed of the last completion",
                      c.last_tokens_per_second)  # fmt: skip
+            x.histogram("mesh_llm_request_seconds", "completion and chat requests through this node's API, start to "
+                        "end", c.duration)  # fmt: skip
+            x.histogram("mesh_llm_time_to_first_token_seconds", "from a request through this node's API to its "
+                        "first generated token", c.ttft)  # fmt: skip
         for code, n in sorted((self.api.requests if self.api else {}).items()):
             x.metric("mesh_llm_requests_total", "counter", "API requests by status", n, {"status": str(code)})
+        mesh = self.mesh_tokens(now)
+        if mesh is not None:
+            host = {"host": mesh.host}
+            x.metric("mesh_llm_mesh_tokens_generated_total", "counter", "tokens the mesh's host generated, for "
+                     "every node's requests (from the host's gossip)", mesh.generated, host)  # fmt: skip
+            x.metric("mesh_llm_mesh_prompt_tokens_total", "counter", "prompt tokens the mesh's host processed",
+                     mesh.prompt, host)  # fmt: skip
         x.metric("mesh_llm_elections_total", "counter", "host changes seen", elections)
         x.metric("mesh_llm_build_info", "gauge", "this node's mesh-llm version", 1, {"version": __version__})
         server = self.hosting.server
@@ -147,6 +196,10 @@ class Report:
                     x.metric("mesh_llm_tunnel_bytes_received_total", "counter", "tunnel bytes received from the peer",
                              t[f"{kind}_received"], {**peer, "kind": kind})  # fmt: skip
         return x.text()
+
+
+def _fmt(v: float | None) -> float | None:
+    return round(v, 3) if v is not None and v != float("inf") else None
 
 
 def planned_bytes(plan: Plan | Waiting | None, node: NodeId) -> int | None:

@@ -40,6 +40,15 @@ function render(st) {
   $("m-api").textContent = st.api;
   const req = Object.entries(st.requests || {}).map(([code, n]) => `${n} × ${code}`);
   $("m-req").textContent = req.length ? req.join(", ") : "none yet";
+  const mt = st.mesh_tokens;
+  if (mt && mt.progress >= 0) $("m-state").textContent = `loading the model: ${mt.progress}%`;
+  $("m-tps").textContent = meshRate(mt);
+  const tt = st.ttft_s;
+  const mtt = st.mesh_ttft_s;
+  const here = tt ? `this node: ${(tt.last * 1000).toFixed(0)} ms last, ≤ ${(tt.p50 * 1000).toFixed(0)} ms median` : "";
+  const mesh = mtt ? `mesh: ${(mtt.avg * 1000).toFixed(0)} ms average over ${mtt.count} requests` : "";
+  $("m-ttft").textContent = [mesh, here].filter(Boolean).join(" · ") || "–";
+  timeline(st.events || []);
   const agents = $("agents");
   agents.replaceChildren();
   (st.agents || []).forEach((a, i) => {
@@ -54,6 +63,31 @@ function render(st) {
     b.dataset.copy = pre.id;
     agents.append(label, pre, b);
   });
+}
+
+// the whole mesh's tokens per second: the host's own count (every completion runs there), between two updates
+let lastCount = null;
+function meshRate(mt) {
+  if (!mt) return "–";
+  const now = Date.now() / 1000;
+  let rate = "";
+  if (lastCount && lastCount.host === mt.host && mt.generated >= lastCount.n && now - lastCount.t >= 1) {
+    rate = `${((mt.generated - lastCount.n) / (now - lastCount.t)).toFixed(1)} tok/s now · `;
+  }
+  if (!lastCount || lastCount.host !== mt.host || now - lastCount.t >= 5) lastCount = { host: mt.host, n: mt.generated, t: now };
+  return `${rate}${mt.generated} tokens generated, ${mt.prompt} prompt tokens (host ${mt.host})`;
+}
+
+function timeline(events) {
+  const list = $("timeline");
+  list.replaceChildren(...events.slice().reverse().map((e) => {
+    const li = document.createElement("li");
+    li.className = e.kind;
+    const t = document.createElement("time");
+    t.textContent = new Date(e.t * 1000).toLocaleTimeString();
+    li.append(t, document.createTextNode(e.text));
+    return li;
+  }));
 }
 
 function connect() {
