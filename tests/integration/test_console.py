@@ -122,6 +122,10 @@ def test_console_shows_the_mesh_and_chats(tmp_path: Path, tiny_model: Path, brow
         assert [m["role"] for m in sent[2]["messages"]] == ["user"], sent[2]  # the new chat starts afresh
         ARTIFACTS.mkdir(exist_ok=True)
         drv.execute_script("window.scrollTo(0, 0)")  # type: ignore[attr-defined]
+        # [face] the chat sat below the fold: at 1200x900, its input is in the first screen, conversation and all
+        js = "const r = document.getElementById('chat-input').getBoundingClientRect(); return [r.bottom, innerHeight]"
+        bottom, height = drv.execute_script(js)  # type: ignore[attr-defined]
+        assert 0 < bottom <= height, (bottom, height)
         drv.save_screenshot(str(ARTIFACTS / "console.png"))  # type: ignore[attr-defined]
         # nodes by name (the hostname by default); requests in words, not JSON
         assert segs()[b_short].startswith("worker-b · ") and segs()[a_short].startswith(socket.gethostname()[:32])
