@@ -356,3 +356,25 @@ def test_members_renew_through_the_core_and_one_left_unrenewed_is_dropped(mesh: 
     assert nc not in f_core.table.entries and "admission expired" in dropped[0]
     c_core.tick(5.0, NOW + 101)
     assert any(e.kind == EventKind.EXPIRED and e.node == nc for e in c_core.events)  # it knows it is out
+
+
+def test_a_node_cut_off_with_the_member_that_admitted_it_knows_it_is_out(mesh: dict[str, object]) -> None:
+    """[trust] a revoked node (or one admitted through it) kept dialling for ever: a refusal now names the signed
+    revocation (the dialler checks it itself), and a core that takes it says it is out, once."""
+    from meshllm.proto.meshcore import EventKind, MeshCore
+
+    key, chain, mid = mesh["key"], mesh["chain"], mesh["mesh_id"]
+    b, c = crypto.new_key(), crypto.new_key()
+    cb = tok.admit(key, chain, crypto.node_id(b), NOW)  # type: ignore[arg-type]
+    cc = tok.admit(b, cb, crypto.node_id(c), NOW)
+    r = tok.revoke(key, mid, crypto.node_id(b), NOW)  # type: ignore[arg-type]
+    hello = AuthHello(dialler=crypto.node_id(c), listener=crypto.node_id(key), mesh_id=mid)  # type: ignore[arg-type]
+    v = check_proof(key=key, my_chain=chain, mesh_id=mid, secret=mesh["secret"], hello=hello, nonce=b"n" * 32,  # type: ignore[arg-type]
+                    proof=make_proof(c, mesh["secret"], AuthChallenge(b"n" * 32), crypto.node_id(key), chain=cc),  # type: ignore[arg-type]
+                    scope_of=lambda n: None, revoked={crypto.node_id(b)}, now=NOW)  # fmt: skip
+    assert not v.ok and v.revoked == crypto.node_id(b)
+    core = MeshCore(key=c, mesh_id=mid, chain=cc, incarnation=1, now=0.0)  # type: ignore[arg-type]
+    core.revoke([r], 1.0)
+    core.revoke([r], 2.0)
+    assert [e for e in core.events if e.kind == EventKind.REVOKED and e.node == crypto.node_id(c)] != []
+    assert len([e for e in core.events if e.node == crypto.node_id(c)]) == 1

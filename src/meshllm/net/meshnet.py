@@ -372,6 +372,8 @@ class MeshNet:
         ans = await _read_frame(st, dec, AUTH_TIMEOUT_S)
         st.close()
         if isinstance(ans, AuthRefuse):
+            if ans.revocation is not None and token is None:
+                self._take_refusal_revocation(ans.revocation)
             raise Refused(f"refused by {crypto.short(node)}: {ans.reason}")
         if not isinstance(ans, AuthWelcome):
             raise RemoteProtocolError("expected welcome or refusal")
@@ -380,6 +382,20 @@ class MeshNet:
         if why is not None:
             raise RemoteProtocolError(f"welcome with an invalid admission chain: {why}")
         return chain
+
+    def _take_refusal_revocation(self, obj: object) -> None:
+        """A member refused us with the signed revocation that cuts us off (we may have missed its gossip): checked
+        like any revocation, taken (so we know we are out), never trusted on the refusal's word alone."""
+        if self.core is None:
+            return
+        table = self.core.table
+        try:
+            r = tok.revocation_from_wire(obj, self.core.mesh_id, set(table.admins) - set(table.revoked))
+        except RemoteProtocolError as e:
+            log.warning("a refusal carried a revocation we do not take: %s", e)
+            return
+        self.send(self.core.revoke([r], self.now))
+        self.flush_events()
 
     async def join(self, token: tok.Token) -> None:
         """Connect to the token's issuer; as a joiner (token) unless we are already a member of its mesh."""
@@ -457,7 +473,8 @@ class MeshNet:
         )  # fmt: skip
         if not v.ok:
             self._refused(conn, hello.dialler, v.reason)
-            st.write(encode(AuthRefuse(reason=v.reason)))
+            word = self.core.table.revoked.get(v.revoked) if v.revoked else None
+            st.write(encode(AuthRefuse(reason=v.reason, revocation=word.to_wire() if word else None)))
             await asyncio.sleep(0.05)
             conn.close("refused")
             return

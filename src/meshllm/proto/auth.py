@@ -71,6 +71,7 @@ class AuthWelcome(Message):
 class AuthRefuse(Message):
     TYPE = "auth.refuse"
     reason: str
+    revocation: list[Any] | None = None  # the signed revocation that cuts the dialler off: it can check it itself
 
 
 @message
@@ -145,6 +146,7 @@ class Verdict:
     reason: str  # for the listener's log; also sent to the dialler
     chain: list[tok.Link] | None = None  # the dialler's chain when ok
     joined: bool = False  # newly admitted with a token
+    revoked: NodeId | None = None  # refused as revoked, or admitted through this revoked node
 
 
 def _refuse(reason: str) -> Verdict:
@@ -182,7 +184,7 @@ def check_proof(
     ):  # a member that was away when the secret rotated proves with the old one (and gets the new one once in)
         return _refuse("secret proof invalid: wrong mesh secret, or a proof replayed from another connection")
     if hello.dialler in revoked:
-        return _refuse("revoked from this mesh (by its founder or an admin)")
+        return Verdict(False, "revoked from this mesh (by its founder or an admin)", revoked=hello.dialler)
     if proof.chain is not None:
         try:
             chain = tok.chain_from_wire(proof.chain)
@@ -193,7 +195,7 @@ def check_proof(
             return _refuse(f"not a member: {why}")
         gone = tok.cut_off(chain, revoked)
         if gone is not None:
-            return _refuse(f"admitted through {crypto.short(gone)}, whom the mesh revoked")
+            return Verdict(False, f"admitted through {crypto.short(gone)}, whom the mesh revoked", revoked=gone)
         return Verdict(True, "member", chain)
     if proof.token is None:
         return _refuse("neither a token nor an admission chain")

@@ -93,6 +93,7 @@ class MeshCore:
     wall: float | None = None  # wall time as of the last tick (admissions end at wall times); None: not told yet
     _renew_asked: float = -1e18
     _expired_told: bool = False
+    _out: bool = False  # we were revoked (or cut off with the node that admitted us)
 
     def __post_init__(self) -> None:
         self.me = crypto.node_id(self.key)
@@ -229,7 +230,8 @@ class MeshCore:
             self.events.append(Event(EventKind.REVOKED, n))
         for n in res.expired:
             self.events.append(Event(EventKind.EXPIRED, n))
-        if res.revoked_me:
+        if res.revoked_me or (res.new_revocations and not self._out and tok.cut_off(self.chain, self.table.revoked)):
+            self._out = True  # revoked, or admitted through a node that was: out for good (told once)
             self.events.append(Event(EventKind.REVOKED, self.me))
         after = set(self.table.entries)
         for n in sorted(after - before):

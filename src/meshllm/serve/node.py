@@ -75,6 +75,7 @@ class Node:
         # joins come in bursts and a new plan costs a model load: adopt one once it has held for a moment
         self._plan_debounce = Debouncer[Plan | Waiting](PLAN_DEBOUNCE_S, first_at_once=True)
         self._stop = asyncio.Event()
+        self.exit_code = 0  # 1: stopped because this node is out of the mesh (revoked, or its admission ended)
 
     @property
     def facts(self) -> ModelFacts | None:
@@ -174,7 +175,7 @@ class Node:
             await self.api.stop()
         if self.web_console is not None:
             await self.web_console.stop()
-        return 0
+        return self.exit_code
 
     async def _start_api(self) -> None:
         def metrics() -> str:
@@ -250,6 +251,11 @@ class Node:
         line = narration.event_line(ev.kind, ev.node, self.me, ev.detail, self._record(ev.node), path, rtt)
         if line:
             self._say(line, str(ev.kind))
+        if ev.node == self.me and ev.kind in (EventKind.REVOKED, EventKind.EXPIRED):
+            # no member takes this node any more: stop, rather than dial and be refused for ever
+            self.console.print("[bold red]stopping: this node is no longer a member of the mesh[/]")
+            self.exit_code = 1
+            self._stop.set()
 
     def _on_change(self) -> None:
         net, hosting = self.net, self.hosting
