@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -58,6 +58,9 @@ def admission(text: str) -> float:
     if seconds > tok.MAX_ADMIT_S:
         raise argparse.ArgumentTypeError(f"--admission {text!r}: at most {tok.MAX_ADMIT_S // 86400}d")
     return seconds
+
+
+W = TypeVar("W", tok.Revocation, tok.Grant)
 
 
 def _int_in(text: str, lo: int, hi: int, what: str) -> int:
@@ -283,7 +286,7 @@ def _node_arg(sd: Path, text: str) -> bytes:
 
 def cmd_revoke(args: argparse.Namespace) -> int:
     from meshllm.proto import crypto
-    from meshllm.state import ADMINS, REVOKED, load_or_create_key, load_signed, save_signed
+    from meshllm.state import ADMINS, REVOKED, load_or_create_key, load_signed
 
     sd, m = _founder_state(args.state_dir)
     key = load_or_create_key(sd)
@@ -294,18 +297,27 @@ def cmd_revoke(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UserError(str(e)) from None
     have = [tok.revocation_from_wire(o, m.mesh_id, admins) for o in load_signed(sd, REVOKED)]
-    if any(x.node == node for x in have):
-        print(f"{crypto.short(node)} was already revoked")
-        return 0
-    save_signed(sd, REVOKED, [*have, r])
-    print(f"revoked {crypto.short(node)}: the running node gossips it within a second; every member drops it and "
-          "every node it admitted, and refuses them from now on")  # fmt: skip
+    _add_signed(sd, REVOKED, have, r, f"{crypto.short(node)} was already revoked",
+                f"revoked {crypto.short(node)}: the running node gossips it within a second; every member drops it "
+                "and every node it admitted, and refuses them from now on")  # fmt: skip
     return 0
+
+
+def _add_signed(sd: Path, name: str, have: list[W], word: W, already: str, done: str) -> None:
+    """Keep a new revocation or admin grant in the state dir (``revoked``, ``admins``), where the running node
+    takes it within a tick and gossips it; or say it is there already."""
+    from meshllm.state import save_signed
+
+    if any(x.node == word.node for x in have):
+        print(already)
+        return
+    save_signed(sd, name, [*have, word])  # type: ignore[arg-type]
+    print(done)
 
 
 def cmd_admin(args: argparse.Namespace) -> int:
     from meshllm.proto import crypto
-    from meshllm.state import ADMINS, load_or_create_key, load_signed, save_signed
+    from meshllm.state import ADMINS, load_or_create_key, load_signed
 
     sd, m = _founder_state(args.state_dir)
     node = _node_arg(sd, args.node)
@@ -314,12 +326,9 @@ def cmd_admin(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UserError(str(e)) from None
     have = [tok.grant_from_wire(o, m.mesh_id) for o in load_signed(sd, ADMINS)]
-    if any(x.node == node for x in have):
-        print(f"{crypto.short(node)} is an admin already")
-        return 0
-    save_signed(sd, ADMINS, [*have, g])
-    print(f"{crypto.short(node)} is an admin: the running founder gossips it within a second; from then on "
-          "`mesh-llm revoke` works on that node's machine too")  # fmt: skip
+    _add_signed(sd, ADMINS, have, g, f"{crypto.short(node)} is an admin already",
+                f"{crypto.short(node)} is an admin: the running founder gossips it within a second; from then on "
+                "`mesh-llm revoke` works on that node's machine too")  # fmt: skip
     return 0
 
 

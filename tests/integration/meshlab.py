@@ -100,3 +100,21 @@ def children(proc: subprocess.Popen[bytes]) -> list[psutil.Process]:
         return psutil.Process(proc.pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
+
+
+def split_pair(tmp: Path, model: Path, nodes: list[NodeProc], *host_args: str) -> tuple[NodeProc, NodeProc]:
+    """A host (0.5 GB) and a worker (0.3 GB) serving a 2-node split of the tiny model; both go into ``nodes`` (the
+    caller stops them)."""
+    a = NodeProc(tmp, "a", model, "--max-vram", "0.5", "--ctx-size", "1024", *host_args)
+    nodes.append(a)
+    wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
+    b = NodeProc(tmp, "b", model, "--max-vram", "0.3", "--ctx-size", "1024", "--join",
+                 (a.state / "token").read_text().strip())  # fmt: skip
+    nodes.append(b)
+
+    def serving() -> bool:
+        plan = a.status().get("plan")
+        return "ready:" in a.text() and isinstance(plan, dict) and len(plan.get("assignments", [])) == 2
+
+    wait_for(serving, 120, "a to serve a split with b")
+    return a, b

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from meshllm.net.endpoint import STREAM_AUTH, Endpoint
+from meshllm.net.endpoint import STREAM_AUTH, Conn, Endpoint
 from meshllm.net.meshnet import _read_frame
 from meshllm.proto import crypto
 from meshllm.proto import token as tok
 from meshllm.proto.auth import AuthChallenge, AuthHello, AuthProof, make_proof
 from meshllm.proto.gossip import DEAD_AFTER_S, HEARTBEAT_S
-from meshllm.proto.wire import FrameDecoder, encode
+from meshllm.proto.wire import FrameDecoder, Message, encode
 
 from .meshlab import NodeProc, wait_for
 
@@ -43,6 +43,24 @@ def _membership(state: Path) -> tuple[bytes, bytes]:
     return bytes.fromhex(d["mesh_id"]), base64.b64decode(d["secret"])
 
 
+async def _handshake_as(
+    ep: Endpoint, addr: str, listener: bytes, mesh_id: bytes,
+    make: Callable[[crypto.Ed25519PrivateKey, AuthChallenge], AuthProof], key: crypto.Ed25519PrivateKey,
+) -> tuple[Message, AuthProof, Conn]:  # fmt: skip
+    """Dial a member from ``ep`` (our ``key``), answer its challenge with ``make``: its answer, our proof, the
+    connection (still open)."""
+    host, port = addr.rsplit(":", 1)
+    conn = await ep.dial((host, int(port)), listener)
+    st = conn.open_stream(STREAM_AUTH)
+    dec = FrameDecoder()
+    st.write(encode(AuthHello(dialler=crypto.node_id(key), listener=listener, mesh_id=mesh_id)))
+    ch = await _read_frame(st, dec, 5)
+    assert isinstance(ch, AuthChallenge)
+    proof = make(key, ch)
+    st.write(encode(proof))
+    return await _read_frame(st, dec, 5), proof, conn
+
+
 async def _attempt(
     addr: str,
     listener: bytes,
@@ -54,17 +72,8 @@ async def _attempt(
     key = key or crypto.new_key()
     ep = Endpoint(key)
     await ep.open("127.0.0.1", 0)
-    host, port = addr.rsplit(":", 1)
     try:
-        conn = await ep.dial((host, int(port)), listener)
-        st = conn.open_stream(STREAM_AUTH)
-        dec = FrameDecoder()
-        st.write(encode(AuthHello(dialler=crypto.node_id(key), listener=listener, mesh_id=mesh_id)))
-        ch = await _read_frame(st, dec, 5)
-        assert isinstance(ch, AuthChallenge)
-        proof = make(key, ch)
-        st.write(encode(proof))
-        ans = await _read_frame(st, dec, 5)
+        ans, proof, _ = await _handshake_as(ep, addr, listener, mesh_id, make, key)
         return type(ans).__name__ + ":" + str(getattr(ans, "reason", "")), proof
     finally:
         ep.close()

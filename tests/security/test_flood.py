@@ -17,7 +17,7 @@ from qh3.quic.configuration import QuicConfiguration
 from qh3.quic.connection import QuicConnection
 
 from meshllm.net import endpoint
-from tests.integration.meshlab import NodeProc, wait_for
+from tests.integration.meshlab import NodeProc, split_pair
 from tests.integration.test_serve_split import complete, text_of
 
 RATE_BPS = 10_000_000
@@ -56,15 +56,9 @@ def _flood(addr: tuple[str, int], initials: list[bytes], stop: threading.Event, 
 
 
 def test_a_10_mbit_flood_leaves_memory_bounded_and_the_mesh_serving(tmp_path: Path, tiny_model: Path) -> None:
-    a = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.5", "--ctx-size", "1024", "--rpc-path", "tunnel")
-    nodes = [a]
+    nodes: list[NodeProc] = []
     try:
-        wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
-        b = NodeProc(tmp_path, "b", tiny_model, "--max-vram", "0.3", "--ctx-size", "1024", "--join",
-                     (a.state / "token").read_text().strip())  # fmt: skip
-        nodes.append(b)
-        wait_for(lambda: "ready:" in a.text() and len((a.status().get("plan") or {}).get("assignments", [])) == 2,  # type: ignore[union-attr]
-                 120, "a to serve a split with b")  # fmt: skip
+        a, b = split_pair(tmp_path, tiny_model, nodes, "--rpc-path", "tunnel")
         host, port = json.loads((a.state / "node.json").read_text())["addrs"][0].rsplit(":", 1)
         target = (host, int(port))
         t = time.monotonic()

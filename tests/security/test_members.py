@@ -14,8 +14,8 @@ from pathlib import Path
 from meshllm.proto import crypto
 from meshllm.proto.auth import make_proof
 from meshllm.proto.planner import GB
-from tests.integration.meshlab import NodeProc, _free_port, wait_for
-from tests.integration.test_mesh import _attempt, _membership
+from tests.integration.meshlab import NodeProc, _free_port, split_pair, wait_for
+from tests.integration.test_mesh import _attempt, _handshake_as, _membership
 
 
 def _mint(state: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -219,24 +219,17 @@ def test_a_member_that_claims_to_host_reaches_no_rpc_server_and_takes_no_seat(tm
     direct-path key at the worker that serves the host's layers. Before: the record alone opened the worker's
     rpc-server (and cut the real host's tunnels), and the claimed memory won the election. Now both streams are
     reset, the host stays host, and the split still answers the same text."""
-    from meshllm.net.endpoint import STREAM_AUTH, STREAM_GOSSIP, STREAM_RPC, STREAM_RPC_KEY, Endpoint
-    from meshllm.net.meshnet import _read_frame
+    from meshllm.net.endpoint import STREAM_GOSSIP, STREAM_RPC, STREAM_RPC_KEY, Endpoint
     from meshllm.proto import token as tok
-    from meshllm.proto.auth import AuthChallenge, AuthHello, AuthWelcome
+    from meshllm.proto.auth import AuthWelcome
     from meshllm.proto.gossip import GossipPush, NodeState, PeerRecord, Role
-    from meshllm.proto.wire import FrameDecoder, encode
+    from meshllm.proto.wire import encode
     from meshllm.serve.modelfiles import open_model
     from tests.integration.test_serve_split import complete, text_of
 
-    a = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.5", "--ctx-size", "1024", "--rpc-path", "tunnel")
-    nodes = [a]
+    nodes: list[NodeProc] = []
     try:
-        wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
-        b = NodeProc(tmp_path, "b", tiny_model, "--max-vram", "0.3", "--ctx-size", "1024", "--join",
-                     (a.state / "token").read_text().strip())  # fmt: skip
-        nodes.append(b)
-        wait_for(lambda: "ready:" in a.text() and len((a.status().get("plan") or {}).get("assignments", [])) == 2,  # type: ignore[union-attr]
-                 120, "a to serve a split with b")  # fmt: skip
+        a, b = split_pair(tmp_path, tiny_model, nodes, "--rpc-path", "tunnel")
         before = text_of(complete(a.port, "/v1/completions"))
         worker = _mint(a.state, "--scope", "worker")
         assert worker.returncode == 0, worker.stderr
@@ -249,16 +242,10 @@ def test_a_member_that_claims_to_host_reaches_no_rpc_server_and_takes_no_seat(tm
             key = crypto.new_key()
             ep = Endpoint(key)
             await ep.open("127.0.0.1", 0)
-            host, port = b_addr.rsplit(":", 1)
             try:
-                conn = await ep.dial((host, int(port)), b_id)
-                st = conn.open_stream(STREAM_AUTH)
-                dec = FrameDecoder()
-                st.write(encode(AuthHello(dialler=crypto.node_id(key), listener=b_id, mesh_id=token.mesh_id)))
-                ch = await _read_frame(st, dec, 5)
-                assert isinstance(ch, AuthChallenge)
-                st.write(encode(make_proof(key, token.secret, ch, b_id, token=token)))
-                welcome = await _read_frame(st, dec, 5)
+                welcome, _, conn = await _handshake_as(
+                    ep, b_addr, b_id, token.mesh_id, lambda k, ch: make_proof(k, token.secret, ch, b_id, token=token),
+                    key)  # fmt: skip
                 assert isinstance(welcome, AuthWelcome), welcome  # a member now, worker-scoped
                 conn.peer = b_id
                 conn.set_authenticated()
