@@ -521,8 +521,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     # a lite client elects no host of its own: the host is whoever says so
     host = st.get("host") or next((p["node"] for p in st["peers"] if p["role"] == "host"), "") or ""
     out.print(f"node {st['node'][:8]} ({st['role']}) in mesh {st['mesh'][:8]} — host {host[:8] or 'none'}")
-    if isinstance(plan, dict) and plan.get("waiting"):
-        out.print(f"[yellow]{plan['waiting']}[/]")
+    why = st.get("unavailable") or (plan.get("waiting") if isinstance(plan, dict) else None)
+    if why:  # what /health and a request's 503 say
+        out.print(f"[yellow]{why}[/]")
     t = Table(box=None, pad_edge=False)  # fits 80 columns: long paths fold onto a second line, nothing is cut
     for name, justify in (("node", "left"), ("role", "left"), ("state", "left"), ("memory", "right"),
                           ("layers", "left"), ("path", "left"), ("RTT ms", "right")):  # fmt: skip

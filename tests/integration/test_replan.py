@@ -89,11 +89,13 @@ def test_joins_leaves_and_deaths(tmp_path: Path, tiny_model: Path, stock_bins: B
     args = ("--max-vram", "0.5", "--ctx-size", "1024")
     a = NodeProc(tmp_path, "a", tiny_model, *args)
     nodes = [a]
+    lite: NodeProc | None = None
     try:
         wait_for(lambda: (a.state / "token").exists(), 30, "token")
         token = (a.state / "token").read_text().strip()
         for name in "bc":
             nodes.append(NodeProc(tmp_path, name, tiny_model, *args, "--join", token))
+        lite = NodeProc(tmp_path, "l", None, "--join", token)  # a lite client: never in a plan, not in `nodes`
         wait_for(lambda: serving(nodes) and agreed(nodes), 120, "three nodes serving")
         host, _ = roles(nodes)
         starts = host.status()["llama_starts"]
@@ -114,7 +116,7 @@ def test_joins_leaves_and_deaths(tmp_path: Path, tiny_model: Path, stock_bins: B
             t.start()
         for name in "de":
             nodes.append(NodeProc(tmp_path, name, tiny_model, *args, "--join", token))
-        wait_for(lambda: all(len(n.status().get("peers", [])) == 5 for n in nodes), 60, "five nodes")  # type: ignore[arg-type]
+        wait_for(lambda: all(len(n.status().get("peers", [])) == 6 for n in nodes), 60, "five nodes and l")  # type: ignore[arg-type]
         wait_for(lambda: len(plan_of(host).get("standby", [])) == 3, 30, "the newcomers on standby")  # type: ignore[arg-type]
         time.sleep(2)
         done.set()
@@ -213,6 +215,25 @@ def test_joins_leaves_and_deaths(tmp_path: Path, tiny_model: Path, stock_bins: B
             return next(p for p in host.status()["peers"] if p["path"] == "self")  # type: ignore[attr-defined, no-any-return]
 
         wait_for(lambda: my_row()["state"] != "serving", 15, f"the host's own row to stop saying serving: {my_row()}")
+
+        # and a lite client gives the host's own reason, in /health and in a request's 503 (it said "the model server
+        # failed: ServerDisconnectedError", then "no host elected yet")
+        def lite_health() -> tuple[int, str]:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{lite.port}/health", timeout=10) as r:
+                    return r.status, r.read().decode()
+            except urllib.error.HTTPError as e:
+                return e.code, e.read().decode()
+
+        wait_for(lambda: "waiting for more peers" in lite_health()[1], 15, "the lite client to say why")
+        assert lite_health()[0] == 503 and f"the host {host.short()} is waiting for more peers" in lite_health()[1]
+        with pytest.raises(urllib.error.HTTPError) as busy:
+            ask(lite.port, 4)
+        assert busy.value.code == 503 and "waiting for more peers" in busy.value.read().decode()
+        # its status (the console, `mesh-llm status`) says the same as its /health: one source
+        wait_for(lambda: "waiting for more peers" in str(lite.status().get("unavailable")), 10, "l's status")
     finally:
+        if lite is not None:
+            lite.stop()
         for n in nodes:
             n.stop()

@@ -177,3 +177,12 @@ def test_every_node_keeps_the_hosts_plan_first() -> None:
     assert s.keep_first(HOST, HOST, mine, ()) == {W1, HOST}  # the host: the plan it runs
     assert s.keep_first(W1, HOST, mine, (W2, HOST)) == {W2, HOST}  # the others: the host's, not their own
     assert s.keep_first(W1, HOST, None, ()) == set()
+
+
+def test_a_lite_client_gives_the_hosts_own_reason() -> None:
+    """[face] a lite client said "no host elected yet" (before: "the model server failed: ServerDisconnectedError")
+    where the host knew it was waiting for more peers; the host's record says why, and every node says the same."""
+    why = "the host 0a0a0a0a is waiting for more peers — need 0.6 GB, have 0.3 GB"
+    assert route(None, host=None, host_says=why) == s.Busy(why)
+    assert route(None, host=None) == s.Busy("no host elected yet: waiting for peers")
+    assert route(None, remote=(HOST, "tiny"), remote_listener_ready=True, host_says=why) == s.Remote(HOST, "tiny")

@@ -89,6 +89,7 @@ class RecordUpdate(TypedDict, total=False):
     served: tuple[int, int]
     progress: int
     ttft: tuple[int, int]
+    why: str
     left: bool
 
 
@@ -118,6 +119,7 @@ class PeerRecord:
     served: tuple[int, int] = (0, 0)  # a host: tokens its llama-server generated and prompt tokens it processed
     progress: int = -1  # a host whose model loads: percent loaded (-1: not loading, or not known)
     ttft: tuple[int, int] = (0, 0)  # requests through this node's API, and their summed time to first token (ms)
+    why: str = ""  # a host that cannot serve: why ("waiting for more peers — need …"), so every node says the same
 
     @property
     def scope(self) -> tok.Scope:
@@ -135,6 +137,7 @@ class PeerRecord:
                 "nat": list(self.reflexive), "host": self.host, "planned": list(self.planned),
                 "chain": tok.chain_to_wire(list(self.chain)), "left": self.left, "at": self.at,
                 "srv": list(self.served), "prog": self.progress, "ttft": list(self.ttft),
+                "why": self.why,
             }
         )  # fmt: skip
         return pack([body, crypto.sign(key, crypto.D_RECORD, body)])
@@ -181,6 +184,16 @@ def _shares(d: dict[str, Any]) -> tuple[int, ...]:
 
 def _int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+MAX_WHY = 200
+
+
+def _why(d: dict[str, Any]) -> str:
+    v = d.get("why", "")
+    if not isinstance(v, str) or len(v) > MAX_WHY or not v.isprintable():
+        raise RemoteProtocolError("record field why has the wrong type")
+    return v
 
 
 def _progress(d: dict[str, Any]) -> int:
@@ -261,7 +274,7 @@ def record_from_wire(
         links={k: str(v)[:40] for k, v in list(_field(d, "links", dict).items())[:64] if _is_id(k)},
         relay=_field(d, "relay", bool), reflexive=tuple(str(a) for a in _field(d, "nat", list)[:4]),
         host=host, planned=_planned(d), chain=tuple(chain), left=_field(d, "left", bool), at=_field(d, "at", int),
-        served=_pair(d, "srv"), ttft=_pair(d, "ttft"), progress=_progress(d),
+        served=_pair(d, "srv"), ttft=_pair(d, "ttft"), progress=_progress(d), why=_why(d),
     )  # fmt: skip
 
 

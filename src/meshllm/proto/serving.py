@@ -73,11 +73,13 @@ def route(
     plan: Plan | Waiting | None,
     host: NodeId | None,
     me: NodeId,
+    host_says: str = "",
 ) -> Route:
     """Where a request for ``requested`` (None: whatever the mesh serves) goes.
 
     ``served``: the model names live nodes announce; ``remote``: a peer announcing it serves that model, with the
-    name it serves it under; ``remote_listener_ready``: whether our tunnel listener to that peer is up."""
+    name it serves it under; ``remote_listener_ready``: whether our tunnel listener to that peer is up;
+    ``host_says``: why a host that cannot serve says so in its record (every node then gives that reason)."""
     if requested is not None and served and requested not in served:
         return None
     if local is not None and local.state == "serving" and requested in (None, local.model):
@@ -89,6 +91,8 @@ def route(
         return Remote(node, name) if remote_listener_ready else Connecting(node)
     if isinstance(plan, Waiting):
         return Busy(plan.message())
+    if host_says:
+        return Busy(host_says)
     if host is None:
         return Busy("no host elected yet: waiting for peers")
     if host != me:

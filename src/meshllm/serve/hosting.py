@@ -256,7 +256,7 @@ class Hosting:
 
     def upstream(
         self, model: str | None, served: list[str], facts: ModelFacts | None, remote: tuple[NodeId, str] | None,
-        plan: Plan | Waiting | None, host: NodeId | None, me: NodeId,
+        plan: Plan | Waiting | None, host: NodeId | None, me: NodeId, host_says: str = "",
     ) -> Upstream | Unavailable | None:  # fmt: skip
         """Where the API sends a request for ``model`` (see ``serving.route``): our llama-server, a tunnel listener
         to the serving host (opened in the background on first need), or a 503 with the reason."""
@@ -264,7 +264,7 @@ class Hosting:
         local = serving.LocalServing(facts.source, srv.state, srv.reason) if srv and facts else None
         listeners = self.http_listeners
         ready = remote is not None and remote[0] in listeners
-        r = serving.route(model, served, local, remote, ready, plan, host, me)
+        r = serving.route(model, served, local, remote, ready, plan, host, me, host_says)
         if isinstance(r, serving.Local):
             assert srv is not None
             return Upstream(r.model, srv.base_url)

@@ -30,7 +30,7 @@ from meshllm.proto import token as tok
 from meshllm.proto.capacity import Offer
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.debounce import Debouncer
-from meshllm.proto.gossip import ModelFacts, NodeState, PeerRecord, Role
+from meshllm.proto.gossip import MAX_WHY, ModelFacts, NodeState, PeerRecord, Role
 from meshllm.proto.meshcore import EventKind
 from meshllm.proto.planner import GB, ModelShape, Plan, Waiting, plan, plan_broken, slots_for
 from meshllm.serve import narration
@@ -204,7 +204,15 @@ class Node:
         rec = self._record(remote) if remote else None
         name = rec.model.source if rec and rec.model else "?"
         served = (remote, name) if remote else None
-        return self.hosting.upstream(model, self._models(), self.facts, served, self.plan, self.host, self.me)
+        return self.hosting.upstream(model, self._models(), self.facts, served, self.plan, self.host, self.me,
+                                     self._host_says())  # fmt: skip
+
+    def _host_says(self) -> str:
+        """A host that cannot serve says why in its record: the reason every node gives (503s, /health)."""
+        if self.net is None or self.net.core is None:
+            return ""
+        rec = next((r for r in self.net.core.table.alive(time.monotonic()) if r.role == Role.HOST and r.why), None)
+        return f"the host {crypto.short(rec.node)} is {rec.why}" if rec else ""
 
     async def _adopt_model(self) -> None:
         """Joined without --model: serve the mesh's model as a worker if this machine has a copy."""
@@ -304,7 +312,8 @@ class Node:
             return
         self.plan = settled
         if self.host == self.me:  # every node keeps our plan's nodes first: they converge on the plan we run
-            self.net.update(planned=tuple(a.node for a in settled.assignments) if isinstance(settled, Plan) else ())
+            self.net.update(planned=tuple(a.node for a in settled.assignments) if isinstance(settled, Plan) else (),
+                            why=settled.message()[:MAX_WHY] if isinstance(settled, Waiting) else "")  # fmt: skip
         self._say(narration.plan_line(settled, self.me), "plan")
 
     async def _watch_llama(self) -> None:
@@ -338,8 +347,10 @@ class Node:
 
     def _view(self) -> NodeView:
         draft = self.model.draft.name if self.model and self.model.draft else None
+        up = self._route(None) if self.hosting is not None else None
+        why = up.reason if isinstance(up, Unavailable) else None if up is not None else "no model served yet"
         return NodeView(self.me, self.host, self.plan, self.facts, draft, self._models(), self.elections,
-                        list(self.timeline))  # fmt: skip
+                        list(self.timeline), why)  # fmt: skip
 
     def status(self, now: float) -> dict[str, object]:
         assert self.report is not None

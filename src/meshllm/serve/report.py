@@ -33,6 +33,7 @@ class NodeView:
     served: list[str]
     elections: int
     events: list[dict[str, object]] = field(default_factory=list)  # the timeline: {t, kind, text}, oldest first
+    unavailable: str | None = None  # why this node's API answers 503 now (what /health says); None: it serves
 
 
 class MeshTokens(NamedTuple):
@@ -144,6 +145,7 @@ class Report:
             },
             "model": v.model.__dict__ if v.model else None, "version": __version__,
             "events": v.events,
+            "unavailable": v.unavailable,
             "mesh_tokens": (mt._asdict() if (mt := self.mesh_tokens(now)) else None),
             "ttft_s": self._ttft(),
             "mesh_ttft_s": self.mesh_ttft(now),

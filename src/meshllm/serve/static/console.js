@@ -35,7 +35,7 @@ function render(st) {
   const plan = st.plan || {};
   $("m-name").textContent = st.model ? st.model.source : (st.served_models || []).join(", ") || "–";
   $("m-draft").textContent = st.draft || "none";
-  $("m-state").textContent = plan.waiting ? plan.waiting : st.state;
+  $("m-state").textContent = st.unavailable || (plan.waiting ? plan.waiting : st.state);  // what /health says
   $("m-cap").textContent = gb(st.peers.reduce((s, p) => s + (p.capacity || 0), 0));
   $("m-api").textContent = st.api;
   const req = Object.entries(st.requests || {}).map(([code, n]) => `${n} × ${code}`);
