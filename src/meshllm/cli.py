@@ -60,7 +60,7 @@ def admission(text: str) -> float:
     return seconds
 
 
-W = TypeVar("W", tok.Revocation, tok.Grant)
+W = TypeVar("W", bound=tok.SignedWord)
 
 
 def _int_in(text: str, lo: int, hi: int, what: str) -> int:
@@ -311,7 +311,7 @@ def _add_signed(sd: Path, name: str, have: list[W], word: W, already: str, done:
     if any(x.node == word.node for x in have):
         print(already)
         return
-    save_signed(sd, name, [*have, word])  # type: ignore[arg-type]
+    save_signed(sd, name, [*have, word])
     print(done)
 
 

@@ -26,6 +26,7 @@ import base64
 import contextlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -234,7 +235,7 @@ def load_signed(state: Path, name: str) -> list[list[object]]:
         raise UserError(f"{path} is damaged ({e})") from None
 
 
-def save_signed(state: Path, name: str, words: list[tok.Revocation] | list[tok.Grant]) -> None:
+def save_signed(state: Path, name: str, words: Sequence[tok.SignedWord]) -> None:
     rows = [[w.mesh_id.hex(), w.node.hex(), w.at, w.by.hex(), w.sig.hex()] for w in words]
     write_private(state / name, (json.dumps(rows, indent=1) + "\n").encode())
 

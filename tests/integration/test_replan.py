@@ -62,6 +62,15 @@ def serving(nodes: list[NodeProc]) -> bool:
     return True
 
 
+def health_of(port: int) -> tuple[int, str]:
+    """A node's /health: (status, body), whether it serves or not."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
 def describe(nodes: list[NodeProc]) -> str:
     return "; ".join(f"{n.state.name}: {json.dumps(plan_of(n))[:300]}" for n in nodes)
 
@@ -198,11 +207,7 @@ def test_joins_leaves_and_deaths(tmp_path: Path, tiny_model: Path, stock_bins: B
         wait_for(lambda: "waiting" in json.dumps(host.status().get("plan")), 60, "the host to wait for peers")
 
         def health() -> tuple[int, str]:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{host.port}/health", timeout=10) as r:
-                    return r.status, r.read().decode()
-            except urllib.error.HTTPError as e:
-                return e.code, e.read().decode()
+            return health_of(host.port)
 
         wait_for(lambda: health()[0] == 503, 30, "/health to say unavailable")
         assert "waiting for more peers" in health()[1], health()
@@ -219,11 +224,8 @@ def test_joins_leaves_and_deaths(tmp_path: Path, tiny_model: Path, stock_bins: B
         # and a lite client gives the host's own reason, in /health and in a request's 503 (it said "the model server
         # failed: ServerDisconnectedError", then "no host elected yet")
         def lite_health() -> tuple[int, str]:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{lite.port}/health", timeout=10) as r:
-                    return r.status, r.read().decode()
-            except urllib.error.HTTPError as e:
-                return e.code, e.read().decode()
+            assert lite is not None
+            return health_of(lite.port)
 
         wait_for(lambda: "waiting for more peers" in lite_health()[1], 15, "the lite client to say why")
         assert lite_health()[0] == 503 and f"the host {host.short()} is waiting for more peers" in lite_health()[1]

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+import aiohttp
+
 from meshllm.llama.build import Binaries, cpu_flags
 from meshllm.llama.processes import (
     ANY_ADDR,
@@ -202,15 +204,10 @@ class LocalServer(Supervised):
             return -1
         return load_progress(self.log_path)
 
-    async def generated(self) -> tuple[int, int] | None:
+    async def generated(self, http: aiohttp.ClientSession) -> tuple[int, int] | None:
         """(tokens generated, prompt tokens processed) since this llama-server started, from its /metrics."""
-        import aiohttp
-
         try:
-            async with (
-                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s,
-                s.get(f"{self.base_url}/metrics") as r,
-            ):
+            async with http.get(f"{self.base_url}/metrics") as r:
                 text = await r.text() if r.status == 200 else ""
         except (aiohttp.ClientError, TimeoutError, OSError):
             return None

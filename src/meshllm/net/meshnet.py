@@ -46,7 +46,7 @@ from meshllm.proto.reach import Observed, PunchRequest, RelayMode
 from meshllm.proto.wire import FrameDecoder, Message, encode
 from meshllm.state import ADMINS, REVOKED, Membership, load_rekey, load_signed, save_membership, save_signed
 
-_W = TypeVar("_W", tok.Revocation, tok.Grant)
+_W = TypeVar("_W", bound=tok.SignedWord)
 log = logging.getLogger("meshllm.mesh")
 
 AUTH_TIMEOUT_S = 5.0

@@ -314,16 +314,13 @@ def chain_from_wire(obj: object) -> list[Link]:
 
 
 @dataclass(frozen=True)
-class Revocation:
-    """The word of the founder (or of an admin it named) that ``node`` is out: its chain, and every chain it signed a
-    link of, admit nobody any more; its tokens admit nobody (their issuer is no member). Gossiped to every member
-    and kept in each state dir, so a revoked node cannot come back with an old chain, an old token or a new token
-    for the same key."""
+class SignedWord:
+    """A signed statement about one member, ``[mesh_id, node, at, by, sig]`` on the wire: a revocation or a grant."""
 
     mesh_id: bytes
     node: NodeId
     at: int
-    by: NodeId  # the founder, or an admin
+    by: NodeId
     sig: bytes = b""
 
     def body(self) -> bytes:
@@ -334,21 +331,17 @@ class Revocation:
 
 
 @dataclass(frozen=True)
-class Grant:
-    """The founder's word that ``node`` is an admin: it may revoke members too (never the founder or another
+class Revocation(SignedWord):
+    """The word of the founder (or of an admin it named, ``by``) that ``node`` is out: its chain, and every chain it
+    signed a link of, admit nobody any more; its tokens admit nobody (their issuer is no member). Gossiped to every
+    member and kept in each state dir, so a revoked node cannot come back with an old chain, an old token or a new
+    token for the same key."""
+
+
+@dataclass(frozen=True)
+class Grant(SignedWord):
+    """The founder's word (``by``) that ``node`` is an admin: it may revoke members too (never the founder or another
     admin). Gossiped and kept like revocations (state dir ``admins``)."""
-
-    mesh_id: bytes
-    node: NodeId
-    at: int
-    by: NodeId  # the founder
-    sig: bytes = b""
-
-    def body(self) -> bytes:
-        return pack([self.mesh_id, self.node, self.at, self.by])
-
-    def to_wire(self) -> list[object]:
-        return [self.mesh_id, self.node, self.at, self.by, self.sig]
 
 
 def revoke(key: Ed25519PrivateKey, mesh_id: bytes, node: NodeId, now: float,

@@ -14,6 +14,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
+import aiohttp
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from rich.console import Console
 from rich.text import Text
@@ -322,23 +323,24 @@ class Node:
         node tells how soon its requests got their first token."""
         assert self.net is not None and self.hosting is not None
         base, last, progress, asked = (0, 0), (0, 0), -1, 0
-        while True:
-            await asyncio.sleep(1.0)
-            h = self.api.counters.ttft if self.api else None
-            if h is not None and h.n != asked:  # every node: its requests' time to first token, for the mesh's view
-                asked = h.n
-                self.net.update(ttft=(h.n, int(h.total * 1000)))
-            server = self.hosting.server if self.host == self.me else None
-            p = server.load_progress() if server is not None else -1
-            if p != progress:
-                progress = p
-                self.net.update(progress=p)
-            got = await server.generated() if server is not None and p < 0 else None
-            if got is not None and got != last:
-                if got[0] < last[0] or got[1] < last[1]:  # a new llama-server counts from zero
-                    base = (base[0] + last[0], base[1] + last[1])
-                last = got
-                self.net.update(served=(base[0] + got[0], base[1] + got[1]))
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+            while True:
+                await asyncio.sleep(1.0)
+                h = self.api.counters.ttft if self.api else None
+                if h is not None and h.n != asked:  # every node: its requests' time to first token, for the mesh's view
+                    asked = h.n
+                    self.net.update(ttft=(h.n, int(h.total * 1000)))
+                server = self.hosting.server if self.host == self.me else None
+                p = server.load_progress() if server is not None else -1
+                if p != progress:
+                    progress = p
+                    self.net.update(progress=p)
+                got = await server.generated(http) if server is not None and p < 0 else None
+                if got is not None and got != last:
+                    if got[0] < last[0] or got[1] < last[1]:  # a new llama-server counts from zero
+                        base = (base[0] + last[0], base[1] + last[1])
+                    last = got
+                    self.net.update(served=(base[0] + got[0], base[1] + got[1]))
 
     def _say(self, line: str, kind: str) -> None:
         """A line about the mesh: on the terminal, and in the timeline the console shows (plain text, wall time)."""
