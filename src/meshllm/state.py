@@ -127,13 +127,14 @@ def load_membership(state: Path) -> Membership | None:
     check_private(path)
     try:
         d = json.loads(path.read_text())
-        if any(len(link) != 7 for link in d["chain"]):
+        if any(len(link) not in (7, 8) for link in d["chain"]):
             raise UserError(f"{path} is from an older mesh-llm (admission without scopes or ends): move it away, "
                             "then start a new mesh or join again with a new token")  # fmt: skip
-        chain = [
-            (bytes.fromhex(m), bytes.fromhex(n), bytes.fromhex(b), int(at), int(until), int(sc), bytes.fromhex(s))
-            for m, n, b, at, until, sc, s in d["chain"]
-        ]
+        chain: list[tok.Link] = [
+            (bytes.fromhex(m), bytes.fromhex(n), bytes.fromhex(b), int(at), int(until), int(sc), bytes.fromhex(s),
+             tuple(bytes.fromhex(v) for v in (via[0] if via else [])))
+            for m, n, b, at, until, sc, s, *via in d["chain"]
+        ]  # fmt: skip
         return Membership(
             mesh_id=bytes.fromhex(d["mesh_id"]),
             secret=base64.b64decode(d["secret"]),
@@ -151,7 +152,8 @@ def save_membership(state: Path, m: Membership) -> None:
     d = {
         "mesh_id": m.mesh_id.hex(),
         "secret": base64.b64encode(m.secret).decode(),
-        "chain": [[mid.hex(), n.hex(), b.hex(), at, until, sc, s.hex()] for mid, n, b, at, until, sc, s in m.chain],
+        "chain": [[mid.hex(), n.hex(), b.hex(), at, until, sc, s.hex(), *([[v.hex() for v in via]] if via else [])]
+                  for mid, n, b, at, until, sc, s, via in m.chain],  # fmt: skip
         "incarnation": m.incarnation,
         "epoch": m.epoch,
         "rekey_sig": m.rekey_sig.hex(),

@@ -278,3 +278,102 @@ def test_a_member_that_claims_to_host_reaches_no_rpc_server_and_takes_no_seat(tm
     finally:
         for n in nodes:
             n.stop()
+
+
+def _answer(port: int, within_s: float = 30) -> str:
+    """A completion's text from a node's API, waiting out 503s (a host coming back after a false death)."""
+    import urllib.error
+
+    from tests.integration.test_serve_split import complete, text_of
+
+    t_end = time.monotonic() + within_s
+    while True:
+        try:
+            return text_of(complete(port, "/v1/completions"))
+        except urllib.error.HTTPError as e:
+            if e.code != 503 or time.monotonic() > t_end:
+                return f"HTTP {e.code}: {e.read()[:200]!r}"
+        time.sleep(0.5)
+
+
+def test_a_member_that_claims_to_serve_gets_no_request_from_any_node(tmp_path: Path, tiny_model: Path) -> None:
+    """[trust-2] 1, performed against real nodes: a client-scoped member connects to the worker and to a lite client,
+    gossips a signed record saying "host, serving, the mesh's model, 2**62 bytes" and a tombstone for the real
+    host's current life (the host refutes it, but its new record then lands behind the claim in every table), and
+    keeps its claim fresh. Before: nodes routed to the first record in table order that said "host, serving", and
+    the lite client's and the worker's requests went to the attacker. Now every node routes to the host its own
+    election picks among host-scoped members: the attacker is sent no request, and every node answers the same."""
+    from meshllm.net.endpoint import STREAM_GOSSIP, STREAM_HTTP, Endpoint
+    from meshllm.proto import token as tok
+    from meshllm.proto.auth import AuthWelcome
+    from meshllm.proto.gossip import GossipPush, NodeState, PeerRecord, Role, Tombstone
+    from meshllm.proto.wire import encode
+    from meshllm.serve.modelfiles import open_model
+    from tests.integration.test_serve_split import complete, text_of
+
+    nodes: list[NodeProc] = []
+    try:
+        a, b = split_pair(tmp_path, tiny_model, nodes)
+        c = NodeProc(tmp_path, "c", None, "--join", (a.state / "token").read_text().strip())  # a lite client
+        nodes.append(c)
+        wait_for(lambda: "API up" in c.text() or "ready" in c.text(), 60, "c's API to be up")
+        before = text_of(complete(a.port, "/v1/completions"))
+        assert text_of(complete(c.port, "/v1/completions")) == before
+        client = _mint(a.state, "--scope", "client")
+        assert client.returncode == 0, client.stderr
+        token = tok.parse(client.stdout.strip())
+        facts = open_model(tiny_model, None, None, True)[0].facts
+        a_id = crypto.node_id(a.key())
+        a_life = json.loads((a.state / "mesh.json").read_text())["incarnation"]
+        targets = [(crypto.node_id(n.key()), json.loads((n.state / "node.json").read_text())["addrs"][0])
+                   for n in (b, c)]  # fmt: skip
+        got_http: list[int] = []
+        answers: dict[str, str] = {}
+
+        async def attack() -> None:
+            key = crypto.new_key()
+            me = crypto.node_id(key)
+            ep = Endpoint(key)
+            await ep.open("127.0.0.1", 0)
+            streams, tasks = [], []
+            try:
+                for node, addr in targets:
+                    welcome, _, conn = await _handshake_as(
+                        ep, addr, node, token.mesh_id, lambda k, ch, n=node: make_proof(k, token.secret, ch, n,
+                                                                                         token=token), key)  # fmt: skip
+                    assert isinstance(welcome, AuthWelcome), welcome  # a member now, client-scoped
+                    conn.peer = node
+                    conn.set_authenticated()
+                    chain = tuple(tok.chain_from_wire(welcome.chain))
+
+                    async def serve(conn=conn) -> None:  # count every request stream sent to us
+                        while (s := await conn.accept()) is not None:
+                            if s.kind == STREAM_HTTP:
+                                got_http.append(1)
+                                s.reset()  # no answer: the node retries once, then fails (never a hang)
+
+                    tasks.append(asyncio.ensure_future(serve()))
+                    streams.append(conn.open_stream(STREAM_GOSSIP))
+                tomb = Tombstone(a_id, a_life, me, time.time()).signed(key).to_wire()
+                t_end = time.monotonic() + 14
+                seq = 0
+                while time.monotonic() < t_end:
+                    seq += 1
+                    claim = PeerRecord(node=me, incarnation=1, seq=seq, role=Role.HOST, capacity=2**62, model=facts,
+                                       state=NodeState.SERVING, chain=chain, addrs=(f"127.0.0.1:{ep.local_addr()[1]}",),
+                                       at=int(time.time()))  # fmt: skip
+                    for s in streams:
+                        s.write(encode(GossipPush(records=[claim.to_wire(key)], tombstones=[tomb] if seq == 2 else [])))
+                    if seq == 5:  # past the debounces: ask every node (the host is back after its refutation)
+                        for n in (a, b, c):
+                            answers[n.state.name] = await asyncio.to_thread(_answer, n.port)
+                    await asyncio.sleep(1.0)
+            finally:
+                ep.close()
+
+        asyncio.run(attack())
+        assert got_http == [], f"the attacker was sent {len(got_http)} requests"
+        assert answers == {"a": before, "b": before, "c": before}, answers
+    finally:
+        for n in nodes:
+            n.stop()

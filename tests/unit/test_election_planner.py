@@ -165,6 +165,43 @@ def test_serving_host_is_a_connected_peer_announcing_the_model() -> None:
     assert core.serving_host("other-model", now) is None
 
 
+def test_requests_go_to_the_elected_host_never_to_a_self_claim() -> None:
+    """[trust-2] 1: a client- or worker-scoped member that gossips "host, serving" (with any capacity, listed first in
+    the table) gets no request: a node routes to the host its own election picks among host-scoped records, and
+    with the real host gone it routes nowhere rather than to the claimant; the claimant's model adds no name."""
+    import time
+
+    from meshllm.proto import crypto
+    from meshllm.proto import token as tok
+    from meshllm.proto.gossip import ModelFacts, PeerRecord
+    from meshllm.proto.meshcore import MeshCore
+
+    founder, host, liar_c, liar_w = (crypto.new_key() for _ in range(4))
+    now = time.time()
+    chain = tok.found(founder, now)
+    core = MeshCore(key=founder, mesh_id=chain[0][0], chain=chain, incarnation=1, now=now)  # a lite client's view
+    facts = ModelFacts("ab" * 32, 1, 1, "tiny")
+
+    def rec(key: crypto.Ed25519PrivateKey, scope: tok.Scope, cap: int, model: ModelFacts = facts, seq: int = 1) -> bytes:
+        node = crypto.node_id(key)
+        return PeerRecord(node, 1, seq, role="host", state="serving", model=model, capacity=cap,
+                          chain=tuple(tok.admit(founder, chain, node, now, scope))).to_wire(key)  # fmt: skip
+
+    for key, scope in ((liar_c, tok.Scope.CLIENT), (liar_w, tok.Scope.WORKER)):  # first in table order
+        core.table.merge_record(rec(key, scope, 2**62), now)
+        core.on_connected(crypto.node_id(key), now)
+    assert core.serving_host(None, now) is None and core.serving_host("tiny", now) is None
+    assert core.served_models(now) == []
+    core.table.merge_record(rec(host, tok.Scope.HOST, 10), now)
+    core.on_connected(crypto.node_id(host), now)
+    assert core.serving_host("tiny", now) == core.serving_host(None, now) == crypto.node_id(host)
+    assert core.served_models(now) == ["tiny"]
+    # a liar announcing a model of its own under another name adds no name and gets nothing
+    core.table.merge_record(rec(liar_c, tok.Scope.CLIENT, 2**62, ModelFacts("cd" * 32, 1, 1, "mine"), seq=2), now)
+    assert core.table.entries[crypto.node_id(liar_c)].record.model.source == "mine"  # type: ignore[union-attr]
+    assert core.serving_host("mine", now) is None and "mine" not in core.served_models(now)
+
+
 @pytest.mark.parametrize(
     "counts",
     [(18, 0), (17, 1), (9, 9), (1, 17), (0, 18), (6, 6, 6), (12, 6, 0), (1, 1, 16), (10, 8, 0), (3, 0, 15)],

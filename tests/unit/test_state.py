@@ -20,7 +20,7 @@ def mode(p: Path) -> int:
 def test_every_file_is_private_from_the_start(tmp_path: Path) -> None:
     d = tmp_path / "node"
     key = s.load_or_create_key(d)
-    s.save_membership(d, s.Membership(b"m" * 16, b"s" * 32, [(b"m" * 16, crypto.node_id(key), b"", 0, 0, 2, b"")]))
+    s.save_membership(d, s.Membership(b"m" * 16, b"s" * 32, [(b"m" * 16, crypto.node_id(key), b"", 0, 0, 2, b"", ())]))
     s.save_token(d, "TOKEN")
     s.save_api_key(d, "KEY")
     s.save_addrs(d, ["127.0.0.1:7000"])
@@ -34,7 +34,7 @@ def test_every_file_is_private_from_the_start(tmp_path: Path) -> None:
 
 def test_secrets_others_can_read_are_refused(tmp_path: Path) -> None:
     key = s.load_or_create_key(tmp_path)
-    link = (b"m" * 16, crypto.node_id(key), b"", 0, 0, 2, b"")
+    link = (b"m" * 16, crypto.node_id(key), b"", 0, 0, 2, b"", ())
     s.save_membership(tmp_path, s.Membership(b"m" * 16, b"s" * 32, [link]))
     for name, load in [("key", s.load_or_create_key), ("mesh.json", s.load_membership)]:
         (tmp_path / name).chmod(0o644)

@@ -90,7 +90,7 @@ def test_admission_chains(mesh: dict[str, object]) -> None:
     outsider = crypto.new_key()
     fake = tok.admit(outsider, tok.found(outsider, NOW), crypto.node_id(b), NOW)
     assert tok.verify_chain(fake, crypto.node_id(b), mid) is not None  # type: ignore[arg-type]
-    forged = [*chain, (mid, crypto.node_id(b), founder, int(NOW), int(NOW) + 60, 2, b"\0" * 64)]  # type: ignore[misc]
+    forged = [*chain, (mid, crypto.node_id(b), founder, int(NOW), int(NOW) + 60, 2, b"\0" * 64, ())]  # type: ignore[misc]
     assert "bad signature" in (tok.verify_chain(forged, crypto.node_id(b), mid) or "")  # type: ignore[arg-type]
     assert tok.verify_chain(tok.chain_from_wire(tok.chain_to_wire(cb)), crypto.node_id(b), mid) is None  # type: ignore[arg-type]
 
@@ -193,8 +193,8 @@ def test_scopes_narrow_along_the_chain_and_bound_what_a_token_admits(mesh: dict[
     narrower = [*cw, tok._link(w, mid, crypto.node_id(h), int(NOW), int(NOW) + 60, tok.Scope.CLIENT)]  # type: ignore[arg-type]
     assert tok.verify_chain(narrower, crypto.node_id(h), mid) is None  # type: ignore[arg-type]
     # a link's scope altered after signing
-    m0, n0, b0, at0, u0, _, sig0 = cw[-1]
-    assert "bad signature" in (tok.verify_chain([*chain, (m0, n0, b0, at0, u0, 2, sig0)], n0, mid) or "")  # type: ignore[arg-type, list-item]
+    m0, n0, b0, at0, u0, _, sig0, via0 = cw[-1]
+    assert "bad signature" in (tok.verify_chain([*chain, (m0, n0, b0, at0, u0, 2, sig0, via0)], n0, mid) or "")  # type: ignore[arg-type, list-item]
     # a host token minted by the worker (its own key, the real secret): refused by the founder
     host_t = tok.mint(w, mid, mesh["secret"], [], NOW, 3600, tok.Scope.HOST)  # type: ignore[arg-type]
     why = _handshake(mesh, h, token=host_t, members={crypto.node_id(w): tok.Scope.WORKER})[1]
@@ -315,7 +315,17 @@ def test_renewal_is_for_members_in_good_standing(mesh: dict[str, object]) -> Non
     with pytest.raises(ValueError, match="admission expired"):
         tok.renew(key, chain, nb, cb, mid, set(), NOW + 100)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="ends sooner"):  # a cannot make b's admission last beyond its own
-        tok.renew(a, ca, nb, renewed, mid, set(), NOW + 70)
+        tok.renew(a, ca, nb, renewed, mid, set(), NOW + 115)
+    # [trust-2] 4: not before half time, and who admitted b first stays on record: revoking a still cuts b
+    with pytest.raises(ValueError, match="less than half"):
+        tok.renew(key, chain, nb, cb, mid, set(), NOW + 49)  # type: ignore[arg-type]
+    assert renewed[-1][7] == (na,) and tok.lineage(renewed) == [na, nb]
+    assert tok.cut_off(renewed, {na}) == na and tok.cut_off(renewed, set()) is None
+    assert tok.verify_chain(tok.chain_from_wire(tok.chain_to_wire(renewed)), nb, mid) is None  # type: ignore[arg-type]
+    stripped = [*renewed[:-1], (*renewed[-1][:7], ())]  # the provenance cut out of the founder's signed link
+    assert "bad signature" in (tok.verify_chain(stripped, nb, mid) or "")  # type: ignore[arg-type]
+    again = tok.renew(key, chain, nb, renewed, mid, set(), NOW + 110, ttl_s=100)  # type: ignore[arg-type]
+    assert again[-1][7] == (na,)  # kept through every later renewal
     assert tok.better_renewer(chain) > tok.better_renewer(ca)  # type: ignore[arg-type]
 
 

@@ -163,6 +163,7 @@ def check_proof(
     nonce: bytes,
     proof: AuthProof,
     scope_of: Callable[[NodeId], tok.Scope | None],  # a member's scope from the verified table; None: not one
+    chain_of: Callable[[NodeId], tuple[tok.Link, ...] | None] = lambda _: None,  # a member's verified chain
     revoked: Container[NodeId] = frozenset(),  # nodes the founder revoked
     previous: Sequence[bytes] = (),  # secrets before the last rotations: a member may still prove with one
     now: float,
@@ -221,5 +222,13 @@ def check_proof(
         return _refuse(f"this member is {mine}-scoped and cannot admit a {t.scope}: join through a {t.scope} member")
     if now >= tok.chain_until(my_chain):
         return _refuse("this member's own admission has ended: join through another member")
-    chain = tok.admit(key, my_chain, hello.dialler, now, t.scope, admit_s)
+    # the token's issuer, and whoever admitted it, stay on record in the new link (provenance): revoking any of them
+    # cuts this joiner too, though it is our chain that admits it
+    issuer_chain = chain_of(t.issuer) if t.issuer != me else None
+    via = tok.provenance(issuer_chain, my_chain, hello.dialler) if issuer_chain else () if t.issuer == me else (
+        t.issuer,)  # fmt: skip
+    try:
+        chain = tok.admit(key, my_chain, hello.dialler, now, t.scope, admit_s, via)
+    except ValueError as e:
+        return _refuse(str(e))
     return Verdict(True, f"joined with a {t.scope} token", chain, joined=True)

@@ -590,6 +590,11 @@ class Table:
         e = self.entries.get(node)
         return e.record.scope if e is not None else None
 
+    def chain_of(self, node: NodeId) -> tuple[tok.Link, ...] | None:
+        """A member's verified admission chain (None: not a member we know)."""
+        e = self.entries.get(node)
+        return e.record.chain if e is not None else None
+
     def push_all(self) -> GossipPush:
         return GossipPush(
             records=[e.raw for e in self.entries.values()] + list(self.leaves.values()),

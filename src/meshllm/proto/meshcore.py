@@ -316,27 +316,57 @@ class MeshCore:
         return out
 
     def serving_host(self, model: str | None, now: float) -> NodeId | None:
-        """A connected peer that announces it serves ``model`` (any model when None), to route requests to."""
-        for r in self.table.alive(now):
-            if (r.role == Role.HOST and r.state == NodeState.SERVING and r.model is not None
-                    and (model is None or r.model.source == model) and r.node in self.peers):  # fmt: skip
-                return r.node
+        """The host a request for ``model`` (any model when None) goes to: the one this node's own election picks
+        among the host-scoped records of that model, once it says it serves and we are connected to it. A record's
+        word that it hosts is never enough (any member could gossip one: the first such record in table order once
+        received every prompt of the mesh); a lite client runs the same election for every model it routes."""
+        recs = self.alive(now)
+        mine = self.record.model.fingerprint if self.record.model else None
+        fps = sorted({r.model.fingerprint for r in recs if r.model is not None and _may_host(r)
+                      and (model is None or r.model.source == model)})  # fmt: skip
+        for fp in fps:
+            host = self._election.current if fp == mine and self._election.current is not None else _elect(recs, fp)
+            rec = next((r for r in recs if r.node == host), None)
+            if (rec is not None and rec.role == Role.HOST and rec.state == NodeState.SERVING and rec.node in self.peers
+                    and rec.model is not None and rec.model.fingerprint == fp):  # fmt: skip
+                return rec.node
         return None
+
+    def served_models(self, now: float) -> list[str]:
+        """The names the mesh serves models under: those of nodes that may host them (a client- or worker-scoped
+        member's record adds no name)."""
+        return sorted({r.model.source for r in self.alive(now) if r.model is not None and _may_host(r)})
+
+    def host_record(self, now: float) -> PeerRecord | None:
+        """The record of the host this node routes to (or, for a node with a model, elected): whose ``why`` every
+        node gives as the reason it cannot serve. Never a record that merely claims the role."""
+        host = self.serving_host(None, now) or self._election.current
+        if host is None and self.record.model is None:  # a lite client: the election of any model the mesh has
+            recs = self.alive(now)
+            fps = sorted({r.model.fingerprint for r in recs if r.model is not None and _may_host(r)})
+            host = next((h for fp in fps if (h := _elect(recs, fp)) is not None), None)
+        return next((r for r in self.alive(now) if r.node == host), None) if host is not None else None
 
     def elected_host(self, now: float) -> NodeId | None:
         """The debounced host for our model (None: no candidate yet, or still settling)."""
         fp = self.record.model.fingerprint if self.record.model else None
         if fp is None:
             return None
-        recs = self.alive(now)
-        hosts = [
-            r for r in recs if r.role == Role.HOST and r.scope >= Scope.HOST and r.model and r.model.fingerprint == fp
-        ]
-        # after a partition heals there may be two sitting hosts: every node keeps the same one
-        sitting = max(hosts, key=lambda r: (r.capacity, r.node)).node if hosts else None
-        cands = [Candidate(r.node, r.capacity, r.model.fingerprint if r.model else None, r.role, r.scope) for r in recs]
         before = self._election.current
-        host = self._election.propose(elect(cands, fp, sitting), now)
+        host = self._election.propose(_elect(self.alive(now), fp), now)
         if host != before and host is not None:
             self.events.append(Event(EventKind.HOST, host))
         return host
+
+
+def _may_host(r: PeerRecord) -> bool:
+    return r.role != Role.CLIENT and r.scope >= Scope.HOST
+
+
+def _elect(recs: list[PeerRecord], fp: str) -> NodeId | None:
+    """The host of model ``fp`` by the election every node runs over the same records (proto/election.py)."""
+    hosts = [r for r in recs if r.role == Role.HOST and _may_host(r) and r.model and r.model.fingerprint == fp]
+    # after a partition heals there may be two sitting hosts: every node keeps the same one
+    sitting = max(hosts, key=lambda r: (r.capacity, r.node)).node if hosts else None
+    cands = [Candidate(r.node, r.capacity, r.model.fingerprint if r.model else None, r.role, r.scope) for r in recs]
+    return elect(cands, fp, sitting)

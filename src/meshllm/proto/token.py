@@ -9,7 +9,8 @@ admission secret: whoever holds a valid token can prove it to a member (see auth
 the token itself — signature, issuer is a member, mesh, expiry, lifetime, scope — before admitting anyone.
 
 Admission chain (what makes a node a member, carried in its gossip record and its auth): a list of links
-``[mesh_id, node, by, at, until, scope, sig]``, each signed by ``by``. The first is the founder's self-link (``node ==
+``[mesh_id, node, by, at, until, scope, sig]`` (``[..., sig, via]`` where a link keeps provenance), each signed by
+``by``. The first is the founder's self-link (``node ==
 by``, ``mesh_id == mesh_id_for(founder)``, scope host, no end: the mesh is its founder's key); each next link is
 signed by the node of the previous one, while that one's admission was in force, and is no wider than it; the last
 names the member and its scope. So anyone can verify membership and scope without a member list, and an expired
@@ -18,6 +19,12 @@ token admits nobody new.
 Admission expires: a link holds from ``at`` to ``until`` (at most MAX_ADMIT_S), and a chain holds while every link
 does. A member in good standing renews before then (``renew``: a peer whose own chain holds longer signs it a new
 last link); one that was away, or cut off, past its end is out, and the links it signed hold no longer than its own.
+
+Provenance: a link's ``via`` names the members a node was first admitted through that its chain no longer shows — the
+issuer of the token it joined with (when another member checked it), and, after a renewal replaced its chain with
+the renewer's, every member of the chain before. A revocation cuts every chain that names the revoked node anywhere,
+``via`` included, so a member cannot launder the keys it admitted (or a new key of its own) through a renewal by the
+founder, or through a token it minted and another member checked.
 
 Scopes, narrowest first: ``client`` (the API only: it serves no layers), ``worker`` (serves layers for a host, is
 never elected), ``host`` (may be elected host). A member mints tokens no wider than its own scope.
@@ -49,6 +56,7 @@ MAX_ADDRS = 16
 MAX_CHAIN = 64
 SECRET_LEN = 32
 MESH_ID_LEN = 16
+MAX_VIA = 64  # provenance a link carries (the members a node was first admitted through that its chain no longer shows)
 
 
 class Scope(IntEnum):
@@ -167,18 +175,21 @@ def check(token: Token, now: float, mesh_id: bytes | None = None) -> Token:
 
 # ------------------------------------------------------------------------------------------ admission chains
 
-Link = tuple[bytes, NodeId, NodeId, int, int, int, bytes]  # mesh_id, node, by, at, until (0: the founder's), scope, sig
+# mesh_id, node, by, at, until (0: the founder's), scope, sig, via (provenance: see the module's text)
+Link = tuple[bytes, NodeId, NodeId, int, int, int, bytes, tuple[NodeId, ...]]
 NEVER = 0  # the founder's self-link has no end
 
 
-def _link_body(mesh_id: bytes, node: NodeId, by: NodeId, at: int, until: int, scope: int) -> bytes:
-    return pack([mesh_id, node, by, at, until, scope])
+def _link_body(mesh_id: bytes, node: NodeId, by: NodeId, at: int, until: int, scope: int,
+               via: tuple[NodeId, ...]) -> bytes:  # fmt: skip
+    return pack([mesh_id, node, by, at, until, scope, list(via)] if via else [mesh_id, node, by, at, until, scope])
 
 
-def _link(key: Ed25519PrivateKey, mesh_id: bytes, node: NodeId, at: int, until: int, scope: Scope) -> Link:
+def _link(key: Ed25519PrivateKey, mesh_id: bytes, node: NodeId, at: int, until: int, scope: Scope,
+          via: tuple[NodeId, ...] = ()) -> Link:  # fmt: skip
     by = crypto.node_id(key)
-    body = _link_body(mesh_id, node, by, at, until, scope)
-    return (mesh_id, node, by, at, until, int(scope), crypto.sign(key, crypto.D_ADMIT, body))
+    body = _link_body(mesh_id, node, by, at, until, scope, via)
+    return (mesh_id, node, by, at, until, int(scope), crypto.sign(key, crypto.D_ADMIT, body), via)
 
 
 def found(key: Ed25519PrivateKey, now: float) -> list[Link]:
@@ -198,15 +209,36 @@ def chain_until(chain: list[Link] | tuple[Link, ...]) -> float:
 
 
 def admit(key: Ed25519PrivateKey, own_chain: list[Link], joiner: NodeId, now: float,
-          scope: Scope = Scope.HOST, ttl_s: float = ADMIT_S) -> list[Link]:  # fmt: skip
+          scope: Scope = Scope.HOST, ttl_s: float = ADMIT_S, via: tuple[NodeId, ...] = ()) -> list[Link]:  # fmt: skip
     """The joiner's chain: ours plus one link signed by us, holding ``ttl_s`` (no longer than ours holds: the
-    chain's end is its earliest link's). ValueError for a scope wider than ours or a lifetime over MAX_ADMIT_S."""
+    chain's end is its earliest link's), naming ``via`` (provenance: the members it was admitted through that the
+    chain does not show). ValueError for a scope wider than ours, a lifetime over MAX_ADMIT_S, too long a via."""
     if scope > chain_scope(own_chain):
         raise ValueError(f"a {chain_scope(own_chain)}-scoped member cannot admit a {scope}")
     if not 0 < ttl_s <= MAX_ADMIT_S:
         raise ValueError(f"an admission holds at most {MAX_ADMIT_S // 86400} days")
+    if len(via) > MAX_VIA:
+        raise ValueError(f"admitted through more than {MAX_VIA} members")
     at = int(now)
-    return [*own_chain, _link(key, own_chain[0][0], joiner, at, at + max(1, int(ttl_s)), scope)]
+    return [*own_chain, _link(key, own_chain[0][0], joiner, at, at + max(1, int(ttl_s)), scope, via)]
+
+
+def lineage(chain: list[Link] | tuple[Link, ...]) -> list[NodeId]:
+    """Every member a chain's node was admitted through, and the node itself, in order, once each: each link's
+    provenance, then its node (the founder's self-link aside)."""
+    out: list[NodeId] = []
+    for link in chain[1:]:
+        for n in (*link[7], link[1]):
+            if n not in out:
+                out.append(n)
+    return out
+
+
+def provenance(through: list[Link] | tuple[Link, ...], new_chain: list[Link], subject: NodeId) -> tuple[NodeId, ...]:
+    """What a new last link must name so that no member ``through`` (the chain a node was admitted or renewed
+    through) shows is lost: those of its lineage that ``new_chain`` (the signer's chain) does not show."""
+    shown = set(lineage(new_chain)) | {new_chain[0][1], subject}
+    return tuple(n for n in lineage(through) if n not in shown)
 
 
 def verify_chain(chain: object, subject: NodeId, mesh_id: bytes, now: float | None = None) -> str | None:
@@ -218,7 +250,7 @@ def verify_chain(chain: object, subject: NodeId, mesh_id: bytes, now: float | No
     for i, link in enumerate(chain):
         if not _link_shape_ok(link):
             return f"link {i} malformed"
-        mid, node, by, at, until, scope, sig = link
+        mid, node, by, at, until, scope, sig, via = link
         if mid != mesh_id:
             return f"link {i} is for another mesh"
         if prev is None:
@@ -233,7 +265,7 @@ def verify_chain(chain: object, subject: NodeId, mesh_id: bytes, now: float | No
                 return f"link {i} holds longer than {MAX_ADMIT_S // 86400} days"
             if at + CLOCK_SKEW_S < prev[3] or (prev[4] != NEVER and at >= prev[4]):
                 return f"link {i} was signed when its signer's own admission was not in force"
-        if not crypto.verify(by, crypto.D_ADMIT, _link_body(mid, node, by, at, until, scope), sig):
+        if not crypto.verify(by, crypto.D_ADMIT, _link_body(mid, node, by, at, until, scope, via), sig):
             return f"link {i} has a bad signature"
         prev = link
     assert prev is not None
@@ -253,11 +285,13 @@ def admission_ended(chain: list[Link] | tuple[Link, ...], now: float) -> str:
 
 
 def _link_shape_ok(link: object) -> bool:
-    if not (isinstance(link, list | tuple) and len(link) == 7):
+    if not (isinstance(link, list | tuple) and len(link) in (7, 8)):
         return False
-    mid, node, by, at, until, scope, sig = link
+    mid, node, by, at, until, scope, sig = link[:7]
+    via = link[7] if len(link) == 8 else ()
     return (isinstance(mid, bytes) and isinstance(node, bytes) and isinstance(by, bytes) and _is_int(at)
-            and _is_int(until) and _is_scope(scope) and isinstance(sig, bytes))  # fmt: skip
+            and _is_int(until) and _is_scope(scope) and isinstance(sig, bytes) and isinstance(via, list | tuple)
+            and len(via) <= MAX_VIA and all(isinstance(n, bytes) and len(n) == crypto.NODE_ID_LEN for n in via))  # fmt: skip
 
 
 def _is_int(v: object) -> bool:
@@ -274,16 +308,21 @@ def needs_renewal(chain: list[Link] | tuple[Link, ...], now: float) -> bool:
 
 def renew(key: Ed25519PrivateKey, own_chain: list[Link], asker: NodeId, asker_chain: list[Link] | tuple[Link, ...],
           mesh_id: bytes, revoked: Container[NodeId], now: float, ttl_s: float = ADMIT_S) -> list[Link]:  # fmt: skip
-    """A member's new chain, signed by us: ours plus a fresh link of the scope it has now. Only for a member in good
-    standing (its chain holds now and passes through nobody revoked) that a renewal would keep longer; ValueError
-    (why not) otherwise."""
+    """A member's new chain, signed by us: ours plus a fresh link of the scope it has now, naming (``via``) every
+    member its chain before showed that ours does not — who first admitted it stays on record, so a revocation of
+    that member still cuts it. Only for a member in good standing (its chain holds now and passes through nobody
+    revoked), once half of its admission is over, when a renewal would keep it longer; ValueError (why not)
+    otherwise."""
     why = verify_chain(list(asker_chain), asker, mesh_id, now)
     if why is not None:
         raise ValueError(f"not renewed: {why}")
     gone = cut_off(asker_chain, revoked)
     if gone is not None:
         raise ValueError(f"not renewed: admitted through {crypto.short(gone)}, whom the mesh revoked")
-    new = admit(key, own_chain, asker, now, chain_scope(asker_chain), ttl_s)
+    if not needs_renewal(asker_chain, now):
+        raise ValueError("not renewed: less than half of its admission is over")
+    via = provenance(asker_chain, own_chain, asker)
+    new = admit(key, own_chain, asker, now, chain_scope(asker_chain), ttl_s, via)
     if len(new) > MAX_CHAIN or chain_until(new) <= chain_until(asker_chain):
         raise ValueError("not renewed: this member's own admission ends sooner")
     return new
@@ -295,7 +334,8 @@ def better_renewer(chain: list[Link] | tuple[Link, ...]) -> tuple[float, int]:
 
 
 def chain_to_wire(chain: list[Link]) -> list[list[object]]:
-    return [list(link) for link in chain]
+    """Each link as 7 fields, or 8 where it names provenance (a link of an older version reads as one without)."""
+    return [[*link[:7], list(link[7])] if link[7] else list(link[:7]) for link in chain]
 
 
 def chain_from_wire(obj: object) -> list[Link]:
@@ -306,7 +346,8 @@ def chain_from_wire(obj: object) -> list[Link]:
     for link in obj[: MAX_CHAIN + 1]:
         if not (isinstance(link, list) and _link_shape_ok(link)):
             raise RemoteProtocolError("admission link malformed")
-        out.append(tuple(link))
+        mid, node, by, at, until, scope, sig = link[:7]
+        out.append((mid, node, by, at, until, scope, sig, tuple(link[7]) if len(link) == 8 else ()))
     return out
 
 
@@ -412,5 +453,6 @@ def _signed_word(obj: object, what: str) -> tuple[bytes, NodeId, int, NodeId, by
 
 
 def cut_off(chain: list[Link] | tuple[Link, ...], revoked: Container[NodeId]) -> NodeId | None:
-    """The revoked node a chain passes through (its member, or one that admitted it down the line), if any."""
-    return next((link[1] for link in chain if link[1] in revoked), None)
+    """The revoked node a chain passes through (its member, one that admitted it down the line, or one a link names
+    as its provenance), if any."""
+    return next((n for n in lineage(chain) if n in revoked), None)

@@ -192,8 +192,7 @@ class Node:
     # ---------------------------------------------------------------- requests
 
     def _models(self) -> list[str]:
-        core = self.net.core if self.net else None
-        return sorted({r.model.source for r in core.alive(time.monotonic()) if r.model}) if core else []
+        return self.net.core.served_models(time.monotonic()) if self.net and self.net.core else []
 
     def _serving_host(self, model: str | None) -> NodeId | None:
         core = self.net.core if self.net else None
@@ -209,11 +208,10 @@ class Node:
                                      self._host_says())  # fmt: skip
 
     def _host_says(self) -> str:
-        """A host that cannot serve says why in its record: the reason every node gives (503s, /health)."""
-        if self.net is None or self.net.core is None:
-            return ""
-        rec = next((r for r in self.net.core.table.alive(time.monotonic()) if r.role == Role.HOST and r.why), None)
-        return f"the host {crypto.short(rec.node)} is {rec.why}" if rec else ""
+        """Why the host this node routes to (its own election's, never a self-claim) cannot serve, as that host says
+        in its record: the reason every node gives (503s, /health)."""
+        rec = self.net.core.host_record(time.monotonic()) if self.net and self.net.core else None
+        return f"the host {crypto.short(rec.node)} is {rec.why}" if rec and rec.why else ""
 
     async def _adopt_model(self) -> None:
         """Joined without --model: serve the mesh's model as a worker if this machine has a copy."""

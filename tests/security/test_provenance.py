@@ -1,0 +1,84 @@
+"""[trust-2] 4: revocation evaded through renewal, performed against the real cores (MeshCore, the table, the listener's
+admission check). A member signs admissions for keys of its own offline, has the founder renew them (a renewal used
+to replace the chain with the founder's, after which no chain named the member), mints a token with one of them and
+joins a fresh key with it at the founder; or mints a token itself that another member checks. Revoking the member
+must leave every one of those keys out: their chains keep who first admitted them (``via``), renewals included."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from meshllm.proto import crypto
+from meshllm.proto import token as tok
+from meshllm.proto.auth import AuthChallenge, AuthHello, Verdict, check_proof, make_proof
+from meshllm.proto.gossip import GossipPush, PeerRecord, Renewal, RenewAsk
+from meshllm.proto.meshcore import MeshCore
+
+NOW = time.time()
+
+
+def _join(f: MeshCore, key: crypto.Ed25519PrivateKey, secret: bytes, *, token: tok.Token | None = None,
+          chain: list[tok.Link] | None = None, now: float = NOW) -> Verdict:  # fmt: skip
+    """``key`` dials the founder's core with a token or its chain: the founder's own admission check."""
+    hello = AuthHello(dialler=crypto.node_id(key), listener=f.me, mesh_id=f.mesh_id)
+    nonce = os.urandom(32)
+    proof = make_proof(key, secret, AuthChallenge(nonce), f.me, chain=chain, token=token)
+    return check_proof(key=f.key, my_chain=f.chain, mesh_id=f.mesh_id, secret=secret, hello=hello, nonce=nonce,
+                       proof=proof, scope_of=f.table.scope_of, chain_of=f.table.chain_of, revoked=f.table.revoked,
+                       now=now)  # fmt: skip
+
+
+def _gossip(f: MeshCore, key: crypto.Ed25519PrivateKey, chain: list[tok.Link], seq: int, now: float) -> None:
+    rec = PeerRecord(crypto.node_id(key), 1, seq, chain=tuple(chain), at=int(NOW))
+    f.on_message(crypto.node_id(key), GossipPush(records=[rec.to_wire(key)]), now)
+
+
+def test_a_revoked_member_cannot_launder_keys_through_renewals_or_tokens() -> None:
+    founder, m = crypto.new_key(), crypto.new_key()
+    f = MeshCore(key=founder, mesh_id=crypto.mesh_id_for(crypto.node_id(founder)), chain=tok.found(founder, NOW - 60),
+                 incarnation=1, now=0.0, wall=NOW)  # fmt: skip
+    secret = os.urandom(tok.SECRET_LEN)
+    nm = crypto.node_id(m)
+    chain_m = tok.admit(founder, f.chain, nm, NOW - 30, tok.Scope.WORKER)
+    _gossip(f, m, chain_m, 1, 0.0)
+    # the member signs admissions for keys of its own, offline, that hold 20 s: half over at once
+    sybils = [crypto.new_key() for _ in range(3)]
+    laundered: list[tuple[crypto.Ed25519PrivateKey, list[tok.Link]]] = []
+    for i, s in enumerate(sybils):
+        ns = crypto.node_id(s)
+        _gossip(f, s, tok.admit(m, chain_m, ns, NOW - 15, tok.Scope.WORKER, ttl_s=20), 1, 0.1)
+        f.tick(1.0 + i, NOW)
+        out = f.on_message(ns, RenewAsk(), 1.0 + i)  # the founder renews it
+        assert len(out) == 1 and isinstance(out[0][1], Renewal)
+        renewed = tok.chain_from_wire(out[0][1].chain)
+        assert len(renewed) == 2 and renewed[-1][2] == f.me  # the member no longer shows in the chain ...
+        assert tok.verify_chain(renewed, ns, f.mesh_id, NOW) is None
+        _gossip(f, s, renewed, 2, 1.2 + i)
+        laundered.append((s, renewed))
+    # ... a laundered key mints a token; a fresh key of the member joins with it at the founder
+    s0 = sybils[0]
+    t0 = tok.mint(s0, f.mesh_id, secret, [], NOW, 3600, tok.Scope.WORKER)
+    fresh = crypto.new_key()
+    v = _join(f, fresh, secret, token=t0)
+    assert v.ok and v.chain is not None and len(v.chain) == 2, v.reason
+    laundered.append((fresh, v.chain))
+    _gossip(f, fresh, v.chain, 1, 5.0)
+    # ... and a token the member mints itself, checked by the founder, admits another
+    direct = crypto.new_key()
+    v = _join(f, direct, secret, token=tok.mint(m, f.mesh_id, secret, [], NOW, 3600, tok.Scope.WORKER))
+    assert v.ok and v.chain is not None and [link[1] for link in v.chain] == [f.me, crypto.node_id(direct)]
+    laundered.append((direct, v.chain))
+    _gossip(f, direct, v.chain, 1, 5.1)
+    ids = {crypto.node_id(k) for k, _ in laundered}
+    assert ids | {nm} <= set(f.table.entries)
+
+    f.revoke([tok.revoke(founder, f.mesh_id, nm, NOW + 1)], 6.0)
+
+    left = (ids | {nm}) & set(f.table.entries)
+    assert not left, f"still members: {sorted(crypto.short(n) for n in left)}"
+    for key, chain in laundered:
+        v = _join(f, key, secret, chain=chain, now=NOW + 2)
+        assert not v.ok and v.revoked == nm, v.reason  # refused, naming the member it was first admitted through
+    v = _join(f, crypto.new_key(), secret, token=t0, now=NOW + 2)  # a laundered key's token admits nobody
+    assert not v.ok and "not a member" in v.reason
