@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import re
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -126,11 +127,18 @@ def ip_address(text: str) -> str:
 
 
 def host_port(text: str) -> str:
-    """HOST:PORT or [IPv6]:PORT with a port of 1-65535."""
+    """HOST:PORT or [IPv6]:PORT with a port of 1-65535; a host name is resolved here, once (the mesh passes IP
+    addresses only)."""
     host, sep, port = text.rpartition(":")
     if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536 or " " in host:
         raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (port 1-65535)")
-    return text
+    if tok.ip_port(text):
+        return text
+    try:
+        ip = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_DGRAM)[0][4][0]
+    except (OSError, UnicodeError):
+        raise argparse.ArgumentTypeError(f"cannot resolve {host!r} to an IP address") from None
+    return f"[{ip}]:{port}" if ":" in str(ip) else f"{ip}:{port}"
 
 
 def python_versions(text: str) -> tuple[str, ...]:

@@ -153,7 +153,7 @@ def save_membership(state: Path, m: Membership) -> None:
         "mesh_id": m.mesh_id.hex(),
         "secret": base64.b64encode(m.secret).decode(),
         "chain": [[mid.hex(), n.hex(), b.hex(), at, until, sc, s.hex(), *([[v.hex() for v in via]] if via else [])]
-                  for mid, n, b, at, until, sc, s, via in m.chain],  # fmt: skip
+                  for mid, n, b, at, until, sc, s, via in m.chain],
         "incarnation": m.incarnation,
         "epoch": m.epoch,
         "rekey_sig": m.rekey_sig.hex(),

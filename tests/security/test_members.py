@@ -280,6 +280,22 @@ def test_a_member_that_claims_to_host_reaches_no_rpc_server_and_takes_no_seat(tm
             n.stop()
 
 
+def _raw_http(port: int, method: str, path: str, body: object) -> str:
+    """Status and body of one request sent as written (no normalising of its path), as "STATUS BODY"."""
+    import http.client
+
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        data = json.dumps(body).encode() if body is not None else None
+        c.request(method, path, body=data, headers={"Content-Type": "text/plain"} if data else {})
+        r = c.getresponse()
+        return f"{r.status} {r.read().decode(errors='replace')}"
+    except OSError as e:
+        return f"failed: {e!r}"
+    finally:
+        c.close()
+
+
 def _answer(port: int, within_s: float = 30) -> str:
     """A completion's text from a node's API, waiting out 503s (a host coming back after a false death)."""
     import urllib.error
@@ -302,8 +318,11 @@ def test_a_member_that_claims_to_serve_gets_no_request_from_any_node(tmp_path: P
     host's current life (the host refutes it, but its new record then lands behind the claim in every table), and
     keeps its claim fresh. Before: nodes routed to the first record in table order that said "host, serving", and
     the lite client's and the worker's requests went to the attacker. Now every node routes to the host its own
-    election picks among host-scoped members: the attacker is sent no request, and every node answers the same."""
-    from meshllm.net.endpoint import STREAM_GOSSIP, STREAM_HTTP, Endpoint
+    election picks among host-scoped members: the attacker is sent no request, and every node answers the same.
+    [trust-2] 6 too: the attacker's own requests to the host over the mesh reach its door, not llama-server: none of
+    llama-server's own endpoints, and the host's --max-tokens holds."""
+    from meshllm.net.endpoint import STREAM_GOSSIP, STREAM_HTTP, Conn, Endpoint
+    from meshllm.net.tunnel import TunnelListener, TunnelStats
     from meshllm.proto import token as tok
     from meshllm.proto.auth import AuthWelcome
     from meshllm.proto.gossip import GossipPush, NodeState, PeerRecord, Role, Tombstone
@@ -313,7 +332,7 @@ def test_a_member_that_claims_to_serve_gets_no_request_from_any_node(tmp_path: P
 
     nodes: list[NodeProc] = []
     try:
-        a, b = split_pair(tmp_path, tiny_model, nodes)
+        a, b = split_pair(tmp_path, tiny_model, nodes, "--max-tokens", "16")
         c = NodeProc(tmp_path, "c", None, "--join", (a.state / "token").read_text().strip())  # a lite client
         nodes.append(c)
         wait_for(lambda: "API up" in c.text() or "ready" in c.text(), 60, "c's API to be up")
@@ -326,7 +345,9 @@ def test_a_member_that_claims_to_serve_gets_no_request_from_any_node(tmp_path: P
         a_id = crypto.node_id(a.key())
         a_life = json.loads((a.state / "mesh.json").read_text())["incarnation"]
         targets = [(crypto.node_id(n.key()), json.loads((n.state / "node.json").read_text())["addrs"][0])
-                   for n in (b, c)]  # fmt: skip
+                   for n in (b, c, a)]  # fmt: skip
+        door: dict[str, bytes] = {}
+        a_conn: list[Conn] = []
         got_http: list[int] = []
         answers: dict[str, str] = {}
 
@@ -354,19 +375,30 @@ def test_a_member_that_claims_to_serve_gets_no_request_from_any_node(tmp_path: P
 
                     tasks.append(asyncio.ensure_future(serve()))
                     streams.append(conn.open_stream(STREAM_GOSSIP))
+                    if node == a_id:
+                        a_conn.append(conn)
                 tomb = Tombstone(a_id, a_life, me, time.time()).signed(key).to_wire()
                 t_end = time.monotonic() + 14
                 seq = 0
                 while time.monotonic() < t_end:
                     seq += 1
                     claim = PeerRecord(node=me, incarnation=1, seq=seq, role=Role.HOST, capacity=2**62, model=facts,
-                                       state=NodeState.SERVING, chain=chain, addrs=(f"127.0.0.1:{ep.local_addr()[1]}",),
+                                       state=NodeState.SERVING, chain=chain, addrs=(f"127.0.0.1:{ep.local_addr[1]}",),
                                        at=int(time.time()))  # fmt: skip
                     for s in streams:
                         s.write(encode(GossipPush(records=[claim.to_wire(key)], tombstones=[tomb] if seq == 2 else [])))
                     if seq == 5:  # past the debounces: ask every node (the host is back after its refutation)
                         for n in (a, b, c):
                             answers[n.state.name] = await asyncio.to_thread(_answer, n.port)
+                    if seq == 6:  # straight to the host over the mesh, as a member's API would (a tunnel listener)
+                        lst = TunnelListener(lambda: a_conn[0].open_stream(STREAM_HTTP), TunnelStats())
+                        port = await lst.start()
+                        big = {"prompt": "Once", "n_predict": 10**6, "ignore_eos": True}
+                        for what, method, path, body in [("slots", "GET", "/slots", None),
+                                                         ("props", "GET", "/v1/../props", None),
+                                                         ("big", "POST", "/v1/completions", big)]:  # fmt: skip
+                            door[what] = await asyncio.to_thread(_raw_http, port, method, path, body)
+                        await lst.close()
                     await asyncio.sleep(1.0)
             finally:
                 ep.close()
@@ -374,6 +406,8 @@ def test_a_member_that_claims_to_serve_gets_no_request_from_any_node(tmp_path: P
         asyncio.run(attack())
         assert got_http == [], f"the attacker was sent {len(got_http)} requests"
         assert answers == {"a": before, "b": before, "c": before}, answers
+        assert door["slots"].startswith("404") and door["props"].startswith("400"), door
+        assert door["big"].startswith("200") and '"completion_tokens":16' in door["big"], door["big"][-300:]
     finally:
         for n in nodes:
             n.stop()

@@ -182,7 +182,8 @@ def test_requests_go_to_the_elected_host_never_to_a_self_claim() -> None:
     core = MeshCore(key=founder, mesh_id=chain[0][0], chain=chain, incarnation=1, now=now)  # a lite client's view
     facts = ModelFacts("ab" * 32, 1, 1, "tiny")
 
-    def rec(key: crypto.Ed25519PrivateKey, scope: tok.Scope, cap: int, model: ModelFacts = facts, seq: int = 1) -> bytes:
+    def rec(key: crypto.Ed25519PrivateKey, scope: tok.Scope, cap: int, model: ModelFacts = facts,
+            seq: int = 1) -> bytes:  # fmt: skip
         node = crypto.node_id(key)
         return PeerRecord(node, 1, seq, role="host", state="serving", model=model, capacity=cap,
                           chain=tuple(tok.admit(founder, chain, node, now, scope))).to_wire(key)  # fmt: skip

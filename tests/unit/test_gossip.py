@@ -273,3 +273,32 @@ def test_a_departed_nodes_old_record_does_not_come_back_after_its_tombstone_is_f
     res = t.merge_record(rec(k, ch, seq=2, at=int(T)), later)
     assert not res.changed and "stale" in res.dropped[0]
     assert t.merge_record(rec(k, ch, seq=3, at=int(later - MAX_RECORD_AGE_S + 30)), later).changed  # clocks apart
+
+
+def test_addresses_from_peers_are_ip_literals_never_names() -> None:
+    """[trust-2] 9: a host name in a gossiped address was resolved on the event loop (a slow resolver held every
+    node's loop for 8 s): records, tokens and every address a peer sends must be IP literals; the CLI resolves the
+    user's own names once, at start."""
+    import argparse
+
+    import pytest
+
+    from meshllm.cli import host_port
+    from meshllm.net.endpoint import parse_addr, try_addr
+
+    t = Table(crypto.node_id(FOUNDER), MESH)
+    k, c = member()
+    for field in ("addrs", "reflexive"):
+        res = t.merge_record(rec(k, c, **{field: ("slow.resolver.example:4000",)}), T)
+        assert res.changed == [] and "not an IP literal" in res.dropped[0], res.dropped
+    assert t.merge_record(rec(k, c, addrs=("10.0.0.1:4000", "[fe80::1]:4000")), T).changed == [crypto.node_id(k)]
+    assert try_addr("slow.resolver.example:4000") is None and try_addr("localhost:1") is None
+    assert parse_addr("[::1]:7") == ("::1", 7) and parse_addr("10.1.2.3:7") == ("10.1.2.3", 7)
+    for bad in ("1.2.3.4:0", "1.2.3.4:65536", "[::1:7", "::1", "1.2.3.4", "", "a" * 80):
+        assert not tok.ip_port(bad), bad
+    named = tok.mint(FOUNDER, MESH, b"s" * 32, ["slow.resolver.example:4000"], T, 60)
+    with pytest.raises(tok.TokenError, match="malformed"):
+        tok.parse(named.encode())
+    assert host_port("localhost:4000") == "127.0.0.1:4000"  # the user's own name: resolved once, by the CLI
+    with pytest.raises(argparse.ArgumentTypeError, match="cannot resolve"):
+        host_port("no-such-host.invalid:4000")

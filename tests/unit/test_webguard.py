@@ -36,5 +36,32 @@ def test_max_tokens_capped_where_configured() -> None:
     assert cap_tokens({"prompt": "x", "max_tokens": 100}, 256) is None
     assert cap_tokens({"prompt": "x", "max_tokens": 10**9}, 256) == {"prompt": "x", "max_tokens": 256}
     assert cap_tokens({"prompt": "x"}, 256) == {"prompt": "x", "max_tokens": 256}
-    assert cap_tokens({"prompt": "x", "n_predict": -1, "max_tokens": 5}, 256) == {"prompt": "x", "max_tokens": 256}
+    assert cap_tokens({"prompt": "x", "n_predict": -1, "max_tokens": 5}, 256) == {"prompt": "x", "max_tokens": 5}
     assert cap_tokens({"messages": [], "max_completion_tokens": True}, 8) == {"messages": [], "max_tokens": 8}
+
+
+def test_each_generating_endpoint_is_capped_by_the_field_it_honours() -> None:
+    """[trust-2] 6: /v1/messages reads max_tokens only (n_predict there is ignored: it generated 4096); /v1/responses
+    reads max_output_tokens and passes every other field through (n_predict there went uncapped)."""
+    from meshllm.serve.api import ENDPOINTS, cap_tokens
+
+    msgs, resp = ENDPOINTS["/v1/messages"], ENDPOINTS["/v1/responses"]
+    assert cap_tokens({"messages": [], "n_predict": 5}, 16, msgs) == {"messages": [], "max_tokens": 5}
+    assert cap_tokens({"messages": [], "max_tokens": 5}, 16, msgs) is None
+    assert cap_tokens({"input": "x"}, 16, resp) == {"input": "x", "max_output_tokens": 16}
+    assert cap_tokens({"input": "x", "max_output_tokens": 4, "n_predict": 10**9}, 16, resp) == {
+        "input": "x", "max_output_tokens": 4}
+    assert cap_tokens({"input": "x", "max_output_tokens": 4}, 16, resp) is None
+    assert cap_tokens({"messages": [], "max_tokens": 10**9}, 16, ENDPOINTS["/v1/messages/count_tokens"]) is None
+    assert set(ENDPOINTS) == {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses",
+                              "/v1/messages/count_tokens"}  # nothing of llama-server's own  # fmt: skip
+
+
+def test_dot_segments_are_found_plain_and_encoded() -> None:
+    from meshllm.serve.api import dot_segments
+
+    for bad in ("/v1/../completion", "/v1/%2e%2e/slots", "/v1/%2E./props", "/v1/.%2e/x", "/v1/./completions",
+                "/v1/%252e%252e/slots", "/v1/x%2f..%2fslots", "/v1/..\\slots", "/v1/..?a=b"):  # fmt: skip
+        assert dot_segments(bad), bad
+    for ok in ("/v1/completions", "/v1/chat/completions?x=..", "/v1/models/a.b", "/v1/models/..a"):
+        assert not dot_segments(ok), ok

@@ -40,6 +40,7 @@ from qh3.quic.packet import QuicPacketType, pull_quic_header
 from meshllm.errors import MeshError
 from meshllm.net.netem import LinkShape, Shaper
 from meshllm.proto import crypto, reach
+from meshllm.proto import token as tok
 from meshllm.proto.crypto import NodeId
 
 log = logging.getLogger("meshllm.net")
@@ -77,9 +78,11 @@ class DialError(MeshError):
 
 
 def parse_addr(text: str) -> Addr:
+    """An IP literal and a port; ValueError for anything else — a host name too (it would be resolved on the event
+    loop: the CLI resolves the user's own names once, at start)."""
+    if not tok.ip_port(text):
+        raise ValueError(f"bad address {text[:80]!r} (an IP address and a port expected)")
     host, _, port = text.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"bad address {text!r}")
     return host.strip("[]"), int(port)
 
 

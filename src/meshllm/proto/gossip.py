@@ -208,6 +208,13 @@ def _pair(d: dict[str, Any], name: str) -> tuple[int, int]:
     return v[0], v[1]
 
 
+def _addrs(d: dict[str, Any], k: str, most: int) -> tuple[str, ...]:
+    v = _field(d, k, list)[:most]
+    if not all(tok.ip_port(a) for a in v):
+        raise RemoteProtocolError(f"record field {k}: an address that is not an IP literal and a port")
+    return tuple(v)
+
+
 def _is_id(k: object) -> bool:
     return isinstance(k, bytes) and len(k) == 32
 
@@ -267,12 +274,12 @@ def record_from_wire(
         raise RemoteProtocolError("record host malformed")
     return PeerRecord(
         node=node, incarnation=_field(d, "inc", int), seq=_field(d, "seq", int), role=_enum(d, "role", Role),
-        addrs=tuple(str(a) for a in _field(d, "addrs", list)[:16]), capacity=_field(d, "cap", int),
+        addrs=_addrs(d, "addrs", 16), capacity=_field(d, "cap", int),
         device=_field(d, "dev", str), shares=_shares(d), name=_name(d), model=model, state=_enum(d, "state", NodeState),
         version=_field(d, "ver", str),
         rtt_ms={k: float(v) for k, v in list(rtt.items())[:64] if _is_id(k) and isinstance(v, int | float)},
         links={k: str(v)[:40] for k, v in list(_field(d, "links", dict).items())[:64] if _is_id(k)},
-        relay=_field(d, "relay", bool), reflexive=tuple(str(a) for a in _field(d, "nat", list)[:4]),
+        relay=_field(d, "relay", bool), reflexive=_addrs(d, "nat", 4),
         host=host, planned=_planned(d), chain=tuple(chain), left=_field(d, "left", bool), at=_field(d, "at", int),
         served=_pair(d, "srv"), ttft=_pair(d, "ttft"), progress=_progress(d), why=_why(d),
     )  # fmt: skip

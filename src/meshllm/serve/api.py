@@ -12,6 +12,7 @@ import hmac
 import json
 import logging
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -118,16 +119,58 @@ def _error(
 REQUIRED = {"/v1/completions": ("prompt", (str, list)), "/v1/chat/completions": ("messages", (list,))}
 
 
-TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")  # OpenAI's two names and llama-server's own
+# every name a request may ask for a number of tokens under: OpenAI's two, llama-server's own, the Responses API's
+TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict", "max_output_tokens")
+_OPENAI = frozenset({"max_tokens", "max_completion_tokens", "n_predict"})  # llama-server takes each of them here
 
 
-def cap_tokens(req: dict[str, object], cap: int) -> dict[str, object] | None:
-    """A completion request asking for more than ``cap`` tokens (or not saying: until the context is full) made to
-    ask for ``cap`` at most; None when it already does."""
-    asked = [req.get(f) for f in TOKEN_FIELDS if f in req]
-    if asked and all(isinstance(n, int) and not isinstance(n, bool) and 0 < n <= cap for n in asked):
+@dataclass(frozen=True)
+class Endpoint:
+    """One of llama-server's endpoints that the API passes on (POST only): the fields llama-server reads the number
+    of tokens to generate from there, and the one --max-tokens writes (None: it generates nothing)."""
+
+    honoured: frozenset[str] = frozenset()
+    cap_field: str | None = None
+
+
+# the only paths passed on to llama-server; every other path under /v1 is 404 here, so llama-server's own endpoints
+# (/slots, /props, /metrics, /v1/chat/completions/control, ...) are never reachable through the API
+ENDPOINTS = {
+    "/v1/chat/completions": Endpoint(_OPENAI, "max_tokens"),
+    "/v1/completions": Endpoint(_OPENAI, "max_tokens"),
+    "/v1/messages": Endpoint(frozenset({"max_tokens"}), "max_tokens"),  # llama-server reads max_tokens only
+    # llama-server turns max_output_tokens into max_tokens and passes every other field through: all are honoured
+    "/v1/responses": Endpoint(frozenset(TOKEN_FIELDS), "max_output_tokens"),
+    "/v1/messages/count_tokens": Endpoint(),
+}
+
+
+def _count(n: object) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0
+
+
+def cap_tokens(req: dict[str, object], cap: int, ep: Endpoint = ENDPOINTS["/v1/completions"]
+               ) -> dict[str, object] | None:  # fmt: skip
+    """A request to ``ep`` that could generate more than ``cap`` tokens (it asks for more under any name, or asks
+    under no name ``ep`` honours: until the context is full) made to ask for at most ``cap`` under the one name that
+    endpoint honours; None when it already does (or ``ep`` generates nothing)."""
+    if ep.cap_field is None:
         return None
-    return {**{k: v for k, v in req.items() if k not in TOKEN_FIELDS}, "max_tokens": cap}
+    asked = [req[f] for f in TOKEN_FIELDS if f in req]
+    if any(f in req for f in ep.honoured) and all(_count(n) and n <= cap for n in asked):  # type: ignore[operator]
+        return None
+    n = min((v for v in asked if _count(v) and v <= cap), default=cap)  # type: ignore[type-var, operator]
+    return {**{k: v for k, v in req.items() if k not in TOKEN_FIELDS}, ep.cap_field: n}
+
+
+def dot_segments(raw_path: str) -> bool:
+    """Whether a request's path (as sent, before any decoding) has a '.' or '..' segment, plain or percent-encoded,
+    or an encoded slash or backslash that could make one: such paths are refused, never normalised and passed on."""
+    path = raw_path.split("?", 1)[0]
+    low = path.lower()
+    if "%2f" in low or "%5c" in low or "\\" in path:
+        return True
+    return any(urllib.parse.unquote(urllib.parse.unquote(seg)) in (".", "..") for seg in path.split("/"))
 
 
 def _openai_ids(body: bytes) -> bytes:
@@ -144,7 +187,11 @@ class Api:
         metrics: Callable[[], str] | None = None,
         listen_all: bool = False,
         max_tokens: int | None = None,
+        door: bool = False,
     ) -> None:
+        """``door``: the host's door for requests its peers forward over the mesh (loopback, our own user only, no
+        API key: the peer is an authenticated member) — the same endpoints and the same --max-tokens as the API,
+        so no member reaches llama-server's own endpoints or generates past the cap by skipping its own API."""
         self.router = router
         self.max_tokens = max_tokens  # --max-tokens: the most a completion request may ask for (None: no cap)
         self.metrics = metrics
@@ -155,8 +202,10 @@ class Api:
         self.requests: dict[int, int] = {}
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
-        guard = webguard.middleware(listen_all)  # web pages of other sites, DNS rebinding (serve/webguard.py)
-        self.app = web.Application(middlewares=[guard, self._auth], client_max_size=64 << 20)
+        # web pages of other sites, DNS rebinding (serve/webguard.py); the door: other users of this machine too
+        guard = webguard.middleware(listen_all, own_user_only=door, what="mesh door")
+        chain = [self._paths, guard] if door else [self._paths, guard, self._auth]
+        self.app = web.Application(middlewares=chain, client_max_size=64 << 20)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/v1/models", self.list_models)
         self.app.router.add_get("/v1/models/{model:.+}", self.get_model)
@@ -165,18 +214,31 @@ class Api:
         self.app.router.add_get("/metrics", self.get_metrics)
         self.app.router.add_route("*", "/v1/{tail:.*}", self.proxy)
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` (0: any free port); the port."""
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
-        self._runner = web.AppRunner(self.app, access_log=None)
+        # a client that goes away cancels its handler: leaving the upstream request stops llama-server generating
+        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, reuse_address=True)
         await site.start()
+        server = site._server
+        assert isinstance(server, asyncio.Server)
+        return int(server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
         if self._runner:
             await self._runner.cleanup()
         if self._session:
             await self._session.close()
+
+    @web.middleware
+    async def _paths(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                     ) -> web.StreamResponse:  # fmt: skip
+        if dot_segments(request.raw_path):
+            return _error(400, "a path with '.' or '..' segments (or an encoded slash) is refused",
+                          "invalid_request_error", code="invalid_path")  # fmt: skip
+        return await handler(request)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -224,22 +286,28 @@ class Api:
         if request.path == "/v1/embeddings":  # llama-server would say "start it with --embeddings", not our flag
             msg = "mesh-llm serves completions and chat; embeddings are not served"
             return _error(501, msg, "invalid_request_error", code="unsupported_endpoint")
+        ep = ENDPOINTS.get(request.path)
+        if ep is None:
+            served = ", ".join(ENDPOINTS)
+            return _error(404, f"unknown endpoint {request.path[:100]!r}: this API serves {served}, /v1/models",
+                          "invalid_request_error", code="unknown_url")  # fmt: skip
+        if request.method != "POST":
+            return _error(405, f"{request.path} takes POST", "invalid_request_error", code="method_not_allowed")
         body = await request.read()
-        model: str | None = None
-        if body and request.content_type == "application/json":
-            try:
-                parsed = json.loads(body)
-            except ValueError:
-                return _error(400, "request body is not valid JSON", "invalid_request_error")
-            if isinstance(parsed, dict) and isinstance(parsed.get("model"), str):
-                model = parsed["model"]
-            need = REQUIRED.get(request.path)
-            if need is not None and isinstance(parsed, dict) and not isinstance(parsed.get(need[0]), need[1]):
-                return _error(400, f"'{need[0]}' is required", "invalid_request_error", param=need[0],
-                              code="missing_required_parameter")  # fmt: skip
-            if need is not None and self.max_tokens and isinstance(parsed, dict):
-                capped = cap_tokens(parsed, self.max_tokens)
-                body = body if capped is None else json.dumps(capped).encode()
+        try:  # whatever its Content-Type says: llama-server parses every body as JSON
+            parsed = json.loads(body)
+        except ValueError:
+            return _error(400, "request body is not valid JSON", "invalid_request_error")
+        if not isinstance(parsed, dict):
+            return _error(400, "request body must be a JSON object", "invalid_request_error")
+        model = parsed["model"] if isinstance(parsed.get("model"), str) else None
+        need = REQUIRED.get(request.path)
+        if need is not None and not isinstance(parsed.get(need[0]), need[1]):
+            return _error(400, f"'{need[0]}' is required", "invalid_request_error", param=need[0],
+                          code="missing_required_parameter")  # fmt: skip
+        if self.max_tokens:
+            capped = cap_tokens(parsed, self.max_tokens, ep)
+            body = body if capped is None else json.dumps(capped).encode()
         up = self.router(model)
         if up is None:
             names = ", ".join(self.models()) or "none"
@@ -274,8 +342,9 @@ class Api:
         """The upstream's response streamed to the client, or why it failed before anything was sent."""
         assert self._session is not None
         drop = HOP_HEADERS | {"authorization", "origin", "referer", "cookie"}
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in drop}
-        url = up.base_url + request.path_qs
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in drop | {"content-type"}}
+        headers["Content-Type"] = "application/json"  # what the body is: it was parsed as JSON
+        url = up.base_url + request.path  # one of ENDPOINTS, as matched: never the client's query or spelling
         resp: web.StreamResponse | None = None
         t0 = time.monotonic()
         try:

@@ -29,7 +29,7 @@ from meshllm.proto.capacity import first_device
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import ModelFacts, NodeState
 from meshllm.proto.planner import Plan, Waiting
-from meshllm.serve.api import Unavailable, Upstream
+from meshllm.serve.api import Api, Unavailable, Upstream
 from meshllm.serve.modelfiles import ModelFiles
 
 log = logging.getLogger("meshllm.hosting")
@@ -68,6 +68,8 @@ class Hosting:
         self.rpc_listeners: dict[NodeId, TunnelListener] = {}  # host side: one per worker
         self.http_listeners: dict[NodeId, TunnelListener] = {}  # any node: one per remote host
         self._rpc_tunnels: dict[NodeId, set[asyncio.Task[None]]] = {}  # worker side: per dialling host
+        self.door: Api | None = None  # where peers' requests for our model go (open_door)
+        self.door_port = 0
         self._listener_task: asyncio.Future[TunnelListener] | None = None
         self._rpc_listener_task: asyncio.Future[None] | None = None
         self._reconfig_task: asyncio.Future[None] | None = None
@@ -247,12 +249,26 @@ class Hosting:
 
     # ---------------------------------------------------------------- API requests between nodes
 
+    async def open_door(self, models: Callable[[], list[str]], max_tokens: int | None) -> None:
+        """The door peers' requests come through (never llama-server's own port): an API of our own on loopback that
+        passes the API's endpoints only, capped as the API caps them, to our llama-server only."""
+        self.door = Api(self.local_upstream, models, lambda: {}, max_tokens=max_tokens, door=True)
+        self.door_port = await self.door.start("127.0.0.1", 0)
+
+    def local_upstream(self, model: str | None) -> Upstream | Unavailable | None:
+        """Our own llama-server when it serves (the door's router: a request that came over the mesh goes no
+        further)."""
+        srv, facts = self.server, self.model.facts if self.model else None
+        if srv is None or facts is None or srv.state != ChildState.SERVING:
+            return Unavailable("this node does not serve the model now", retry_after_s=1)
+        return Upstream(facts.source, srv.base_url) if model in (None, facts.source) else None
+
     async def on_http_stream(self, conn: Conn, st: Stream) -> None:
-        """Host side: a peer's API forwards a request for our model to our llama-server."""
-        if self.server is None or self.server.state != ChildState.SERVING or conn.peer is None:
+        """Host side: a peer's API forwards a request for our model, through our door, to our llama-server."""
+        if self.server is None or self.server.state != ChildState.SERVING or conn.peer is None or not self.door_port:
             st.reset()
             return
-        await connect_and_bridge(st, self.server.port, self.http_stats.setdefault(conn.peer, TunnelStats()))
+        await connect_and_bridge(st, self.door_port, self.http_stats.setdefault(conn.peer, TunnelStats()))
 
     def upstream(
         self, model: str | None, served: list[str], facts: ModelFacts | None, remote: tuple[NodeId, str] | None,
@@ -402,6 +418,8 @@ class Hosting:
         return out
 
     async def stop(self) -> None:
+        if self.door:
+            await self.door.stop()
         if self.server:
             await self.server.stop()
         if self.rpc:

@@ -124,6 +124,7 @@ class Node:
         assert self.net is not None and self.hosting is not None
         events = asyncio.ensure_future(self._events())
         await self._start_api()
+        await self.hosting.open_door(self._models, self.o.max_tokens)
         self.report = Report(self.net, self.hosting, self.api, self.api_host, self.o.port)
         self.net.stream_handlers[STREAM_RPC] = self.hosting.on_rpc_stream
         self.net.stream_handlers[STREAM_RPC_KEY] = self.hosting.on_rpc_key_stream

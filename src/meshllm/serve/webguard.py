@@ -47,14 +47,14 @@ def origin_ok(origin: str | None) -> bool:
 
 
 def middleware(listen_all: bool, allow_headers: str = "Authorization, Content-Type",
-               own_user_only: bool = False) -> Middleware:  # fmt: skip
+               own_user_only: bool = False, what: str = "console") -> Middleware:  # fmt: skip
     """An aiohttp middleware applying the rules above; ``own_user_only``: clients of other users of this machine
     get 403 too (net/localuser.py)."""
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         if own_user_only and request.transport is not None and other_user(request.transport) is not None:
-            msg = "this node's console serves the user who started it only"
+            msg = f"this node's {what} serves the user who started it only"
             return web.json_response({"error": {"message": msg, "type": "forbidden"}}, status=403)
         if not host_ok(request.headers.get("Host"), listen_all):
             return web.json_response({"error": {"message": "Host not allowed", "type": "forbidden"}}, status=403)
