@@ -202,9 +202,12 @@ def rpc_server_keys(state: Path) -> Path:
     return state / "rpc-server.keys"
 
 
-def save_rpc_server_key(state: Path, identity: str, key: bytes | None) -> None:
-    """The one identity and key our rpc-server accepts from now on (None: none; every TLS client is refused)."""
-    write_private(rpc_server_keys(state), f"{identity} {key.hex()}\n".encode() if key else b"")
+def save_rpc_server_key(state: Path, identity: str, key: bytes | None, peer_ip: str | None = None) -> None:
+    """The one identity and key our rpc-server accepts from now on (None: none; every TLS client is refused), and
+    the one address it accepts it from (patch 0008: a TLS client from any other address is refused before its
+    handshake)."""
+    row = f"{identity} {peer_ip} {key.hex() if key else ''}" if peer_ip else f"{identity} {key.hex() if key else ''}"
+    write_private(rpc_server_keys(state), f"{row}\n".encode() if key else b"")
 
 
 def rpc_client_keys(state: Path) -> Path:

@@ -57,7 +57,9 @@ def test_a_split_goes_direct_with_tls_and_only_the_host_gets_through(
         assert peer["tunnel"]["rpc_sent"] == 0, peer["tunnel"]  # type: ignore[index]
 
         keys = (b.state / "rpc-server.keys").read_text().split()
-        assert len(keys) == 2 and len(keys[1]) == 64, "one identity and a 32-byte key"
+        # one identity, the one address it may be used from (the host's: patch 0008), a 32-byte key
+        assert len(keys) == 3 and keys[1] == "127.0.0.1" and len(keys[2]) == 64, keys
+        keys = [keys[0], keys[2]]
         # the key file is the worker's secret: mode 0600, and its key is in no log
         assert (b.state / "rpc-server.keys").stat().st_mode & 0o077 == 0
         for n in (a, b):

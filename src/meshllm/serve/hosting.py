@@ -121,7 +121,8 @@ class Hosting:
                 log.warning("refused an RPC key to %s: not the elected host", crypto.short(peer) if peer else "?")
             st.reset()
             return
-        key = self.issue_rpc_key(peer)
+        ip = conn.addr[0].removeprefix("::ffff:") if conn.relay is None else None
+        key = self.issue_rpc_key(peer, ip)
         with contextlib.suppress(ConnectionError):  # no TLS listener here (--rpc-path tunnel, a build without TLS)
             st.write(key.encode() if key else serving.NO_DIRECT_PATH, end=True)
 
@@ -155,15 +156,16 @@ class Hosting:
             self._key_holder = None
             state.save_rpc_server_key(self.state_dir, "", None)
 
-    def issue_rpc_key(self, host: NodeId) -> serving.RpcKey | None:
-        """Worker side, for the elected host (the caller checked): a fresh key for our rpc-server's TLS listener.
-        It replaces every earlier one, so each llama-server the host starts gets its own and nobody else's works.
-        None when our rpc-server has no TLS listener."""
+    def issue_rpc_key(self, host: NodeId, ip: str | None = None) -> serving.RpcKey | None:
+        """Worker side, for the elected host (the caller checked): a fresh key for our rpc-server's TLS listener,
+        for use from ``ip`` only (the host's address on the mesh). It replaces every earlier one, so each
+        llama-server the host starts gets its own and nobody else's works. None when our rpc-server has no TLS
+        listener."""
         if self.rpc is None or self.rpc.tls_port is None:
             return None
         self._key_seq += 1
         key = serving.RpcKey(f"{crypto.short(host)}-{os.getpid()}-{self._key_seq}", os.urandom(32), self.rpc.tls_port)
-        state.save_rpc_server_key(self.state_dir, key.identity, key.key)
+        state.save_rpc_server_key(self.state_dir, key.identity, key.key, ip)
         self._key_holder = host
         log.info("issued RPC key %s to the host %s", key.identity, crypto.short(host))
         return key
