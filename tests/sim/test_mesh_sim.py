@@ -60,7 +60,7 @@ class Sim:
         self.incarnations[me] = inc
         core = MeshCore(key=key, mesh_id=self.mesh_id, chain=self.chains[me], incarnation=inc, now=self.now)
         cap = self.rng.randrange(1, 100) * 10**9
-        core.update(self.now, addrs=(f"sim:{me.hex()[:8]}",), capacity=cap, model=MODEL, state="ready")
+        core.update(self.now, addrs=(f"10.{me[0]}.{me[1]}.{me[2]}:4000",), capacity=cap, model=MODEL, state="ready")
         self.nodes[me] = core
         self.group.setdefault(me, 0)
         # joining: dial the token's issuer (the founder), as `--join` does
