@@ -24,13 +24,13 @@ BODY = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 48, "temper
 
 
 @pytest_asyncio.fixture
-async def llama(patched_bins: Binaries, tiny_model: Path, tmp_path: Path) -> AsyncIterator[str]:
+async def llama(patched_bins: Binaries, tiny_model: Path, tmp_path: Path) -> AsyncIterator[Upstream]:
     cfg = supervisor.ServerConfig(model=tiny_model, alias="tiny", ctx_size=512, threads=2)
     server = supervisor.LocalServer(patched_bins, cfg, tmp_path)
     server.start()
     try:
         await server.wait_ready()
-        yield f"http://127.0.0.1:{server.port}"
+        yield Upstream("tiny", server.base_url, server.key)
     finally:
         await server.stop()
 
@@ -98,10 +98,10 @@ async def _post(url: str, body: dict[str, object]) -> tuple[int, dict[str, str],
 
 
 async def test_a_request_that_failed_before_any_output_is_retried_once(
-    llama: str, caplog: pytest.LogCaptureFixture
+    llama: Upstream, caplog: pytest.LogCaptureFixture
 ) -> None:
     dead, dead_url = await _closing_server()
-    routes = Routes(Upstream("tiny", dead_url), Upstream("tiny", llama))
+    routes = Routes(Upstream("tiny", dead_url), llama)
     a, url = await _api(routes)
     try:
         with caplog.at_level(logging.WARNING, "meshllm.api"):
@@ -115,7 +115,7 @@ async def test_a_request_that_failed_before_any_output_is_retried_once(
         dead.close()
 
 
-async def test_the_retry_is_only_one(llama: str) -> None:
+async def test_the_retry_is_only_one(llama: Upstream) -> None:
     dead, dead_url = await _closing_server()
     routes = Routes(Upstream("tiny", dead_url))  # the mesh keeps pointing at a dead server
     a, url = await _api(routes)
@@ -147,9 +147,9 @@ async def test_a_retry_that_finds_nobody_serving_says_why(monkeypatch: pytest.Mo
         dead.close()
 
 
-async def test_a_stream_cut_mid_way_ends_with_an_error_event(llama: str) -> None:
-    proxy, proxy_url = await _cutting_proxy(llama, cut_after=1500)  # the headers and a few events
-    routes = Routes(Upstream("tiny", proxy_url), Upstream("tiny", llama))
+async def test_a_stream_cut_mid_way_ends_with_an_error_event(llama: Upstream) -> None:
+    proxy, proxy_url = await _cutting_proxy(llama.base_url, cut_after=1500)  # the headers and a few events
+    routes = Routes(Upstream("tiny", proxy_url, llama.key), llama)
     a, url = await _api(routes)
     try:
         status, _, body = await asyncio.wait_for(_post(url, {**BODY, "max_tokens": 200, "stream": True}), 60)

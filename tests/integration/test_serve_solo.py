@@ -93,7 +93,7 @@ def test_solo_answers_like_llama_server_itself(solo: Solo) -> None:
     code, via_mesh = _post(solo.port, "/v1/completions", body)
     assert code == 200, via_mesh
     direct_port = _llama_server_port(solo.proc.pid)
-    code, direct = _post(direct_port, "/v1/completions", body)
+    code, direct = _post(direct_port, "/v1/completions", body, (solo.state / "llama-server.key").read_text().strip())
     assert via_mesh["choices"][0]["text"] == direct["choices"][0]["text"]  # type: ignore[index]
     chat = {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 8, "temperature": 0}
     code, out = _post(solo.port, "/v1/chat/completions", chat)

@@ -23,11 +23,13 @@ from .splitlab import PROMPT, stock_split_text
 N = 64
 
 
-def complete(port: int, path: str = "/completion", **extra: object) -> dict[str, object]:
+def complete(port: int, path: str = "/completion", key: str | None = None, **extra: object) -> dict[str, object]:
+    """A greedy completion; ``key``: llama-server's own, to ask it directly."""
     body = {"prompt": PROMPT, "n_predict": N, "max_tokens": N, "temperature": 0, "seed": 1, "cache_prompt": False}
+    auth = {"Authorization": f"Bearer {key}"} if key else {}
     req = urllib.request.Request(
         f"http://127.0.0.1:{port}{path}", data=json.dumps({**body, **extra}).encode(),
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **auth},
     )  # fmt: skip
     with urllib.request.urlopen(req, timeout=300) as r:
         out: dict[str, object] = json.loads(r.read())
@@ -92,7 +94,7 @@ def test_plan_splits_and_every_node_gives_the_hosts_answer(
     workers = [x for x in plan["assignments"][:-1]]
     counts = [x["count"] for x in plan["assignments"]]
     # the host's own llama-server, asked directly
-    direct = text_of(complete(llama_server_port(a)))
+    direct = text_of(complete(llama_server_port(a), key=(a.state / "llama-server.key").read_text().strip()))
     for n in mesh.values():
         assert text_of(complete(n.port, "/v1/completions")) == direct, f"{n.state.name} differs"
     # the same split loaded the stock way (stock binaries, weights pushed, same layer counts)

@@ -24,19 +24,19 @@ CAP = 12
 
 
 @pytest_asyncio.fixture
-async def llama(patched_bins: Binaries, tiny_model: Path, tmp_path: Path) -> AsyncIterator[str]:
+async def llama(patched_bins: Binaries, tiny_model: Path, tmp_path: Path) -> AsyncIterator[Upstream]:
     cfg = supervisor.ServerConfig(model=tiny_model, alias="tiny", ctx_size=2048, threads=2)
     server = supervisor.LocalServer(patched_bins, cfg, tmp_path)
     server.start()
     try:
         await server.wait_ready()
-        yield f"http://127.0.0.1:{server.port}"
+        yield Upstream("tiny", server.base_url, server.key)
     finally:
         await server.stop()
 
 
-async def _api(upstream: str, cap: int | None) -> tuple[Api, str]:
-    api = Api(lambda _m: Upstream("tiny", upstream), lambda: ["tiny"], lambda: {}, max_tokens=cap)
+async def _api(upstream: Upstream, cap: int | None) -> tuple[Api, str]:
+    api = Api(lambda _m: upstream, lambda: ["tiny"], lambda: {}, max_tokens=cap)
     port = await api.start("127.0.0.1", free_port())
     return api, f"http://127.0.0.1:{port}"
 
@@ -51,7 +51,7 @@ def _generated(status: int, text: str) -> int:
 
 
 @pytest.mark.asyncio
-async def test_every_generating_endpoint_is_capped_and_nothing_else_passes(llama: str) -> None:
+async def test_every_generating_endpoint_is_capped_and_nothing_else_passes(llama: Upstream) -> None:
     api, base = await _api(llama, CAP)
     many = 10**6
     chat = [{"role": "user", "content": "Tell me a long story"}]
@@ -92,7 +92,7 @@ async def test_every_generating_endpoint_is_capped_and_nothing_else_passes(llama
 
 
 @pytest.mark.asyncio
-async def test_a_client_that_goes_away_stops_its_generation(llama: str) -> None:
+async def test_a_client_that_goes_away_stops_its_generation(llama: Upstream) -> None:
     """A non-streamed request for 1,500 tokens whose client hangs up after 1 s: llama-server (one slot) is free again
     at once — the next request answers in seconds, not after the abandoned one's minute of generating."""
     api, base = await _api(llama, None)

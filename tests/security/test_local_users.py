@@ -101,3 +101,41 @@ def test_a_workers_rpc_server_takes_loopback_clients_of_our_own_user_only(
     assert _connect_as(65534, port, hello) == "closed"
     assert rpcwire.hello(port)[0] >= 3  # ours: a protocol version back
     assert srv.alive() and "refused a loopback client of another user (uid 65534)" in (tmp_path / "rpc.log").read_text()
+
+
+def test_llama_servers_port_answers_nobody_without_its_key(patched_bins: Binaries, tiny_model: Path,
+                                                           tmp_path: Path) -> None:  # fmt: skip
+    """[trust-2] 7: another local user called llama-server's loopback port directly, past `--api-key` and
+    `--max-tokens`. llama-server now takes a key of its own (from a 0600 file): `nobody` gets 401 for a completion,
+    /slots and /props, and cannot read the key; the API (ours) gets through; /health stays open."""
+    from meshllm.llama import supervisor
+    from meshllm.serve.api import Api, Upstream
+
+    cfg = supervisor.ServerConfig(model=tiny_model, alias="tiny", ctx_size=512, threads=2)
+    server = supervisor.LocalServer(patched_bins, cfg, tmp_path)
+    key_file = tmp_path / "llama-server.key"
+    assert key_file.stat().st_mode & 0o077 == 0 and key_file.read_text().strip() == server.key
+    body = b'{"prompt": "Hello", "n_predict": 4}'
+    post = b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+
+    async def main() -> None:
+        server.start()
+        api = Api(lambda _m: Upstream("tiny", server.base_url, server.key), lambda: ["tiny"], lambda: {})
+        try:
+            await server.wait_ready()
+            for req in (post % len(body) + body, b"GET /slots HTTP/1.1\r\nHost: x\r\n\r\n",
+                        b"GET /props HTTP/1.1\r\nHost: x\r\n\r\n"):  # fmt: skip
+                got = await asyncio.to_thread(_connect_as, 65534, server.port, req)
+                assert got == "HTTP/1.1 401 Unauthorized", (req[:20], got)
+            health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+            said = await asyncio.to_thread(_connect_as, 65534, server.port, health)
+            assert said == "HTTP/1.1 200 OK", said
+            port = await api.start("127.0.0.1", free_port())
+            got = await asyncio.to_thread(_connect_as, None, port, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1"
+                                          b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+            assert got == "HTTP/1.1 200 OK", got
+        finally:
+            await api.stop()
+            await server.stop()
+
+    asyncio.run(main())

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import os
 import re
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import aiohttp
 
+from meshllm import state
 from meshllm.llama.build import Binaries, cpu_flags
 from meshllm.llama.processes import (
     ANY_ADDR,
@@ -180,12 +182,18 @@ class LocalServer(Supervised):
         env = {"LLAMA_SERVER_LOAD_PROGRESS": "1"}  # a line per progress step (patch 0007): load_progress()
         if cfg.tls_keys:
             env["GGML_RPC_TLS_CLIENT_KEYS"] = str(cfg.tls_keys)
+        # its loopback port answers nobody without this key (from a 0600 file, never a command line): another user of
+        # the machine cannot go around mesh-llm's API (its key, its caps) to llama-server; only /health is open
+        self.key = secrets.token_hex(32)
+        key_file = log_dir / "llama-server.key"
+        state.write_private(key_file, f"{self.key}\n".encode())
 
         def argv(port: int) -> list[str]:
             return llama_server_argv(
                 bins, cfg.model, port, ctx_size=cfg.ctx_size, threads=cfg.threads, alias=cfg.alias, rpc=cfg.rpc,
                 tensor_split=[float(x) for x in cfg.tensor_split], n_gpu_layers=999 if cfg.rpc else None,
-                extra=cfg.extra, draft=cfg.draft, draft_max=cfg.draft_max, draft_device=cfg.draft_device,
+                extra=(*cfg.extra, "--api-key-file", str(key_file)), draft=cfg.draft, draft_max=cfg.draft_max,
+                draft_device=cfg.draft_device,
             )  # fmt: skip
 
         def ready(child: Child, port: int) -> None:
@@ -207,7 +215,7 @@ class LocalServer(Supervised):
     async def generated(self, http: aiohttp.ClientSession) -> tuple[int, int] | None:
         """(tokens generated, prompt tokens processed) since this llama-server started, from its /metrics."""
         try:
-            async with http.get(f"{self.base_url}/metrics") as r:
+            async with http.get(f"{self.base_url}/metrics", headers={"Authorization": f"Bearer {self.key}"}) as r:
                 text = await r.text() if r.status == 200 else ""
         except (aiohttp.ClientError, TimeoutError, OSError):
             return None

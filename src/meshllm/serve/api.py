@@ -34,6 +34,7 @@ class Upstream:
 
     model: str
     base_url: str
+    key: str | None = None  # llama-server's own key (a local one); None: the upstream takes none (a host's door)
 
 
 @dataclass(frozen=True)
@@ -344,6 +345,8 @@ class Api:
         drop = HOP_HEADERS | {"authorization", "origin", "referer", "cookie"}
         headers = {k: v for k, v in request.headers.items() if k.lower() not in drop | {"content-type"}}
         headers["Content-Type"] = "application/json"  # what the body is: it was parsed as JSON
+        if up.key:
+            headers["Authorization"] = f"Bearer {up.key}"
         url = up.base_url + request.path  # one of ENDPOINTS, as matched: never the client's query or spelling
         resp: web.StreamResponse | None = None
         t0 = time.monotonic()

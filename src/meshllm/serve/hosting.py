@@ -263,7 +263,7 @@ class Hosting:
         srv, facts = self.server, self.model.facts if self.model else None
         if srv is None or facts is None or srv.state != ChildState.SERVING:
             return Unavailable("this node does not serve the model now", retry_after_s=1)
-        return Upstream(facts.source, srv.base_url) if model in (None, facts.source) else None
+        return Upstream(facts.source, srv.base_url, srv.key) if model in (None, facts.source) else None
 
     async def on_http_stream(self, conn: Conn, st: Stream) -> None:
         """Host side: a peer's API forwards a request for our model, through our door, to our llama-server."""
@@ -285,7 +285,7 @@ class Hosting:
         r = serving.route(model, served, local, remote, ready, plan, host, me, host_says)
         if isinstance(r, serving.Local):
             assert srv is not None
-            return Upstream(r.model, srv.base_url)
+            return Upstream(r.model, srv.base_url, srv.key)
         if isinstance(r, serving.Remote):
             return Upstream(r.model, f"http://127.0.0.1:{listeners[r.host].port}")
         if isinstance(r, serving.Connecting):
