@@ -263,3 +263,25 @@ def test_every_certificate_loads_whatever_its_length() -> None:
     assert cfg.certificate is not None and cfg.certificate.public_bytes() == cert.public_bytes(
         serialization.Encoding.DER
     )
+
+
+def test_writing_to_a_closing_connection_is_a_connection_error() -> None:
+    """[trust-2] 10: qh3 raises its own QuicConnectionError for a write to a connection that is closing; one peer's
+    closing connection killed another peer's gossip reader (it forwarded to the closing one), and the founder exited
+    with "internal error" on shutdown. Writes and new streams there are ConnectionError, which senders handle."""
+
+    async def main() -> None:
+        a, b, _, addr = await _pair()
+        try:
+            conn = await a.dial(addr, b.me)
+            st = conn.open_stream(STREAM_GOSSIP)
+            conn.quic.close(error_code=0, reason_phrase="bye")  # closing, not yet closed
+            with pytest.raises(ConnectionError):
+                st.write(b"x")
+            with pytest.raises(ConnectionError):
+                conn.open_stream(STREAM_GOSSIP).write(b"y")
+        finally:
+            a.close()
+            b.close()
+
+    asyncio.run(main())

@@ -34,7 +34,7 @@ from cryptography.x509.oid import NameOID
 from qh3._hazmat import Buffer
 from qh3.quic import events
 from qh3.quic.configuration import QuicConfiguration
-from qh3.quic.connection import QuicConnection
+from qh3.quic.connection import QuicConnection, QuicConnectionError
 from qh3.quic.packet import QuicPacketType, pull_quic_header
 
 from meshllm.errors import MeshError
@@ -191,10 +191,15 @@ class Stream:
             self._forget_if_done()
 
     def write(self, data: bytes, end: bool = False) -> None:
+        """ConnectionError when the connection is closed or closing (never qh3's own error: a caller writing to
+        several peers — gossip — must lose only the one that is gone)."""
         if self.conn.closed.is_set():
             raise ConnectionError("connection closed")
         self.bytes_out += len(data)
-        self.conn.quic.send_stream_data(self.id, data, end_stream=end)
+        try:
+            self.conn.quic.send_stream_data(self.id, data, end_stream=end)
+        except QuicConnectionError as e:
+            raise ConnectionError(f"connection closing: {e}") from None
         self.conn.transmit()
         if end:
             self._fin_out = True
@@ -283,6 +288,9 @@ class Conn:
     # -- streams
 
     def open_stream(self, kind: int) -> Stream:
+        """A new stream of ``kind``; ConnectionError when the connection is closed or closing."""
+        if self.closed.is_set():
+            raise ConnectionError("connection closed")
         sid = self.quic.get_next_available_stream_id(is_unidirectional=False)
         st = Stream(self, sid, kind)
         self.streams[sid] = st

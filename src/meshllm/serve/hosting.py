@@ -300,7 +300,10 @@ class Hosting:
             conn = self.net.peers.get(node)
             if conn is None or conn.closed.is_set():
                 return None
-            return conn.open_stream(kind)
+            try:
+                return conn.open_stream(kind)
+            except ConnectionError:
+                return None  # closing: the tunnel's client is closed at once, like a peer that is gone
 
         return open_stream
 
