@@ -82,3 +82,64 @@ def test_a_revoked_member_cannot_launder_keys_through_renewals_or_tokens() -> No
         assert not v.ok and v.revoked == nm, v.reason  # refused, naming the member it was first admitted through
     v = _join(f, crypto.new_key(), secret, token=t0, now=NOW + 2)  # a laundered key's token admits nobody
     assert not v.ok and "not a member" in v.reason
+
+
+def test_a_member_that_mints_identities_cannot_lock_an_honest_member_out() -> None:
+    """[trust-2] 5: a member fills the 1024-node table with identities it signed offline (some of them admitting more
+    of their own), buries an honest member's life, and the honest refutation used to be dropped as "a new node's
+    record" (new joiners too). Now the members admitted through any one member are bounded (MAX_THROUGH) and a
+    table takes back a node it knew: the honest member and a new joiner end up in the table."""
+    from meshllm.proto.gossip import MAX_PEERS, MAX_RECORDS, MAX_THROUGH, Tombstone
+
+    founder, honest, m = crypto.new_key(), crypto.new_key(), crypto.new_key()
+    f = MeshCore(key=founder, mesh_id=crypto.mesh_id_for(crypto.node_id(founder)), chain=tok.found(founder, NOW - 60),
+                 incarnation=1, now=0.0, wall=NOW)  # fmt: skip
+    nh, nm = crypto.node_id(honest), crypto.node_id(m)
+    chain_h = tok.admit(founder, f.chain, nh, NOW - 30)
+    chain_m = tok.admit(founder, f.chain, nm, NOW - 30, tok.Scope.WORKER)
+    _gossip(f, honest, chain_h, 1, 0.0)
+    _gossip(f, m, chain_m, 1, 0.0)
+    records = []
+    by, by_chain = m, chain_m
+    for i in range(MAX_PEERS + 100):
+        s = crypto.new_key()
+        chain = tok.admit(by, by_chain, crypto.node_id(s), NOW - 20, tok.Scope.WORKER)
+        # one in ten admits the next itself: identities admitted down the line count against the member too
+        by, by_chain = (s, chain) if i % 10 == 8 else (m, chain_m)
+        records.append(PeerRecord(crypto.node_id(s), 1, 1, chain=tuple(chain), at=int(NOW)).to_wire(s))
+    for i in range(0, len(records), MAX_RECORDS):
+        f.on_message(nm, GossipPush(records=records[i : i + MAX_RECORDS]), 1.0)
+    through_m = [n for n, e in f.table.entries.items() if nm in tok.lineage(e.record.chain)[:-1]]
+    assert len(through_m) == MAX_THROUGH
+    # the member buries the honest member's life; the honest member refutes it (a new life) and is taken back
+    f.on_message(nm, GossipPush(tombstones=[Tombstone(nh, 1, nm, NOW).signed(m).to_wire()]), 2.0)
+    _gossip_life(f, honest, chain_h, 2, 3.0)
+    joiner = crypto.new_key()
+    _gossip(f, joiner, tok.admit(founder, f.chain, crypto.node_id(joiner), NOW), 1, 3.0)
+    assert nh in f.table.entries and f.table.entries[nh].record.incarnation == 2
+    assert crypto.node_id(joiner) in f.table.entries
+    # several members together fill the table (each within its share): a life buried then still comes back
+    for _ in range(MAX_PEERS // MAX_THROUGH):
+        k = crypto.new_key()
+        ck = tok.admit(founder, f.chain, crypto.node_id(k), NOW - 30, tok.Scope.WORKER)
+        _gossip(f, k, ck, 1, 4.0)
+        batch = []
+        for _ in range(MAX_THROUGH):
+            s = crypto.new_key()
+            c = tok.admit(k, ck, crypto.node_id(s), NOW - 20, tok.Scope.WORKER)
+            batch.append(PeerRecord(crypto.node_id(s), 1, 1, chain=tuple(c), at=int(NOW)).to_wire(s))
+        f.on_message(crypto.node_id(k), GossipPush(records=batch), 4.0)
+    assert len(f.table.entries) == MAX_PEERS
+    f.on_message(nm, GossipPush(tombstones=[Tombstone(nh, 2, nm, NOW).signed(m).to_wire()]), 5.0)
+    assert nh not in f.table.entries
+    k = crypto.new_key()  # the slot it left is taken at once
+    ck = tok.admit(founder, f.chain, crypto.node_id(k), NOW - 30, tok.Scope.WORKER)
+    _gossip(f, k, ck, 1, 5.0)
+    assert len(f.table.entries) == MAX_PEERS
+    _gossip_life(f, honest, chain_h, 3, 6.0)
+    assert nh in f.table.entries and f.table.entries[nh].record.incarnation == 3
+
+
+def _gossip_life(f: MeshCore, key: crypto.Ed25519PrivateKey, chain: list[tok.Link], inc: int, now: float) -> None:
+    rec = PeerRecord(crypto.node_id(key), inc, 1, chain=tuple(chain), at=int(NOW))
+    f.on_message(crypto.node_id(key), GossipPush(records=[rec.to_wire(key)]), now)

@@ -39,6 +39,10 @@ MAX_RECORD = 16 * 1024
 MAX_RECORDS = 256
 MAX_NAME = 32
 MAX_PEERS = 1024  # a member can mint identities of its own: the table (and the dialling) stays bounded
+# ... and at most this many of them: the members admitted through any one member (directly or down the line,
+# provenance included) that one table keeps. A member signing admissions for keys of its own offline fills its own
+# share, never the table, so honest members (and new joiners) always fit.
+MAX_THROUGH = 128
 
 
 @dataclass(frozen=True)
@@ -402,6 +406,7 @@ class Table:
         self.revoked: dict[NodeId, tok.Revocation] = {}  # for good: never forgotten
         self.admins: dict[NodeId, tok.Grant] = {}  # whom the founder made admin (they may revoke members)
         self.wall: float | None = None  # wall time as of the last tick (admissions end at wall times); None: unchecked
+        self._through: dict[NodeId, int] = {}  # per member: entries admitted through it (tok.lineage), for MAX_THROUGH
 
     # -- merging
 
@@ -419,7 +424,10 @@ class Table:
                 return res
             if old is not None and (inc, seq) <= (old.record.incarnation, old.record.seq):
                 return res  # not newer: skip the signature checks
-            if old is None and len(self.entries) >= MAX_PEERS:
+            # a full table still takes a node it knew (a refutation after a false death: the honest member a flood
+            # of identities once locked out for good), up to twice its size
+            known = node in self.tombstones or node in self.graveyard
+            if old is None and len(self.entries) >= (2 * MAX_PEERS if known else MAX_PEERS):
                 raise RemoteProtocolError(f"peer table full ({MAX_PEERS} nodes): a new node's record dropped")
             rec = record_from_wire(raw, self.mesh_id, self._chains_ok, opened)
         except RemoteProtocolError as e:
@@ -443,12 +451,17 @@ class Table:
         old = self.entries.get(rec.node)
         if old is not None and (rec.incarnation, rec.seq) <= (old.record.incarnation, old.record.seq):
             return res
+        crowded = self._crowded(rec.chain, old.record.chain if old is not None else None)
+        if crowded is not None:
+            res.dropped.append(f"record of {crypto.short(rec.node)}: {MAX_THROUGH} members admitted through "
+                               f"{crypto.short(crowded)} are known already")  # fmt: skip
+            return res
         if rec.left:
             self.add_tombstone(Tombstone(rec.node, rec.incarnation, rec.node, now), now, res)
             self.leaves[rec.node] = raw  # the signed leave travels on as the tombstone
             res.new_raw.append(raw)
             return res
-        self.entries[rec.node] = Entry(rec, raw, now)
+        self._put(Entry(rec, raw, now))
         self.graveyard.pop(rec.node, None)
         res.changed.append(rec.node)
         res.new_raw.append(raw)
@@ -465,7 +478,7 @@ class Table:
         self.tombstones[t.node] = dataclasses.replace(t, at=now)
         e = self.entries.get(t.node)
         if e is not None and e.record.incarnation <= t.incarnation:
-            del self.entries[t.node]
+            self._drop(t.node)
             if t.by != t.node:  # declared dead by a member, not a leave of its own
                 self.graveyard[t.node] = e.record  # where it was: worth a retry after a partition
             res.changed.append(t.node)
@@ -500,7 +513,7 @@ class Table:
             res.revoked_me = True
         for node, e in list(self.entries.items()):
             if tok.cut_off(e.record.chain, self.revoked) is not None:
-                del self.entries[node]
+                self._drop(node)
                 self.graveyard.pop(node, None)
                 res.changed.append(node)
                 res.cut.append(node)
@@ -541,6 +554,31 @@ class Table:
             self.merge_record(raw, now, res)
         return res
 
+    # -- the entries, and how many were admitted through each member
+
+    def _put(self, e: Entry) -> None:
+        old = self.entries.get(e.record.node)
+        if old is not None:
+            self._count(old.record.chain, -1)
+        self.entries[e.record.node] = e
+        self._count(e.record.chain, +1)
+
+    def _drop(self, node: NodeId) -> None:
+        self._count(self.entries.pop(node).record.chain, -1)
+
+    def _count(self, chain: tuple[tok.Link, ...], d: int) -> None:
+        for n in tok.lineage(chain)[:-1]:  # every member it was admitted through (not itself, not the founder)
+            self._through[n] = self._through.get(n, 0) + d
+            if not self._through[n]:
+                del self._through[n]
+
+    def _crowded(self, chain: tuple[tok.Link, ...], had: tuple[tok.Link, ...] | None) -> NodeId | None:
+        """A member through whom MAX_THROUGH entries are known already, that a record with ``chain`` (replacing one
+        with ``had``) would pass; None when it fits."""
+        before = set(tok.lineage(had)[:-1]) if had is not None else set()
+        return next((n for n in tok.lineage(chain)[:-1] if n not in before
+                     and self._through.get(n, 0) >= MAX_THROUGH), None)  # fmt: skip
+
     # -- liveness
 
     def liveness(self, node: NodeId, now: float) -> Liveness:
@@ -560,7 +598,7 @@ class Table:
             return
         for node, e in list(self.entries.items()):
             if self.wall >= tok.chain_until(e.record.chain):
-                del self.entries[node]
+                self._drop(node)
                 res.changed.append(node)
                 res.expired.append(node)
         for node, r in list(self.graveyard.items()):
