@@ -273,6 +273,10 @@ def test_a_departed_nodes_old_record_does_not_come_back_after_its_tombstone_is_f
     res = t.merge_record(rec(k, ch, seq=2, at=int(T)), later)
     assert not res.changed and "stale" in res.dropped[0]
     assert t.merge_record(rec(k, ch, seq=3, at=int(later - MAX_RECORD_AGE_S + 30)), later).changed  # clocks apart
+    # [trust-2] 10: a record signed far in the future would never go stale (a ghost, once its node is gone)
+    res = t.merge_record(rec(k, ch, seq=4, at=int(later + tok.CLOCK_SKEW_S + 60)), later)
+    assert not res.changed and "in the future" in res.dropped[0]
+    assert t.merge_record(rec(k, ch, seq=5, at=int(later + tok.CLOCK_SKEW_S - 60)), later).changed  # clocks apart
 
 
 def test_addresses_from_peers_are_ip_literals_never_names() -> None:

@@ -448,6 +448,10 @@ class Table:
         if self.wall is not None and rec.at and rec.at < self.wall - MAX_RECORD_AGE_S:
             res.dropped.append(f"record of {crypto.short(rec.node)} signed {int(self.wall - rec.at)} s ago: stale")
             return res
+        if self.wall is not None and rec.at > self.wall + tok.CLOCK_SKEW_S:
+            # one signed far ahead would never go stale: a departed node's last record would come back as a ghost
+            res.dropped.append(f"record of {crypto.short(rec.node)} signed {int(rec.at - self.wall)} s in the future")
+            return res
         old = self.entries.get(rec.node)
         if old is not None and (rec.incarnation, rec.seq) <= (old.record.incarnation, old.record.seq):
             return res
