@@ -294,7 +294,12 @@ class MeshNet:
         self.m.secret, self.m.epoch, self.m.rekey_sig = r.secret, r.epoch, r.sig
         save_membership(self.state_dir, self.m)
         log.info("the mesh's admission secret rotated (epoch %d)", r.epoch)
-        self.send([(p, r) for p in self.gossip if p != source])
+        # members in good standing only: a node revoked a moment ago may still be connected (its gossip stream open
+        # until its connection closes), and a `rotate` right after a `revoke` must not hand it the new secret
+        table = self.core.table if self.core else None
+        ok = [p for p in self.gossip if p != source and table is not None and table.is_member(p)
+              and tok.cut_off(table.entries[p].record.chain, table.revoked) is None]  # fmt: skip
+        self.send([(p, r) for p in ok])
         self.emit(MeshEvent(EventKind.REKEYED, self.me, f"epoch {r.epoch}"))
 
     def _read_rekey_file(self) -> None:
