@@ -20,8 +20,9 @@ from meshllm.proto import crypto
 class NodeProc:
     def __init__(
         self, tmp: Path, name: str, model: Path | None, *args: str, env: dict[str, str] | None = None,
-        port: int | None = None, auto: bool = False,
+        port: int | None = None, auto: bool = False, wrap: tuple[str, ...] = (),
     ) -> None:  # fmt: skip
+        """``wrap``: a command the node runs under (e.g. prlimit with its options)."""
         self.state = tmp / name
         self.log_path = tmp / f"{name}.log"
         self.port = port or 0
@@ -31,7 +32,8 @@ class NodeProc:
         self.port = int(cmd[cmd.index("--port") + 1])
         self.log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True
+            [*wrap, *cmd], stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            start_new_session=True,
         )
 
     def status(self) -> dict[str, object]:

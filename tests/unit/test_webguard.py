@@ -65,3 +65,16 @@ def test_dot_segments_are_found_plain_and_encoded() -> None:
         assert dot_segments(bad), bad
     for ok in ("/v1/completions", "/v1/chat/completions?x=..", "/v1/models/a.b", "/v1/models/..a"):
         assert not dot_segments(ok), ok
+
+
+def test_connection_limits_per_address_and_in_all() -> None:
+    """[trust-2] 8: the gate's bookkeeping (serve/gate.py)."""
+    from meshllm.serve.gate import ConnLimits
+
+    c = ConnLimits(per_address=2, total=3)
+    assert c.admit("a") and c.admit("a") and not c.admit("a")  # per address
+    assert c.admit("b") and not c.admit("c")  # in all
+    c.release("a")
+    assert c.admit("c") and not c.admit("a")
+    c.release("b")
+    assert c.admit("a") is False and c.admit("b") and c.open == {"a": 1, "c": 1, "b": 1}

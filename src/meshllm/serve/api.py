@@ -19,12 +19,13 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
-from meshllm.serve import webguard
+from meshllm.serve import gate, webguard
 from meshllm.serve.metrics import CONTENT_TYPE, Counters
 
 log = logging.getLogger("meshllm.api")
 
 RETRY_WAIT_S = 60.0  # how long a failed request waits for the mesh to serve again before its one retry
+BODY_S = 30.0  # a request's body must arrive within this long of its head
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade", "te", "trailer"}
 
 
@@ -203,6 +204,9 @@ class Api:
         self.requests: dict[int, int] = {}
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.Server | None = None
+        self.limits = gate.ConnLimits()  # connections before the key is checked (serve/gate.py)
+        self._gates: dict[object, gate.Gate] = {}
         # web pages of other sites, DNS rebinding (serve/webguard.py); the door: other users of this machine too
         guard = webguard.middleware(listen_all, own_user_only=door, what="mesh door")
         chain = [self._paths, guard] if door else [self._paths, guard, self._auth]
@@ -221,13 +225,16 @@ class Api:
         # a client that goes away cancels its handler: leaving the upstream request stops llama-server generating
         self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, reuse_address=True)
-        await site.start()
-        server = site._server
-        assert isinstance(server, asyncio.Server)
-        return int(server.sockets[0].getsockname()[1])
+        assert self._runner.server is not None
+        gate.raise_file_limit()
+        # every connection passes the gate first: bounded per address and in all, its request head within a deadline
+        factory = gate.gated(self.limits, self._runner.server, self._gates)
+        self._listener = await asyncio.get_running_loop().create_server(factory, host, port, reuse_address=True)
+        return int(self._listener.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
+        if self._listener:
+            self._listener.close()
         if self._runner:
             await self._runner.cleanup()
         if self._session:
@@ -236,10 +243,17 @@ class Api:
     @web.middleware
     async def _paths(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                      ) -> web.StreamResponse:  # fmt: skip
-        if dot_segments(request.raw_path):
-            return _error(400, "a path with '.' or '..' segments (or an encoded slash) is refused",
-                          "invalid_request_error", code="invalid_path")  # fmt: skip
-        return await handler(request)
+        g = self._gates.get(request.transport)
+        if g is not None:
+            g.started()  # its head is in: the slow-client deadline stops (the body has BODY_S)
+        try:
+            if dot_segments(request.raw_path):
+                return _error(400, "a path with '.' or '..' segments (or an encoded slash) is refused",
+                              "invalid_request_error", code="invalid_path")  # fmt: skip
+            return await handler(request)
+        finally:
+            if g is not None:
+                g.finished()
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -294,7 +308,10 @@ class Api:
                           "invalid_request_error", code="unknown_url")  # fmt: skip
         if request.method != "POST":
             return _error(405, f"{request.path} takes POST", "invalid_request_error", code="method_not_allowed")
-        body = await request.read()
+        try:
+            body = await asyncio.wait_for(request.read(), BODY_S)
+        except TimeoutError:
+            return _error(408, f"the request body did not arrive within {BODY_S:.0f} s", "invalid_request_error")
         try:  # whatever its Content-Type says: llama-server parses every body as JSON
             parsed = json.loads(body)
         except ValueError:
