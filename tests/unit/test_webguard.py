@@ -77,4 +77,7 @@ def test_connection_limits_per_address_and_in_all() -> None:
     c.release("a")
     assert c.admit("c") and not c.admit("a")
     c.release("b")
-    assert c.admit("a") is False and c.admit("b") and c.open == {"a": 1, "c": 1, "b": 1}
+    assert c.admit("a") and not c.admit("b") and c.open == {"a": 2, "c": 1}
+    for _ in range(3):
+        c.release("a")
+    assert c.open == {"c": 1}
