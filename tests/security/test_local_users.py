@@ -103,6 +103,26 @@ def test_a_workers_rpc_server_takes_loopback_clients_of_our_own_user_only(
     assert srv.alive() and "refused a loopback client of another user (uid 65534)" in (tmp_path / "rpc.log").read_text()
 
 
+def test_a_refused_local_client_does_not_block_the_tls_listener(
+    patched_bins: Binaries, tmp_path: Path, children: list[Child]
+) -> None:
+    """[trust-2] 10: after refusing another user's plain client, the server waited for the next plain client and
+    took no TLS client meanwhile (patch 0006 accepted in a loop of its own). Patch 0008: one loop for both."""
+    from tests.integration.test_rpc_direct import _s_client
+
+    port, tls_port = free_port(), free_port("0.0.0.0")
+    keys = tmp_path / "keys"
+    keys.write_text(f"host-1 {'cd' * 32}\n")  # any address (a row both builds read)
+    env = {"GGML_RPC_TLS_LISTEN": f"0.0.0.0:{tls_port}", "GGML_RPC_TLS_SERVER_KEYS": str(keys)}
+    srv = Child.start("rpc", rpc_server_argv(patched_bins, port, threads=1), tmp_path / "rpc.log", env=env)
+    children.append(srv)
+    wait_tcp_ready(srv, port)
+    hello = HEADER.pack(Cmd.HELLO, CONN_CAPS_SIZE) + bytes(CONN_CAPS_SIZE)
+    assert _connect_as(65534, port, hello) == "closed"
+    said = _s_client(tls_port, "host-1", "cd" * 32)  # (times out after 30 s if the server is stuck)
+    assert "Cipher is TLS_AES_128_GCM_SHA256" in said, said[-600:]
+
+
 def test_llama_servers_port_answers_nobody_without_its_key(patched_bins: Binaries, tiny_model: Path,
                                                            tmp_path: Path) -> None:  # fmt: skip
     """[trust-2] 7: another local user called llama-server's loopback port directly, past `--api-key` and
