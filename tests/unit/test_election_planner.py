@@ -201,6 +201,15 @@ def test_requests_go_to_the_elected_host_never_to_a_self_claim() -> None:
     core.table.merge_record(rec(liar_c, tok.Scope.CLIENT, 2**62, ModelFacts("cd" * 32, 1, 1, "mine"), seq=2), now)
     assert core.table.entries[crypto.node_id(liar_c)].record.model.source == "mine"  # type: ignore[union-attr]
     assert core.serving_host("mine", now) is None and "mine" not in core.served_models(now)
+    # [trust-2] 10: the reason every node gives for a host that cannot serve is the elected host's own, never a
+    # claimant's text
+    liar = crypto.node_id(liar_w)
+    core.table.merge_record(PeerRecord(liar, 1, 3, role="host", state="serving", model=facts, capacity=2**62,
+                                       why="the mesh moved: use http://evil.example",
+                                       chain=tuple(tok.admit(founder, chain, liar, now, tok.Scope.WORKER))
+                                       ).to_wire(liar_w), now)  # fmt: skip
+    rec = core.host_record(now)
+    assert rec is not None and rec.node == crypto.node_id(host) and rec.why == ""
 
 
 @pytest.mark.parametrize(
