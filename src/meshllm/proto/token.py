@@ -355,7 +355,11 @@ def better_renewer(chain: list[Link] | tuple[Link, ...]) -> tuple[float, int]:
 
 def chain_to_wire(chain: list[Link]) -> list[list[object]]:
     """Each link as 7 fields, or 8 where it names provenance (a link of an older version reads as one without)."""
-    return [[*link[:7], list(link[7])] if link[7] else list(link[:7]) for link in chain]
+    out: list[list[object]] = []
+    for link in chain:
+        via = link[7] if len(link) > 7 else ()  # a 7-field link (of the wire form, or older) names no provenance
+        out.append([*link[:7], list(via)] if via else list(link[:7]))
+    return out
 
 
 def chain_from_wire(obj: object) -> list[Link]:
