@@ -256,6 +256,17 @@ def test_an_admin_the_founder_named_revokes_members_but_not_the_founder_or_other
     t.merge_record(rec(c, cc), T)
     late = tok.revoke(a, MESH, crypto.node_id(c), T, admins={na})
     assert t.merge_push(GossipPush(revocations=[late.to_wire()]), T).dropped and crypto.node_id(c) in t.entries
+    # [trust-2] 10: and what it revoked falls with it — a node that took a revocation by the admin before hearing
+    # of the admin's own (one signed after it and backdated, say) keeps none of them
+    assert nb not in t.revoked and set(t.revoked) == {na}
+    assert t.merge_record(rec(b, cb, seq=2), T).changed == [nb]  # b is a member again
+    t2 = Table(crypto.node_id(crypto.new_key()), MESH)
+    t2.merge_record(rec(c, cc), T)
+    t2.merge_push(GossipPush(admins=[g.to_wire()], revocations=[late.to_wire()]), T)
+    assert crypto.node_id(c) in t2.revoked and crypto.node_id(c) not in t2.entries
+    res = t2.merge_push(GossipPush(revocations=[tok.revoke(FOUNDER, MESH, na, T).to_wire()]), T)
+    assert res.voided == [crypto.node_id(c)] and set(t2.revoked) == {na}
+    assert t2.merge_record(rec(c, cc, seq=2), T).changed == [crypto.node_id(c)]
 
 
 def test_a_departed_nodes_old_record_does_not_come_back_after_its_tombstone_is_forgotten() -> None:

@@ -103,7 +103,7 @@ class MeshNet:
         self.m = membership
         self.state_dir = state_dir
         self._revoked_stamp: tuple[int, ...] = ()  # the admins and revoked files as last read (mtimes)
-        self._revoked_saved = (0, 0)
+        self._revoked_saved: tuple[int, frozenset[NodeId]] = (0, frozenset())
         self._rekey_stamp = -1
         self.bind = bind
         self.advertise = advertise
@@ -253,7 +253,7 @@ class MeshNet:
             admins = {g.node for g in grants} | set(table.admins)
             got = self._load_signed(REVOKED, lambda o: tok.revocation_from_wire(o, mid, admins - set(table.revoked)))
             self.send(self.core.revoke(got, self.now, grants))
-        saved = (len(table.admins), len(table.revoked))
+        saved = (len(table.admins), frozenset(table.revoked))  # (a revocation may void others: same count)
         if saved != self._revoked_saved:
             self._revoked_saved = saved
             save_signed(self.state_dir, ADMINS, list(table.admins.values()))

@@ -386,6 +386,7 @@ class MergeResult:
     new_revocations: list[tok.Revocation] = field(default_factory=list)  # to forward (and keep on disk)
     new_grants: list[tok.Grant] = field(default_factory=list)  # admin grants, likewise
     cut: list[NodeId] = field(default_factory=list)  # members a revocation removed
+    voided: list[NodeId] = field(default_factory=list)  # revocations that fell with the admin who signed them
     revoked_me: bool = False
     expired: list[NodeId] = field(default_factory=list)  # members whose admission ended (not renewed in time)
     dropped: list[str] = field(default_factory=list)  # why, for logs
@@ -515,6 +516,13 @@ class Table:
         res.new_revocations.append(r)
         if r.node == self.me:
             res.revoked_me = True
+        if r.node in self.admins:
+            # an admin's word counts only while it stands: what it revoked is void with it (taken while we had not
+            # heard of its revocation yet, or signed after it and backdated), the founder re-revokes what should stay
+            for node, word in list(self.revoked.items()):
+                if word.by == r.node:
+                    del self.revoked[node]
+                    res.voided.append(node)
         for node, e in list(self.entries.items()):
             if tok.cut_off(e.record.chain, self.revoked) is not None:
                 self._drop(node)
