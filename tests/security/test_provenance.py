@@ -97,7 +97,7 @@ def test_a_member_that_mints_identities_cannot_lock_an_honest_member_out() -> No
     nh, nm = crypto.node_id(honest), crypto.node_id(m)
     chain_h = tok.admit(founder, f.chain, nh, NOW - 30)
     chain_m = tok.admit(founder, f.chain, nm, NOW - 30, tok.Scope.WORKER)
-    _gossip(f, honest, chain_h, 1, 0.0)
+    _gossip_life(f, honest, chain_h, 1, 0.0, links={nm: "direct"})  # the member was connected to it: may bury it
     _gossip(f, m, chain_m, 1, 0.0)
     records = []
     by, by_chain = m, chain_m
@@ -113,7 +113,7 @@ def test_a_member_that_mints_identities_cannot_lock_an_honest_member_out() -> No
     assert len(through_m) == MAX_THROUGH
     # the member buries the honest member's life; the honest member refutes it (a new life) and is taken back
     f.on_message(nm, GossipPush(tombstones=[Tombstone(nh, 1, nm, NOW).signed(m).to_wire()]), 2.0)
-    _gossip_life(f, honest, chain_h, 2, 3.0)
+    _gossip_life(f, honest, chain_h, 2, 3.0, links={nm: "direct"})
     joiner = crypto.new_key()
     _gossip(f, joiner, tok.admit(founder, f.chain, crypto.node_id(joiner), NOW), 1, 3.0)
     assert nh in f.table.entries and f.table.entries[nh].record.incarnation == 2
@@ -140,6 +140,7 @@ def test_a_member_that_mints_identities_cannot_lock_an_honest_member_out() -> No
     assert nh in f.table.entries and f.table.entries[nh].record.incarnation == 3
 
 
-def _gossip_life(f: MeshCore, key: crypto.Ed25519PrivateKey, chain: list[tok.Link], inc: int, now: float) -> None:
-    rec = PeerRecord(crypto.node_id(key), inc, 1, chain=tuple(chain), at=int(NOW))
+def _gossip_life(f: MeshCore, key: crypto.Ed25519PrivateKey, chain: list[tok.Link], inc: int, now: float,
+                 links: dict[bytes, str] | None = None) -> None:  # fmt: skip
+    rec = PeerRecord(crypto.node_id(key), inc, 1, chain=tuple(chain), at=int(NOW), links=links or {})
     f.on_message(crypto.node_id(key), GossipPush(records=[rec.to_wire(key)]), now)

@@ -156,7 +156,18 @@ def test_forged_tombstones_bury_nobody() -> None:
         GossipPush(tombstones=[Tombstone(crypto.node_id(me), 2**62, signer, T).signed(signer_key).to_wire()]), T
     )
     assert not res.refuted and res.dropped == ["tombstone for a life of ours not being lived"]
-    # a member burying the current life still works (a real death), and the next life comes back
+    # [trust-2] 5: a member may bury only a node it was connected to, as the node's own record says (ours: we say)
+    assert push(Tombstone(victim, 1, signer, T).signed(signer_key)) == [
+        "tombstone by a member the node was not connected to"] and victim in t.entries  # fmt: skip
+    res = t.merge_push(GossipPush(tombstones=[Tombstone(crypto.node_id(me), 1, signer, T).signed(signer_key)
+                                              .to_wire()]), T)  # fmt: skip
+    assert not res.refuted and res.dropped == ["tombstone for us by a member not connected to us"]
+    t.my_links = frozenset({signer})
+    assert t.merge_push(GossipPush(tombstones=[Tombstone(crypto.node_id(me), 1, signer, T).signed(signer_key)
+                                               .to_wire()]), T).refuted  # fmt: skip
+    t.merge_record(rec(victim_key, vc, inc=1, seq=2, links={signer: "direct"}), T)
+    # a member burying the current life of a node it was connected to still works (a real death); the next life
+    # comes back
     assert push(Tombstone(victim, 1, signer, T).signed(signer_key)) == [] and victim not in t.entries
     assert t.merge_record(rec(victim_key, vc, inc=2), T).changed == [victim]
 

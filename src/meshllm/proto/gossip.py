@@ -404,6 +404,7 @@ class Table:
         self._chains_ok: set[bytes] = set()
         self.graveyard: dict[NodeId, PeerRecord] = {}  # last record of nodes declared dead, until forgotten
         self.my_incarnation = 0  # our own current life (MeshCore keeps it): only it can be buried
+        self.my_links: frozenset[NodeId] = frozenset()  # our connected peers as our record says: who may bury us
         self.revoked: dict[NodeId, tok.Revocation] = {}  # for good: never forgotten
         self.admins: dict[NodeId, tok.Grant] = {}  # whom the founder made admin (they may revoke members)
         self.wall: float | None = None  # wall time as of the last tick (admissions end at wall times); None: unchecked
@@ -494,17 +495,24 @@ class Table:
         """Why a tombstone from the wire is refused (None: taken). Its signer must be a member we have held a
         verified record of (alive, or buried: after a partition both sides have buried the other, and their
         tombstones are how they find each other again), and it may bury only a life we have seen (ours: the current
-        one): a forged tombstone for a life far ahead would otherwise keep a node out for good, restarts included."""
+        one): a forged tombstone for a life far ahead would otherwise keep a node out for good, restarts included.
+        And only a node it was connected to, as the buried node's own record says (ours: as we say): any member
+        could otherwise bury any other, and a host's refuted life came back behind a self-claimed one. A node
+        whose silence nobody connected to it reports is buried by each node itself (DEAD_AFTER_S)."""
         if t.by != self.me and not (t.by in self.entries or t.by in self.graveyard or t.by in self.tombstones):
             return "tombstone signed by a node that is not a known member"
         if t.node == self.me:
-            return None if t.incarnation == self.my_incarnation else "tombstone for a life of ours not being lived"
+            if t.incarnation != self.my_incarnation:
+                return "tombstone for a life of ours not being lived"
+            return None if t.by in self.my_links else "tombstone for us by a member not connected to us"
         e = self.entries.get(t.node)
         known = e.record if e is not None else self.graveyard.get(t.node)
         if known is None:
             return "tombstone for a node we do not know"
         if t.incarnation > known.incarnation:
             return "tombstone for a life not seen yet"
+        if t.by not in (self.me, t.node) and t.by not in known.links:
+            return "tombstone by a member the node was not connected to"
         return None
 
     def add_revocation(self, r: tok.Revocation, res: MergeResult | None = None) -> MergeResult:

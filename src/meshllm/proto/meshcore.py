@@ -109,6 +109,7 @@ class MeshCore:
     def _sign(self) -> None:
         if self.wall is not None:
             self.record = dataclasses.replace(self.record, at=int(self.wall))
+        self.table.my_links = frozenset(self.record.links) | frozenset(self.peers)
         self._raw_self = self.record.to_wire(self.key)
 
     def update(self, now: float, **fields: Unpack[RecordUpdate]) -> Out:
@@ -130,6 +131,7 @@ class MeshCore:
 
     def on_connected(self, peer: NodeId, now: float) -> Out:
         self.peers.add(peer)
+        self.table.my_links = self.table.my_links | {peer}  # it may declare us dead from now on (a false death)
         self._heard[peer] = now
         full = self.table.push_all()
         return [(peer, dataclasses.replace(full, records=[self._raw_self, *full.records]))]
