@@ -326,7 +326,8 @@ def test_a_member_that_claims_to_serve_gets_no_request_from_any_node(tmp_path: P
     """[trust-2] 1, performed against real nodes: a client-scoped member connects to the worker and to a lite client,
     gossips a signed record saying "host, serving, the mesh's model, 2**62 bytes" and a tombstone for the real
     host's current life (the host refutes it, but its new record then lands behind the claim in every table), and
-    keeps its claim fresh. Before: nodes routed to the first record in table order that said "host, serving", and
+    keeps its claim fresh (it is connected to the host too: a member may bury only a node it was connected to).
+    Before: nodes routed to the first record in table order that said "host, serving", and
     the lite client's and the worker's requests went to the attacker. Now every node routes to the host its own
     election picks among host-scoped members: the attacker is sent no request, and every node answers the same.
     [trust-2] 6 too: the attacker's own requests to the host over the mesh reach its door, not llama-server: none of
@@ -388,7 +389,7 @@ def test_a_member_that_claims_to_serve_gets_no_request_from_any_node(tmp_path: P
                     if node == a_id:
                         a_conn.append(conn)
                 tomb = Tombstone(a_id, a_life, me, time.time()).signed(key).to_wire()
-                t_end = time.monotonic() + 14
+                t_end = time.monotonic() + 16
                 seq = 0
                 while time.monotonic() < t_end:
                     seq += 1
@@ -396,11 +397,11 @@ def test_a_member_that_claims_to_serve_gets_no_request_from_any_node(tmp_path: P
                                        state=NodeState.SERVING, chain=chain, addrs=(f"127.0.0.1:{ep.local_addr[1]}",),
                                        at=int(time.time()))  # fmt: skip
                     for s in streams:
-                        s.write(encode(GossipPush(records=[claim.to_wire(key)], tombstones=[tomb] if seq == 2 else [])))
-                    if seq == 5:  # past the debounces: ask every node (the host is back after its refutation)
+                        s.write(encode(GossipPush(records=[claim.to_wire(key)], tombstones=[tomb] if seq == 3 else [])))
+                    if seq == 6:  # past the debounces: ask every node (the host is back after its refutation)
                         for n in (a, b, c):
                             answers[n.state.name] = await asyncio.to_thread(_answer, n.port)
-                    if seq == 6:  # straight to the host over the mesh, as a member's API would (a tunnel listener)
+                    if seq == 7:  # straight to the host over the mesh, as a member's API would (a tunnel listener)
                         lst = TunnelListener(lambda: a_conn[0].open_stream(STREAM_HTTP), TunnelStats())
                         port = await lst.start()
                         big = {"prompt": "Once", "n_predict": 10**6, "ignore_eos": True}
