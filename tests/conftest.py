@@ -7,15 +7,17 @@ them fails with the command to run rather than skipping, so a broken build can n
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 
 from meshllm.errors import BuildError
 from meshllm.llama.build import Binaries, find_binaries
 from meshllm.llama.processes import Child
 from meshllm.models.tiny import tiny_model_path
+from meshllm.serve.api import Upstream
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +40,21 @@ def patched_bins() -> Binaries:
 @pytest.fixture(scope="session")
 def stock_bins() -> Binaries:
     return _bins(stock=True)
+
+
+@pytest_asyncio.fixture
+async def llama(patched_bins: Binaries, tiny_model: Path, tmp_path: Path) -> AsyncIterator[Upstream]:
+    """A real llama-server on the tiny model (as a host runs it: its own key), as the API's upstream."""
+    from meshllm.llama import supervisor
+
+    cfg = supervisor.ServerConfig(model=tiny_model, alias="tiny", ctx_size=2048, threads=2)
+    server = supervisor.LocalServer(patched_bins, cfg, tmp_path)
+    server.start()
+    try:
+        await server.wait_ready()
+        yield Upstream("tiny", server.base_url, server.key)
+    finally:
+        await server.stop()
 
 
 @pytest.fixture

@@ -7,32 +7,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import aiohttp
 import pytest
-import pytest_asyncio
 
-from meshllm.llama import supervisor
-from meshllm.llama.build import Binaries
 from meshllm.llama.processes import free_port
 from meshllm.serve import api as api_mod
 from meshllm.serve.api import Api, Unavailable, Upstream
 
 BODY = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 48, "temperature": 0}
-
-
-@pytest_asyncio.fixture
-async def llama(patched_bins: Binaries, tiny_model: Path, tmp_path: Path) -> AsyncIterator[Upstream]:
-    cfg = supervisor.ServerConfig(model=tiny_model, alias="tiny", ctx_size=512, threads=2)
-    server = supervisor.LocalServer(patched_bins, cfg, tmp_path)
-    server.start()
-    try:
-        await server.wait_ready()
-        yield Upstream("tiny", server.base_url, server.key)
-    finally:
-        await server.stop()
 
 
 async def _closing_server() -> tuple[asyncio.Server, str]:

@@ -8,31 +8,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import aiohttp
 import pytest
-import pytest_asyncio
 
-from meshllm.llama import supervisor
-from meshllm.llama.build import Binaries
 from meshllm.llama.processes import free_port
 from meshllm.serve.api import Api, Upstream
 
 CAP = 12
-
-
-@pytest_asyncio.fixture
-async def llama(patched_bins: Binaries, tiny_model: Path, tmp_path: Path) -> AsyncIterator[Upstream]:
-    cfg = supervisor.ServerConfig(model=tiny_model, alias="tiny", ctx_size=2048, threads=2)
-    server = supervisor.LocalServer(patched_bins, cfg, tmp_path)
-    server.start()
-    try:
-        await server.wait_ready()
-        yield Upstream("tiny", server.base_url, server.key)
-    finally:
-        await server.stop()
 
 
 async def _api(upstream: Upstream, cap: int | None) -> tuple[Api, str]:
