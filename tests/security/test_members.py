@@ -422,3 +422,34 @@ def test_a_member_that_claims_to_serve_gets_no_request_from_any_node(tmp_path: P
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_a_member_away_during_a_rotation_admits_nobody_with_its_old_secret(tmp_path: Path, tiny_model: Path) -> None:
+    """[trust-2] 10: a member that was away while the founder rotated the secret still held the old one and admitted
+    tokens of it (its own token, re-minted at start, too) for as long as it stayed out of touch. A member connected
+    to no other member (the founder aside) now admits nobody by token: it cannot know the mesh's current secret."""
+    from meshllm.cli import main as cli
+
+    a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024")
+    nodes = [a]
+    try:
+        wait_for(lambda: (a.state / "token").exists() and bool(a.status()), 30, "a's token")
+        b = NodeProc(tmp_path, "b", None, "--join", (a.state / "token").read_text().strip())
+        nodes.append(b)
+        wait_for(lambda: (b.state / "key").exists() and b.short() in a.peers(), 30, "b to join")
+        b.stop()
+        assert cli(["rotate", "--state-dir", str(a.state)]) == 0
+        wait_for(lambda: json.loads((a.state / "mesh.json").read_text()).get("epoch") == 1, 15, "a's new secret")
+        a.stop()
+        (b.state / "token").unlink()
+        b2 = NodeProc(tmp_path, "b", tiny_model, "--ctx-size", "1024")  # back, alone, with the old secret
+        nodes.append(b2)
+        wait_for(lambda: (b.state / "token").exists(), 30, "b's token, minted at start")
+        assert json.loads((b.state / "mesh.json").read_text()).get("epoch", 0) == 0
+        c = NodeProc(tmp_path, "c", None, "--join", (b.state / "token").read_text().strip())
+        nodes.append(c)
+        assert c.proc.wait(60) != 0, c.text()
+        assert "connected to no other member" in c.text() + b2.text(), c.text()
+    finally:
+        for n in nodes:
+            n.stop()

@@ -474,7 +474,7 @@ class MeshNet:
         v = check_proof(
             key=self.key, my_chain=self.m.chain, mesh_id=self.m.mesh_id, secret=self.m.secret, hello=hello,
             nonce=nonce, proof=proof, scope_of=self.core.table.scope_of, chain_of=self.core.table.chain_of,
-            revoked=self.core.table.revoked,
+            revoked=self.core.table.revoked, in_touch=bool(self.peers) or self.m.founder == self.me,
             previous=self.m.previous, now=self.wall(), admit_s=self.admit_s,
         )  # fmt: skip
         if not v.ok:

@@ -168,6 +168,7 @@ def check_proof(
     previous: Sequence[bytes] = (),  # secrets before the last rotations: a member may still prove with one
     now: float,
     admit_s: float = tok.ADMIT_S,  # how long the admission of a joiner holds (unless renewed)
+    in_touch: bool = True,  # we founded the mesh, or are connected to a member: our secret is the mesh's current one
 ) -> Verdict:
     """The listener's decision. Every check is made here, by the listener, whatever the dialler checked."""
     me = crypto.node_id(key)
@@ -200,6 +201,9 @@ def check_proof(
         return Verdict(True, "member", chain)
     if proof.token is None:
         return _refuse("neither a token nor an admission chain")
+    if not in_touch:  # away during a rotation, a member would still admit tokens of the secret it replaced
+        return _refuse("this member is connected to no other member, so it cannot know the mesh's current secret: "
+                       "join through another member")  # fmt: skip
     try:
         t = replace(tok.parse(proof.token), secret=secret)  # signed over the real secret: ours must match
     except tok.TokenError as e:
