@@ -224,7 +224,7 @@ def test_only_a_relaying_member_forwards_relay_packets() -> None:
             server = await asyncio.wait_for(accepted.get(), 5)
             server.set_authenticated()
             server.peer = a.me
-            packet = reach.relay_packet(reach.RELAY, crypto.node_id(crypto.new_key()), b"\x40quic")
+            packet = reach.relay_packet(reach.RELAY, crypto.node_id(crypto.new_key()), bytes(8), b"\x40quic")
             a.send_control(packet, addr)  # b does not relay
             await _until(lambda: b.stats.relay_refused == 1)
             b.relay_server = True
@@ -283,5 +283,40 @@ def test_writing_to_a_closing_connection_is_a_connection_error() -> None:
         finally:
             a.close()
             b.close()
+
+    asyncio.run(main())
+
+
+def test_a_relay_takes_only_packets_with_the_token_of_the_senders_connection() -> None:
+    """[trust-2] 10: a relay named a RELAY packet's sender by its source address alone, so a third party spoofing a
+    member's address had its packets forwarded as that member's. Now each packet carries its connection's pair
+    token (set by the mesh's auth; here by hand): without it, from the member's very address, nothing passes."""
+
+    async def main() -> None:
+        a, b, accepted, addr = await _pair()
+        c = Endpoint(crypto.new_key())
+        await c.open("127.0.0.1", 0)
+        try:
+            b.relay_server = True
+            for ep, token in ((a, b"tokenA.."), (c, b"tokenC..")):
+                conn = await ep.dial(addr, b.me)
+                far = await asyncio.wait_for(accepted.get(), 5)
+                for x in (conn, far):
+                    x.set_authenticated()
+                    x.pair_token = token
+                far.peer = ep.me
+            quic = b"\x40" + bytes(40)
+            a.send_control(reach.relay_packet(reach.RELAY, c.me, b"tokenC..", quic), addr)  # not a's token
+            await _until(lambda: b.stats.relay_refused == 1)
+            a.send_control(reach.relay_packet(reach.RELAY, c.me, b"tokenA..", quic), addr)
+            await _until(lambda: b.stats.relayed_packets == 1)
+            assert b.stats.relay_refused == 1
+            # and the other way: a RELAYED packet from the relay's very address, without c's token, is dropped by c
+            b.send_control(reach.relay_packet(reach.RELAYED, a.me, b"tokenA..", quic), c.local_addr)
+            await _until(lambda: c.stats.relay_refused == 1)
+        finally:
+            a.close()
+            b.close()
+            c.close()
 
     asyncio.run(main())

@@ -152,7 +152,8 @@ def test_datagrams_that_are_not_quic(data: bytes) -> None:
     if p is not None:
         assert not reach.probe_is_from(data, M_ID) or data[1 : 1 + 32] == p[1]
     reach.parse_relay(data)
-    reach.relay_forward(data, ("127.0.0.1", 1), {("127.0.0.1", 1): M_ID}, {M_ID: ("127.0.0.1", 2)})
+    reach.relay_forward(data, ("127.0.0.1", 1), {("127.0.0.1", 1): (M_ID, bytes(8))},
+                        {M_ID: (("127.0.0.1", 2), b"t" * 8)})  # fmt: skip
 
 
 @FUZZ

@@ -13,22 +13,30 @@ A, B, C = (crypto.node_id(k) for k in (KA, KB, KC))
 X = bytes([9]) * 32
 QUIC = b"\xc0" + b"q" * 100  # any datagram whose first byte has bit 0x40 set
 AT_A, AT_B, AT_X = ("198.51.100.2", 4000), ("203.0.113.2", 5000), ("192.0.2.66", 6666)
-MEMBERS = {AT_A: A, AT_B: B}
-ADDR_OF = {A: AT_A, B: AT_B}
+TA, TB = b"tokenAAA", b"tokenBBB"  # the pair tokens of the relay's connections to A and to B
+MEMBERS = {AT_A: (A, TA), AT_B: (B, TB)}
+ADDR_OF = {A: (AT_A, TA), B: (AT_B, TB)}
 
 
 def test_relay_forwards_between_members_and_names_the_sender_itself() -> None:
-    out = reach.relay_forward(reach.relay_packet(RELAY, B, QUIC), AT_A, MEMBERS, ADDR_OF)
-    assert out == (reach.relay_packet(RELAYED, A, QUIC), AT_B)
+    out = reach.relay_forward(reach.relay_packet(RELAY, B, TA, QUIC), AT_A, MEMBERS, ADDR_OF)
+    assert out == (reach.relay_packet(RELAYED, A, TB, QUIC), AT_B)
 
 
 def test_relay_is_never_an_open_reflector() -> None:
-    pkt = reach.relay_packet(RELAY, B, QUIC)
+    pkt = reach.relay_packet(RELAY, B, TA, QUIC)
     assert reach.relay_forward(pkt, AT_X, MEMBERS, ADDR_OF) is None  # sender is no member we are connected to
-    assert reach.relay_forward(reach.relay_packet(RELAY, C, QUIC), AT_A, MEMBERS, ADDR_OF) is None  # unknown dst
-    assert reach.relay_forward(reach.relay_packet(RELAY, A, QUIC), AT_A, MEMBERS, ADDR_OF) is None  # to itself
-    assert reach.relay_forward(reach.relay_packet(RELAYED, B, QUIC), AT_A, MEMBERS, ADDR_OF) is None  # wrong kind
-    assert reach.relay_forward(bytes([RELAY]) + B + b"\x01probe", AT_A, MEMBERS, ADDR_OF) is None  # not QUIC
+    assert reach.relay_forward(reach.relay_packet(RELAY, C, TA, QUIC), AT_A, MEMBERS, ADDR_OF) is None  # unknown dst
+    assert reach.relay_forward(reach.relay_packet(RELAY, A, TA, QUIC), AT_A, MEMBERS, ADDR_OF) is None  # to itself
+    assert reach.relay_forward(reach.relay_packet(RELAYED, B, TA, QUIC), AT_A, MEMBERS, ADDR_OF) is None  # wrong kind
+    assert reach.relay_forward(bytes([RELAY]) + B + TA + b"\x01probe", AT_A, MEMBERS, ADDR_OF) is None  # not QUIC
+
+
+def test_a_spoofed_members_source_without_its_token_is_dropped() -> None:
+    """[trust-2] 10: a third party that sends from a member's address (a spoofed UDP source) does not know the
+    token of the member's connection to the relay: nothing is forwarded."""
+    for token in (TB, b"\0" * 8, b"tokenAAB"):
+        assert reach.relay_forward(reach.relay_packet(RELAY, B, token, QUIC), AT_A, MEMBERS, ADDR_OF) is None
 
 
 @given(st.binary(max_size=200), st.sampled_from([AT_A, AT_B, AT_X]))
@@ -40,7 +48,7 @@ def test_relay_rule_on_any_bytes_forwards_only_member_to_member_without_growth(
         pkt, dst = out
         assert src in MEMBERS and dst in MEMBERS and dst != src
         assert len(pkt) == len(data)  # no amplification
-        assert pkt[1:33] == MEMBERS[src]
+        assert pkt[1:33] == MEMBERS[src][0]
 
 
 def test_virtual_address_round_trip() -> None:

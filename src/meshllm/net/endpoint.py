@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import hmac
 import logging
 import socket
 import ssl
@@ -238,6 +239,7 @@ class Conn:
         self.relay: NodeId | None = via[0] if via else None
         self.peer: NodeId | None = expect  # pinned when dialling; learned from auth when accepted
         self.authenticated = False
+        self.pair_token = b""  # set by the auth (auth.pair_token): relay packets between us carry it
         self.handshake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         # a failed handshake nobody waits for any more must not be reported as "never retrieved"
         self.handshake.add_done_callback(lambda f: None if f.cancelled() else f.exception())
@@ -562,7 +564,9 @@ class Endpoint:
             relay = self.direct_member(via[0])
             if relay is None:
                 return  # the relay is gone: QUIC sees loss, and the connection times out
-            data, addr = reach.relay_packet(reach.RELAY, via[1], data), relay.addr
+            if not relay.pair_token:
+                return  # not through the mesh's auth (no token): no relaying
+            data, addr = reach.relay_packet(reach.RELAY, via[1], relay.pair_token, data), relay.addr
         self.stats.datagrams_out += 1
         if self.shaper is not None:
             self.shaper.send(data, addr)
@@ -596,13 +600,14 @@ class Endpoint:
                 return c
         return None
 
-    def _members(self) -> tuple[dict[Addr, NodeId], dict[NodeId, Addr]]:
-        at: dict[Addr, NodeId] = {}
-        of: dict[NodeId, Addr] = {}
+    def _members(self) -> tuple[dict[Addr, reach.Member], dict[NodeId, reach.Place]]:
+        at: dict[Addr, reach.Member] = {}
+        of: dict[NodeId, reach.Place] = {}
         for c in self.conns:
-            if c.peer is not None and c.authenticated and not c.closed.is_set() and c.relay is None:
-                at[c.addr] = c.peer
-                of[c.peer] = c.addr
+            if (c.peer is not None and c.authenticated and not c.closed.is_set() and c.relay is None
+                    and c.pair_token):  # fmt: skip
+                at[c.addr] = (c.peer, c.pair_token)
+                of[c.peer] = (c.addr, c.pair_token)
         return at, of
 
     def _control(self, data: bytes, addr: Addr) -> None:
@@ -618,9 +623,11 @@ class Endpoint:
         if data[0] == reach.RELAYED:
             p = reach.parse_relay(data)
             relay = self._members()[0].get(addr)
-            if p is None or relay is None:  # only a member we are connected to relays to us
+            # only a member we are connected to relays to us, with our connection's token (not a spoofed source)
+            if p is None or relay is None or not hmac.compare_digest(p[2], relay[1]):
+                self.stats.relay_refused += 1
                 return
-            self.datagram_received(p[2], reach.relayed_addr(relay, p[1]))
+            self.datagram_received(p[3], reach.relayed_addr(relay[0], p[1]))
             return
         if self.on_control:
             self.on_control(data, addr)

@@ -37,6 +37,7 @@ from meshllm.proto.auth import (
     Rekey,
     check_proof,
     make_proof,
+    pair_token,
     rekey_refused,
 )
 from meshllm.proto.crypto import NodeId
@@ -386,6 +387,7 @@ class MeshNet:
         why = tok.verify_chain(chain, self.me, mesh_id, self.wall())
         if why is not None:
             raise RemoteProtocolError(f"welcome with an invalid admission chain: {why}")
+        conn.pair_token = pair_token(ch.nonce, self.me, node)
         return chain
 
     def _take_refusal_revocation(self, obj: object) -> None:
@@ -485,6 +487,7 @@ class MeshNet:
             conn.close("refused")
             return
         assert v.chain is not None
+        conn.pair_token = pair_token(nonce, hello.dialler, self.me)
         st.write(encode(AuthWelcome(chain=tok.chain_to_wire(v.chain))))
         st.close()
         if v.joined:

@@ -18,6 +18,7 @@ signed by a member of this mesh, unexpired, and the proof made with the mesh's s
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -119,6 +120,12 @@ def rekey_refused(r: Rekey, mesh_id: bytes) -> str | None:
 
 def _bound(nonce: bytes, dialler: NodeId, listener: NodeId) -> bytes:
     return nonce + dialler + listener
+
+
+def pair_token(nonce: bytes, dialler: NodeId, listener: NodeId) -> bytes:
+    """The token a connection's two ends put in the relay packets they exchange (reach.py): from its challenge
+    nonce, which only they have seen (it travelled inside the connection)."""
+    return hashlib.sha256(b"mesh-llm pair token v1\0" + _bound(nonce, dialler, listener)).digest()[:8]
 
 
 def make_proof(

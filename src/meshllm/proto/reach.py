@@ -5,12 +5,14 @@ sets it). Layouts (node ids are the 32-byte Ed25519 public keys)::
 
     PROBE      0x01 | from node (32) | nonce (8) | sig (64)   hole punching: "I am trying to reach you"
     PROBE_ACK  0x02 | from node (32) | nonce (8) | sig (64)   the answer, sent to where the probe came from
-    RELAY      0x10 | to node (32)   | QUIC datagram      to a relay: please pass this on
-    RELAYED    0x11 | from node (32) | QUIC datagram      from a relay: this came from that member
+    RELAY      0x10 | to node (32)   | pair token (8) | QUIC datagram      to a relay: please pass this on
+    RELAYED    0x11 | from node (32) | pair token (8) | QUIC datagram      from a relay: this came from that member
 
 A relay fills in RELAYED's sender from its own authenticated connection on which the RELAY packet's source
 address sits, never from the packet, and forwards only from and to members it has authenticated connections with,
 so it is never an open reflector; the payload is a QUIC packet encrypted end to end, and it holds no keys for it.
+The pair token is that connection's own (``auth.pair_token``: from the challenge nonce, which travelled inside
+it): a third party that spoofs a member's source address, not knowing it, has its packets dropped, both ways.
 
 Hole punching (facts measured on Linux NATs, see DESIGN.md): a packet that reaches the other side's NAT before
 that side has sent anything creates a conntrack entry that makes the other NAT remap its port for good. So each
@@ -27,6 +29,7 @@ move a relayed connection's datagrams there. A probe is checked only once its no
 
 from __future__ import annotations
 
+import hmac
 import os
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -87,31 +90,39 @@ def probe_is_from(data: bytes, to: NodeId) -> bool:
     return crypto.verify(sender, D_PROBE, bytes([kind]) + nonce + to, data[1 + ID_LEN + NONCE_LEN :])
 
 
-def relay_packet(kind: int, node: NodeId, payload: bytes) -> bytes:
-    assert kind in (RELAY, RELAYED) and len(node) == ID_LEN
-    return bytes([kind]) + node + payload
+TOKEN_LEN = 8
 
 
-def parse_relay(data: bytes) -> tuple[int, NodeId, bytes] | None:
-    """(kind, node, payload) of a RELAY/RELAYED packet whose payload is a QUIC packet, else None."""
-    if len(data) < 2 + ID_LEN or data[0] not in (RELAY, RELAYED) or not data[1 + ID_LEN] & 0x40:
+def relay_packet(kind: int, node: NodeId, token: bytes, payload: bytes) -> bytes:
+    assert kind in (RELAY, RELAYED) and len(node) == ID_LEN and len(token) == TOKEN_LEN
+    return bytes([kind]) + node + token + payload
+
+
+def parse_relay(data: bytes) -> tuple[int, NodeId, bytes, bytes] | None:
+    """(kind, node, pair token, payload) of a RELAY/RELAYED packet whose payload is a QUIC packet, else None."""
+    head = 1 + ID_LEN + TOKEN_LEN
+    if len(data) <= head or data[0] not in (RELAY, RELAYED) or not data[head] & 0x40:
         return None
-    return data[0], data[1 : 1 + ID_LEN], data[1 + ID_LEN :]
+    return data[0], data[1 : 1 + ID_LEN], data[1 + ID_LEN : head], data[head:]
+
+
+Member = tuple[NodeId, bytes]  # a member we hold an authenticated connection with, and that connection's pair token
+Place = tuple[Addr, bytes]  # where that member is, and the token
 
 
 def relay_forward(
-    data: bytes, src: Addr, member_at: dict[Addr, NodeId], addr_of: dict[NodeId, Addr]
+    data: bytes, src: Addr, member_at: dict[Addr, Member], addr_of: dict[NodeId, Place]
 ) -> tuple[bytes, Addr] | None:
     """What a relay sends for a RELAY packet from ``src``: (RELAYED packet, destination), or None to drop it.
-    ``member_at``/``addr_of`` describe the relay's authenticated connections to members only."""
+    ``member_at``/``addr_of`` describe the relay's authenticated connections to members only; the packet must
+    carry the pair token of the sender's."""
     p = parse_relay(data)
     if p is None or p[0] != RELAY:
         return None
-    sender = member_at.get(src)
-    dst = addr_of.get(p[1])
-    if sender is None or dst is None or p[1] == sender:
+    sender, dst = member_at.get(src), addr_of.get(p[1])
+    if sender is None or dst is None or p[1] == sender[0] or not hmac.compare_digest(p[2], sender[1]):
         return None
-    return relay_packet(RELAYED, sender, p[2]), dst
+    return relay_packet(RELAYED, sender[0], dst[1], p[3]), dst[0]
 
 
 @dataclass(frozen=True)
