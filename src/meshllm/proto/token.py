@@ -339,7 +339,9 @@ def renew(key: Ed25519PrivateKey, own_chain: list[Link], asker: NodeId, asker_ch
     gone = cut_off(asker_chain, revoked)
     if gone is not None:
         raise ValueError(f"not renewed: admitted through {crypto.short(gone)}, whom the mesh revoked")
-    if not needs_renewal(asker_chain, now):
+    # the asker's clock may run a little ahead of ours (or ours lag a tick): a tenth of the span, at most the skew
+    slack = min(CLOCK_SKEW_S, (chain_until(asker_chain) - asker_chain[-1][3]) / 10) if len(asker_chain) > 1 else 0
+    if not needs_renewal(asker_chain, now + slack):
         raise ValueError("not renewed: less than half of its admission is over")
     via = provenance(asker_chain, own_chain, asker)
     new = admit(key, own_chain, asker, now, chain_scope(asker_chain), ttl_s, via)
