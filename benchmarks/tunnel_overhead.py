@@ -34,11 +34,13 @@ from meshllm.llama.rpcwire import CountingRelay
 from meshllm.models.tiny import tiny_model_path
 
 
-def completion(port: int, path: str, n: int) -> tuple[float, float]:
-    """(decode tok/s as llama-server timed it, wall seconds of the request)"""
+def completion(port: int, path: str, n: int, key: str | None = None) -> tuple[float, float]:
+    """(decode tok/s as llama-server timed it, wall seconds of the request); ``key``: llama-server's own (asked
+    directly, it answers nobody without it)"""
     body = {"prompt": "Once upon a time", "n_predict": n, "max_tokens": n, "temperature": 0, "cache_prompt": False}
+    auth = {"Authorization": f"Bearer {key}"} if key else {}
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+                                 headers={"Content-Type": "application/json", **auth})  # fmt: skip
     t0 = time.monotonic()
     with urllib.request.urlopen(req, timeout=600) as r:
         out = json.loads(r.read())
@@ -93,7 +95,8 @@ def main() -> int:
             direct_port = llama_server_port(solo)
             completion(solo.port, "/v1/completions", 8)
             via = [completion(solo.port, "/v1/completions", 1)[1] * 1000 for _ in range(max(args.runs, 20))]
-            raw = [completion(direct_port, "/v1/completions", 1)[1] * 1000 for _ in range(max(args.runs, 20))]
+            key = (solo.state / "llama-server.key").read_text().strip()
+            raw = [completion(direct_port, "/v1/completions", 1, key)[1] * 1000 for _ in range(max(args.runs, 20))]
             rows["solo (tok/s)"] = [completion(solo.port, "/v1/completions", args.tokens)[0] for _ in range(args.runs)]
         finally:
             solo.stop()
