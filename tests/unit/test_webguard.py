@@ -81,3 +81,14 @@ def test_connection_limits_per_address_and_in_all() -> None:
     for _ in range(3):
         c.release("a")
     assert c.open == {"c": 1}
+
+
+def test_only_an_api_open_to_other_machines_bounds_one_address() -> None:
+    """On loopback every client is 127.0.0.1 (agents of the user's, the host's door): only the total is bounded."""
+    from meshllm.serve import gate
+    from meshllm.serve.api import Api
+
+    def limits(listen_all: bool) -> gate.ConnLimits:
+        return Api(lambda _m: None, list, dict, api_key="k" if listen_all else None, listen_all=listen_all).limits
+
+    assert limits(True).per_address == gate.PER_ADDRESS and limits(False).per_address == gate.TOTAL

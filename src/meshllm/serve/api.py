@@ -205,7 +205,9 @@ class Api:
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
-        self.limits = gate.ConnLimits()  # connections before the key is checked (serve/gate.py)
+        # connections before the key is checked (serve/gate.py); one address's share only where other machines can
+        # connect (--listen-all): on loopback every client shares 127.0.0.1 (a local swarm of agents, the door)
+        self.limits = gate.ConnLimits(per_address=gate.PER_ADDRESS if listen_all else gate.TOTAL)
         self._gates: dict[object, gate.Gate] = {}
         # web pages of other sites, DNS rebinding (serve/webguard.py); the door: other users of this machine too
         guard = webguard.middleware(listen_all, own_user_only=door, what="mesh door")
