@@ -266,6 +266,7 @@ def model_shape(hdr: GGUFHeader) -> ModelShape:
         kv_bytes_per_token_layer=2 * n_head_kv * (k_len + v_len),  # f16 K and V
         n_embd=n_embd,
         n_vocab=int(vocab) if isinstance(vocab, int) else 0,
+        n_ctx_train=meta_int("context_length"),
     )
 
 
