@@ -29,6 +29,7 @@ from meshllm.errors import UserError
 from meshllm.llama.build import Binaries, BuildPlan
 from meshllm.proto import token as tok
 from meshllm.proto.reach import RelayMode
+from meshllm.serve.serving_flags import add_serving_flags, tuning_from
 
 if TYPE_CHECKING:
     from meshllm.state import Membership
@@ -97,10 +98,6 @@ def _scope(text: str) -> object:
 
 def _events_n(text: str) -> int:
     return _int_in(text, 0, 50, "the number of events")
-
-
-def ctx_size(text: str) -> int:
-    return _int_in(text, 64, 1 << 24, "the context size")
 
 
 def draft_max(text: str) -> int:
@@ -192,6 +189,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     from meshllm.serve.options import NodeOptions
 
     tokens = gather_tokens(args)
+    tuning = tuning_from(args)
     if args.client and not tokens:
         raise UserError("--client needs --join TOKEN (or --join-file / MESH_LLM_JOIN)")
     if args.client and args.model is not None:
@@ -216,7 +214,8 @@ def cmd_node(args: argparse.Namespace) -> int:
         bind_port=args.bind_port, advertise=args.advertise or [], token_ttl_s=args.token_ttl,
         admission_s=args.admission,
         relay=args.relay, relay_mode=args.relay_mode,
-        max_vram_gb=args.max_vram, ctx_size=args.ctx_size, tensor_split=args.tensor_split, port=args.port,
+        max_vram_gb=args.max_vram, ctx_size=args.ctx_size, parallel=args.parallel, queue=args.queue,
+        tuning=tuning, tensor_split=args.tensor_split, port=args.port,
         listen_all=args.listen_all, api_key=api_key, max_tokens=args.max_tokens, bins=bins, auto_model=auto,
         models_dir=args.models_dir,
         draft=args.draft, draft_max=args.draft_max, no_draft=args.no_draft, console_port=args.console,
@@ -609,7 +608,6 @@ def build_parser() -> argparse.ArgumentParser:
                         f"standing renew themselves at half time (default {tok.ADMIT_S // 86400}d, at most "
                         f"{tok.MAX_ADMIT_S // 86400}d)")  # fmt: skip
     p.add_argument("--max-vram", type=gigabytes, metavar="GB", help="cap the memory this node offers")
-    p.add_argument("--ctx-size", type=ctx_size, default=4096, metavar="N", help="context size (default 4096)")
     p.add_argument("--tensor-split", type=parse_split, metavar="P,P,...", help="override the split plan")
     p.add_argument("--name", type=parse_name, metavar="NAME", help="how other nodes show this one (default: hostname)")
     p.add_argument("--port", type=tcp_port, default=9337, help="API port (default 9337)")
@@ -637,6 +635,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--models-dir", type=Path, metavar="DIR", help="where models live (default $MESH_LLM_MODELS or ~/.models)"
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    add_serving_flags(p)
     p.set_defaults(func=cmd_node)
     sub = p.add_subparsers(dest="command")
     pb = sub.add_parser(

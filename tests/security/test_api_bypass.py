@@ -50,6 +50,8 @@ async def test_every_generating_endpoint_is_capped_and_nothing_else_passes(llama
         ("/v1/responses", "/v1/responses", {"input": "Tell me a story", "max_output_tokens": many, "n_predict": many},
          {"Content-Type": "application/json"}),
         ("/v1/responses, no field", "/v1/responses", {"input": "Tell me a story", "n_predict": many}, {}),
+        ("bare /completions", "/completions", {"prompt": "Once", "max_tokens": many, "ignore_eos": True}, {}),
+        ("bare /chat/completions", "/chat/completions", {"messages": chat, "ignore_eos": True}, {}),
     ]  # fmt: skip
     try:
         async with aiohttp.ClientSession() as http:

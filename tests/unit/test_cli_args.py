@@ -26,6 +26,17 @@ BAD = [
     (["--model", "m.gguf", "--max-vram", "lots"], "--max-vram"),
     (["--model", "m.gguf", "--ctx-size", "0"], "--ctx-size"),
     (["--model", "m.gguf", "--ctx-size", "4k"], "--ctx-size"),
+    (["--model", "m.gguf", "--ctx-size", "100"], "--ctx-size"),
+    (["--model", "m.gguf", "--parallel", "0"], "--parallel"),
+    (["--model", "m.gguf", "--parallel", "many"], "--parallel"),
+    (["--model", "m.gguf", "--parallel", "1000"], "--parallel"),
+    (["--model", "m.gguf", "--cache-type", "q5_1"], "--cache-type"),
+    (["--model", "m.gguf", "--queue", "-1"], "--queue"),
+    (["--model", "m.gguf", "--ubatch-size", "0"], "--ubatch-size"),
+    (["--model", "m.gguf", "--chat-template", "no-such-template"], "--chat-template"),
+    (["--model", "m.gguf", "--temp", "nan"], "--temp"),
+    (["--model", "m.gguf", "--top-p", "2"], "--top-p"),
+    (["--model", "m.gguf", "--reasoning-format", "loud"], "--reasoning-format"),
     (["--model", "m.gguf", "--token-ttl", "0"], "--token-ttl"),
     (["--model", "m.gguf", "--token-ttl", "forever"], "--token-ttl"),
     (["--model", "m.gguf", "--tensor-split", "1,-1"], "--tensor-split"),
@@ -66,6 +77,7 @@ def test_bad_value_is_one_line_naming_the_option(
         (["--join-file", "/nonexistent/token"], "--join-file"),
         (["--client", "--join", "mesh1.x", "--state-dir", "/dev/null/x", "--port", "1"], "state dir /dev/null/x"),
         (["bundle", "/proc/no/such.tar.gz"], "cannot write /proc/no/such.tar.gz"),
+        (["--model", "m.gguf", "--cache-type", "q8_0", "--flash-attn", "off"], "--cache-type q8_0 needs flash"),
     ],
 )
 def test_contradictions_found_before_starting(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -118,3 +130,33 @@ def test_every_command_and_option_explains_itself() -> None:
     model = next(a for a in p._actions if "--model" in a.option_strings)
     assert model.help is not None
     assert all(w in model.help for w in ("catalog", "org/repo/file.gguf", "https://")), model.help
+
+
+def test_serving_options_reach_llama_servers_command_line(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from meshllm.cli import build_parser
+    from meshllm.llama.build import Binaries
+    from meshllm.llama.processes import llama_server_argv
+    from meshllm.serve.serving_flags import tuning_from
+
+    tpl = Path(str(tmp_path)) / "t.jinja"
+    tpl.write_text("{{ messages }}")
+    a = build_parser().parse_args(["--model", "m.gguf", "--parallel", "auto", "--ctx-size", "auto", "--cache-type",
+                                   "q8_0", "--ubatch-size", "256", "--temp", "0.2", "--chat-template", str(tpl),
+                                   "--reasoning-format", "none", "--no-jinja"])  # fmt: skip
+    assert (a.parallel, a.ctx_size) == (None, None)
+    t = tuning_from(a)
+    bins = Binaries(Path("/x/rpc-server"), Path("/x/llama-server"), "user")
+    argv = llama_server_argv(bins, Path("m.gguf"), 1, ctx_size=8192, parallel=4, tuning=t, arch_template="gemma")
+    joined = " ".join(argv)
+    assert "--ctx-size 32768" in joined and "--parallel 4" in joined and "--cont-batching" in joined
+    assert "--cache-type-k q8_0 --cache-type-v q8_0" in joined and "--ubatch-size 256" in joined
+    assert f"--chat-template-file {tpl}" in joined and "--chat-template " not in joined  # the user's, not the arch's
+    assert "--temp 0.2" in joined and "--reasoning-format none" in joined and "--no-jinja" in joined
+    # a model without a template: its architecture's built-in one, with Jinja off (Jinja would read the name as text)
+    plain = " ".join(llama_server_argv(bins, Path("m.gguf"), 1, arch_template="gemma"))
+    assert "--chat-template gemma --no-jinja" in plain
+    named = " ".join(llama_server_argv(bins, Path("m.gguf"), 1, tuning=tuning_from(
+        build_parser().parse_args(["--model", "m", "--chat-template", "chatml"])), arch_template="gemma"))  # fmt: skip
+    assert "--chat-template chatml --no-jinja" in named

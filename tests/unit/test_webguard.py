@@ -92,3 +92,17 @@ def test_only_an_api_open_to_other_machines_bounds_one_address() -> None:
         return Api(lambda _m: None, list, dict, api_key="k" if listen_all else None, listen_all=listen_all).limits
 
     assert limits(True).per_address == gate.PER_ADDRESS and limits(False).per_address == gate.TOTAL
+
+
+def test_a_preflight_may_ask_for_well_formed_headers_only() -> None:
+    from aiohttp.test_utils import make_mocked_request
+
+    from meshllm.serve.webguard import preflight_headers
+
+    ask = "x-stainless-os, X-Stainless-Lang, cookie, bad header, " + ", ".join(f"x-{i}" for i in range(40))
+    req = make_mocked_request("OPTIONS", "/v1/chat/completions", headers={"Access-Control-Request-Headers": ask})
+    got = [h.strip() for h in preflight_headers("Authorization, Content-Type", req).split(",")]
+    assert got[:4] == ["Authorization", "Content-Type", "x-stainless-os", "X-Stainless-Lang"]
+    assert "cookie" not in got and "bad header" not in got and len(got) <= 2 + 32
+    plain = make_mocked_request("OPTIONS", "/v1/models")
+    assert preflight_headers("Authorization, Content-Type", plain) == "Authorization, Content-Type"

@@ -149,12 +149,74 @@ def rpc_server_argv(
     return argv
 
 
+# llama.cpp's built-in chat templates for architectures whose GGUFs often come without one (base models): llama-server
+# would fall back to ChatML, which such models do not know (they never stop)
+ARCH_TEMPLATES = {"gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemma3n": "gemma", "phi3": "phi3",
+                  "command-r": "command-r", "deepseek2": "deepseek2", "exaone": "exaone3", "granite": "granite",
+                  "minicpm": "minicpm", "chatglm": "chatglm4", "qwen2": "chatml", "qwen3": "chatml"}  # fmt: skip
+# the ones a user may name with --chat-template (llama.cpp's list, src/llama-chat.cpp, b11312)
+BUILTIN_TEMPLATES = frozenset({
+    "chatml", "llama2", "llama2-sys", "llama2-sys-bos", "llama2-sys-strip", "mistral-v1", "mistral-v3",
+    "mistral-v3-tekken", "mistral-v7", "mistral-v7-tekken", "phi3", "phi4", "falcon3", "zephyr", "monarch", "gemma",
+    "orion", "openchat", "vicuna", "vicuna-orca", "deepseek", "deepseek2", "deepseek3", "command-r", "llama3",
+    "chatglm3", "chatglm4", "glmedge", "minicpm", "exaone3", "exaone4", "granite", "granite-4.0", "gigachat", "megrez",
+    "yandex", "bailing", "llama4", "smolvlm", "gpt-oss", "kimi-k2", "seed_oss",
+})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """llama-server's serving options a user sets through mesh-llm (checked when parsed, applied by the host)."""
+
+    cache_type: str = "f16"  # K and V cache type: f16, q8_0, q4_0 (the planner charges its bytes)
+    flash_attn: str = "auto"  # on, off, auto (llama.cpp uses it where the backend has it)
+    batch: int | None = None  # --batch-size (logical)
+    ubatch: int | None = None  # --ubatch-size (physical)
+    chat_template: str | None = None  # a built-in template's name
+    chat_template_file: Path | None = None  # a Jinja template file
+    jinja: bool | None = None  # None: llama-server's default (on)
+    rope_scaling: str | None = None  # none, linear, yarn
+    rope_freq_scale: float | None = None
+    reasoning_format: str | None = None  # none, deepseek, deepseek-legacy, auto
+    sampling: tuple[tuple[str, str], ...] = ()  # defaults for requests that do not say: ("--temp", "0.7"), ...
+
+    def argv(self, arch_template: str | None = None) -> list[str]:
+        """Its flags; ``arch_template``: the built-in template for a model without one (used unless the user chose)."""
+        out = ["--flash-attn", self.flash_attn]
+        if self.cache_type != "f16":
+            out += ["--cache-type-k", self.cache_type, "--cache-type-v", self.cache_type]
+        if self.batch:
+            out += ["--batch-size", str(self.batch)]
+        if self.ubatch:
+            out += ["--ubatch-size", str(self.ubatch)]
+        jinja = self.jinja
+        if self.chat_template_file is not None:
+            out += ["--chat-template-file", str(self.chat_template_file)]
+        elif self.chat_template or (arch_template and not self.jinja):
+            out += ["--chat-template", self.chat_template or arch_template or ""]
+            jinja = False if jinja is None else jinja  # with Jinja on, llama-server reads a name as a template's text
+        if jinja is not None:
+            out += ["--jinja" if jinja else "--no-jinja"]
+        if self.rope_scaling:
+            out += ["--rope-scaling", self.rope_scaling]
+        if self.rope_freq_scale:
+            out += ["--rope-freq-scale", f"{self.rope_freq_scale:g}"]
+        if self.reasoning_format:
+            out += ["--reasoning-format", self.reasoning_format]
+        for flag, value in self.sampling:
+            out += [flag, value]
+        return out
+
+
 def llama_server_argv(
     bins: Binaries,
     model: Path,
     port: int,
     *,
     ctx_size: int = 4096,
+    parallel: int = 1,
+    tuning: Tuning = Tuning(),
+    arch_template: str | None = None,
     threads: int | None = None,
     alias: str | None = None,
     rpc: Sequence[str] = (),
@@ -166,10 +228,13 @@ def llama_server_argv(
     draft_device: str | None = None,
     extra: Sequence[str] = (),
 ) -> list[str]:
-    """The one place that builds llama-server's command line."""
+    """The one place that builds llama-server's command line. ``ctx_size``: each slot's context (llama-server's
+    --ctx-size is all slots' together); continuous batching on, each slot its own KV cells (not unified: a slot's
+    context is what the planner charged)."""
     argv = [
         str(bins.llama_server), "--host", LOOPBACK, "--port", str(port), "--model", str(model),
-        "--ctx-size", str(ctx_size), "--no-webui", "--parallel", "1", "--metrics",
+        "--ctx-size", str(ctx_size * parallel), "--no-webui", "--parallel", str(parallel), "--cont-batching",
+        "--no-kv-unified", "--metrics", *tuning.argv(arch_template),
     ]  # fmt: skip
     if threads:
         argv += ["--threads", str(threads)]

@@ -12,7 +12,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from meshllm.llama.processes import (
     ANY_ADDR,
     Child,
     ChildFailed,
+    Tuning,
     describe_exit,
     explain_crash,
     free_port,
@@ -164,8 +165,11 @@ class ServerConfig:
 
     model: Path
     alias: str
-    ctx_size: int
+    ctx_size: int  # each slot's
     threads: int
+    parallel: int = 1  # slots
+    tuning: Tuning = field(default_factory=Tuning)
+    arch_template: str | None = None  # the built-in chat template for a model that has none
     rpc: tuple[str, ...] = ()
     tensor_split: tuple[int, ...] = ()
     extra: tuple[str, ...] = ()
@@ -190,7 +194,8 @@ class LocalServer(Supervised):
 
         def argv(port: int) -> list[str]:
             return llama_server_argv(
-                bins, cfg.model, port, ctx_size=cfg.ctx_size, threads=cfg.threads, alias=cfg.alias, rpc=cfg.rpc,
+                bins, cfg.model, port, ctx_size=cfg.ctx_size, parallel=cfg.parallel, tuning=cfg.tuning,
+                arch_template=cfg.arch_template, threads=cfg.threads, alias=cfg.alias, rpc=cfg.rpc,
                 tensor_split=[float(x) for x in cfg.tensor_split], n_gpu_layers=999 if cfg.rpc else None,
                 extra=(*cfg.extra, "--api-key-file", str(key_file)), draft=cfg.draft, draft_max=cfg.draft_max,
                 draft_device=cfg.draft_device,

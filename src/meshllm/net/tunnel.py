@@ -297,13 +297,23 @@ class _Gate(asyncio.Protocol):
         self.listener.bridge(transport)
 
 
-async def connect_and_bridge(stream: Stream, port: int, stats: TunnelStats) -> None:
-    """The far end of a tunnel: connect to a loopback service and bridge the stream to it until both ends are done."""
+async def connect_and_bridge(
+    stream: Stream, port: int, stats: TunnelStats, names: dict[int, str] | None = None, name: str = ""
+) -> None:
+    """The far end of a tunnel: connect to a loopback service and bridge the stream to it until both ends are done.
+    ``names``: while it lasts, our end's port -> ``name`` (so the service can tell whose connection it serves)."""
     loop = asyncio.get_running_loop()
     try:
-        _, bridge = await loop.create_connection(lambda: Bridge(stream, stats), "127.0.0.1", port)
+        transport, bridge = await loop.create_connection(lambda: Bridge(stream, stats), "127.0.0.1", port)
     except OSError as e:
         log.warning("tunnel to 127.0.0.1:%d failed: %s", port, e)
         stream.reset()
         return
-    await _run(bridge)
+    ours = int(transport.get_extra_info("sockname")[1])
+    if names is not None:
+        names[ours] = name
+    try:
+        await _run(bridge)
+    finally:
+        if names is not None:
+            names.pop(ours, None)

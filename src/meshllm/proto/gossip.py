@@ -93,6 +93,7 @@ class RecordUpdate(TypedDict, total=False):
     served: tuple[int, int]
     progress: int
     ttft: tuple[int, int]
+    slots: tuple[int, int, int, int]
     why: str
     left: bool
 
@@ -123,6 +124,7 @@ class PeerRecord:
     served: tuple[int, int] = (0, 0)  # a host: tokens its llama-server generated and prompt tokens it processed
     progress: int = -1  # a host whose model loads: percent loaded (-1: not loading, or not known)
     ttft: tuple[int, int] = (0, 0)  # requests through this node's API, and their summed time to first token (ms)
+    slots: tuple[int, int, int, int] = (0, 0, 0, 0)  # a host: slots busy, slots in all, requests waiting, context
     why: str = ""  # a host that cannot serve: why ("waiting for more peers — need …"), so every node says the same
 
     @property
@@ -141,6 +143,7 @@ class PeerRecord:
                 "nat": list(self.reflexive), "host": self.host, "planned": list(self.planned),
                 "chain": tok.chain_to_wire(list(self.chain)), "left": self.left, "at": self.at,
                 "srv": list(self.served), "prog": self.progress, "ttft": list(self.ttft),
+                "slots": list(self.slots),
                 "why": self.why,
             }
         )  # fmt: skip
@@ -210,6 +213,13 @@ def _pair(d: dict[str, Any], name: str) -> tuple[int, int]:
     if not (isinstance(v, list) and len(v) == 2 and all(_int(x) and 0 <= x < 2**63 for x in v)):
         raise RemoteProtocolError(f"record field {name} has the wrong type")
     return v[0], v[1]
+
+
+def _slots(d: dict[str, Any]) -> tuple[int, int, int, int]:
+    v = d.get("slots", [0, 0, 0, 0])  # absent from records of versions before slots
+    if not (isinstance(v, list) and len(v) == 4 and all(_int(x) and 0 <= x < 2**32 for x in v)):
+        raise RemoteProtocolError("record field slots has the wrong type")
+    return v[0], v[1], v[2], v[3]
 
 
 def _addrs(d: dict[str, Any], k: str, most: int) -> tuple[str, ...]:
@@ -285,7 +295,7 @@ def record_from_wire(
         links={k: str(v)[:40] for k, v in list(_field(d, "links", dict).items())[:64] if _is_id(k)},
         relay=_field(d, "relay", bool), reflexive=_addrs(d, "nat", 4),
         host=host, planned=_planned(d), chain=tuple(chain), left=_field(d, "left", bool), at=_field(d, "at", int),
-        served=_pair(d, "srv"), ttft=_pair(d, "ttft"), progress=_progress(d), why=_why(d),
+        served=_pair(d, "srv"), ttft=_pair(d, "ttft"), progress=_progress(d), why=_why(d), slots=_slots(d),
     )  # fmt: skip
 
 

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from meshllm.serve import gate, webguard
 from meshllm.serve.metrics import CONTENT_TYPE, Counters
+from meshllm.serve.slotgate import QueueFull, SlotGate
 
 log = logging.getLogger("meshllm.api")
 
@@ -36,6 +37,7 @@ class Upstream:
     model: str
     base_url: str
     key: str | None = None  # llama-server's own key (a local one); None: the upstream takes none (a host's door)
+    slots: SlotGate | None = None  # our own llama-server's slots: completions wait there for one (None: another node's)
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,9 @@ ENDPOINTS = {
 }
 
 
+BARE = ("/chat/completions", "/completions")  # served as under /v1 (llama-server does so too)
+
+
 def _count(n: object) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n > 0
 
@@ -163,6 +168,12 @@ def cap_tokens(req: dict[str, object], cap: int, ep: Endpoint = ENDPOINTS["/v1/c
         return None
     n = min((v for v in asked if _count(v) and v <= cap), default=cap)  # type: ignore[type-var, operator]
     return {**{k: v for k, v in req.items() if k not in TOKEN_FIELDS}, ep.cap_field: n}
+
+
+def _completions(req: dict[str, object]) -> int:
+    """How many completions a request asks for (``n``, llama-server's ``n_cmpl``): each takes a slot."""
+    n = req.get("n_cmpl", req.get("n", 1))
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
 
 
 def dot_segments(raw_path: str) -> bool:
@@ -190,11 +201,13 @@ class Api:
         listen_all: bool = False,
         max_tokens: int | None = None,
         door: bool = False,
+        source_of: Callable[[int], str] | None = None,
     ) -> None:
         """``door``: the host's door for requests its peers forward over the mesh (loopback, our own user only, no
         API key: the peer is an authenticated member) — the same endpoints and the same --max-tokens as the API,
         so no member reaches llama-server's own endpoints or generates past the cap by skipping its own API."""
         self.router = router
+        self.source_of = source_of  # the door: whose request a connection (by its client port) carries
         self.max_tokens = max_tokens  # --max-tokens: the most a completion request may ask for (None: no cap)
         self.metrics = metrics
         self.counters = Counters()
@@ -216,6 +229,9 @@ class Api:
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/v1/models", self.list_models)
         self.app.router.add_get("/v1/models/{model:.+}", self.get_model)
+        self.app.router.add_get("/models", self.list_models)  # many clients leave /v1 out of their base URL
+        for bare in BARE:
+            self.app.router.add_route("*", bare, self.proxy)
         self.created = int(time.time())  # the models' "created" (OpenAI's model objects carry one)
         self.app.router.add_get("/mesh/status", self.mesh_status)
         self.app.router.add_get("/metrics", self.get_metrics)
@@ -261,11 +277,13 @@ class Api:
     async def _auth(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                     ) -> web.StreamResponse:  # fmt: skip
         if self.api_key and request.path != "/health":
-            got = request.headers.get("Authorization", "")
-            expected = f"Bearer {self.api_key}"
-            if not hmac.compare_digest(got.encode(), expected.encode()):
-                return _error(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error",
-                              code="invalid_api_key")  # fmt: skip
+            # OpenAI's clients send "Authorization: Bearer KEY", Anthropic's "X-Api-Key: KEY": either will do
+            bearer = request.headers.get("Authorization", "").encode()
+            x_key = request.headers.get("X-Api-Key", "").encode()
+            ok_bearer = hmac.compare_digest(bearer, f"Bearer {self.api_key}".encode())
+            if not (ok_bearer | hmac.compare_digest(x_key, self.api_key.encode())):
+                return _error(401, "missing or wrong API key (Authorization: Bearer ..., or X-Api-Key: ...)",
+                              "authentication_error", code="invalid_api_key")  # fmt: skip
         resp = await handler(request)
         self.requests[resp.status] = self.requests.get(resp.status, 0) + 1
         return resp
@@ -300,13 +318,14 @@ class Api:
         return _json(200, self.status())
 
     async def proxy(self, request: web.Request) -> web.StreamResponse:
-        if request.path == "/v1/embeddings":  # llama-server would say "start it with --embeddings", not our flag
+        path = request.path if request.path.startswith("/v1/") else "/v1" + request.path  # BARE
+        if path == "/v1/embeddings":  # llama-server would say "start it with --embeddings", not our flag
             msg = "mesh-llm serves completions and chat; embeddings are not served"
             return _error(501, msg, "invalid_request_error", code="unsupported_endpoint")
-        ep = ENDPOINTS.get(request.path)
+        ep = ENDPOINTS.get(path)
         if ep is None:
-            served = ", ".join(ENDPOINTS)
-            return _error(404, f"unknown endpoint {request.path[:100]!r}: this API serves {served}, /v1/models",
+            known = ", ".join(ENDPOINTS)
+            return _error(404, f"unknown endpoint {request.path[:100]!r}: this API serves {known}, /v1/models",
                           "invalid_request_error", code="unknown_url")  # fmt: skip
         if request.method != "POST":
             return _error(405, f"{request.path} takes POST", "invalid_request_error", code="method_not_allowed")
@@ -321,33 +340,63 @@ class Api:
         if not isinstance(parsed, dict):
             return _error(400, "request body must be a JSON object", "invalid_request_error")
         model = parsed["model"] if isinstance(parsed.get("model"), str) else None
-        need = REQUIRED.get(request.path)
+        need = REQUIRED.get(path)
         if need is not None and not isinstance(parsed.get(need[0]), need[1]):
             return _error(400, f"'{need[0]}' is required", "invalid_request_error", param=need[0],
                           code="missing_required_parameter")  # fmt: skip
-        if self.max_tokens:
-            capped = cap_tokens(parsed, self.max_tokens, ep)
-            body = body if capped is None else json.dumps(capped).encode()
+        capped = cap_tokens(parsed, self.max_tokens, ep) if self.max_tokens else None
+        if capped is not None:
+            parsed = capped
+            body = json.dumps(capped).encode()
+        served = self.models()
+        if model is not None and model not in served and len(served) == 1:
+            # one model served: any name reaches it (clients configured for another name work, as with
+            # llama-server); the answer names the real one, and the body says it to every node on the way
+            model = parsed["model"] = served[0]
+            body = json.dumps(parsed).encode()
         up = self.router(model)
         if up is None:
-            names = ", ".join(self.models()) or "none"
+            names = ", ".join(served) or "none"
             return _error(404, f"model {model!r} is not served by this mesh (served: {names})",
                           "invalid_request_error", code="model_not_found", param="model")  # fmt: skip
         if isinstance(up, Unavailable):
             return _error(503, up.reason, "unavailable", headers={"Retry-After": str(up.retry_after_s)},
                           code="model_unavailable")  # fmt: skip
-        result = await self._forward(request, up, body)
+        weight = _completions(parsed) if ep.cap_field else 0  # slots it takes (count_tokens: none)
+        result = await self._held(request, path, up, body, weight)
         if isinstance(result, web.StreamResponse):
             return result
         # nothing reached the client yet: retry once, on whatever serves the model once the mesh has re-planned
         log.warning("%s via %s failed before any output (%s); retrying once", request.path, up.base_url, result)
         again = await self._wait_for_upstream(model)
         if isinstance(again, Upstream):
-            result = await self._forward(request, again, body)
+            result = await self._held(request, path, again, body, weight)
             if isinstance(result, web.StreamResponse):
                 return result
         reason = again.reason if isinstance(again, Unavailable) else f"the model server failed: {result}"
         return _error(503, reason, "unavailable", headers={"Retry-After": "5"}, code="model_unavailable")
+
+    def _source(self, request: web.Request) -> str:
+        """Who asks, for the fair share of slots: the peer node a door connection bridges, else the client's
+        address."""
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        if self.source_of is not None and peer:
+            return self.source_of(int(peer[1]))
+        return f"client {peer[0] if peer else '?'}"
+
+    async def _held(self, request: web.Request, path: str, up: Upstream, body: bytes, weight: int
+                    ) -> web.StreamResponse | str:  # fmt: skip
+        """``_forward`` once the request has its slots on our own llama-server (another node's: that node's door
+        holds them); 429 with Retry-After when every slot is busy and the queue is full."""
+        if up.slots is None or not weight:
+            return await self._forward(request, path, up, body)
+        try:
+            async with up.slots.hold(self._source(request), weight):
+                return await self._forward(request, path, up, body)
+        except QueueFull as e:
+            return _error(429, f"the model is busy: every slot is taken and {up.slots.core.queue_max} requests "
+                          f"wait; retry in {e.retry_after_s} s", "rate_limit_error",
+                          headers={"Retry-After": str(e.retry_after_s)}, code="rate_limit_exceeded")  # fmt: skip
 
     async def _wait_for_upstream(self, model: str | None) -> Upstream | Unavailable | None:
         deadline = asyncio.get_running_loop().time() + RETRY_WAIT_S
@@ -358,15 +407,15 @@ class Api:
                 return up
             await asyncio.sleep(0.5)
 
-    async def _forward(self, request: web.Request, up: Upstream, body: bytes) -> web.StreamResponse | str:
+    async def _forward(self, request: web.Request, path: str, up: Upstream, body: bytes) -> web.StreamResponse | str:
         """The upstream's response streamed to the client, or why it failed before anything was sent."""
         assert self._session is not None
-        drop = HOP_HEADERS | {"authorization", "origin", "referer", "cookie"}
+        drop = HOP_HEADERS | {"authorization", "x-api-key", "origin", "referer", "cookie"}
         headers = {k: v for k, v in request.headers.items() if k.lower() not in drop | {"content-type"}}
         headers["Content-Type"] = "application/json"  # what the body is: it was parsed as JSON
         if up.key:
             headers["Authorization"] = f"Bearer {up.key}"
-        url = up.base_url + request.path  # one of ENDPOINTS, as matched: never the client's query or spelling
+        url = up.base_url + path  # one of ENDPOINTS, as matched: never the client's query or spelling
         resp: web.StreamResponse | None = None
         t0 = time.monotonic()
         try:
@@ -379,12 +428,12 @@ class Api:
                 await resp.prepare(request)
                 sse = "event-stream" in r.headers.get("Content-Type", "")
                 tally = _TokenTally(sse)
-                timed = request.path in REQUIRED and r.status == 200  # completions and chats: their latency counts
+                timed = path in REQUIRED and r.status == 200  # completions and chats: their latency counts
                 first_token: float | None = None
                 held = b""  # an event's first part: sent once it is whole, so a cut never leaves half an event
                 # llama-server names text completions "chatcmpl-…"; OpenAI's are "cmpl-…" (a completion body is
                 # small: without SSE it is sent whole, so the rewrite never meets half a field)
-                fix_id = request.path == "/v1/completions"
+                fix_id = path == "/v1/completions"
                 try:
                     async for chunk in r.content.iter_any():
                         tally.feed(chunk)

@@ -18,7 +18,7 @@ from pathlib import Path
 from meshllm import state
 from meshllm.errors import UserError
 from meshllm.llama.build import Binaries
-from meshllm.llama.processes import ChildFailed, speaks_tls
+from meshllm.llama.processes import ChildFailed, Tuning, speaks_tls
 from meshllm.llama.rpcwire import Cmd, WireStats
 from meshllm.llama.supervisor import ChildState, LocalServer, RpcServer, ServerConfig, default_threads
 from meshllm.net.endpoint import STREAM_HTTP, STREAM_RPC, STREAM_RPC_KEY, Conn, Stream
@@ -28,9 +28,10 @@ from meshllm.proto import crypto, serving
 from meshllm.proto.capacity import first_device
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import ModelFacts, NodeState
-from meshllm.proto.planner import Plan, Waiting
+from meshllm.proto.planner import BASE_CTX, Plan, Sizing, Waiting
 from meshllm.serve.api import Api, Unavailable, Upstream
 from meshllm.serve.modelfiles import ModelFiles
+from meshllm.serve.slotgate import SlotGate
 
 log = logging.getLogger("meshllm.hosting")
 
@@ -41,7 +42,8 @@ class Hosting:
         net: MeshNet,
         bins: Binaries | None,
         state_dir: Path,
-        ctx_size: int,
+        tuning: Tuning,
+        queue: int | None,
         draft_max: int,
         on_listeners: Callable[[], None],
         elected: Callable[[], NodeId | None],
@@ -51,7 +53,10 @@ class Hosting:
         self.net = net
         self.bins = bins
         self.state_dir = state_dir
-        self.ctx_size = ctx_size
+        self.tuning = tuning
+        self.sizing = Sizing(1, BASE_CTX)  # the slots and context the plan gives llama-server (node: _replan)
+        self.slots = SlotGate(1, queue)  # every completion for our llama-server waits here for a slot
+        self.door_sources: dict[int, str] = {}  # the door's client port -> the peer whose request it bridges
         self.draft_max = draft_max
         self.on_listeners = on_listeners  # tunnel listeners a plan waited for are up: reconsider it
         self.elected = elected  # the host this node itself elected (None: none yet)
@@ -254,7 +259,8 @@ class Hosting:
     async def open_door(self, models: Callable[[], list[str]], max_tokens: int | None) -> None:
         """The door peers' requests come through (never llama-server's own port): an API of our own on loopback that
         passes the API's endpoints only, capped as the API caps them, to our llama-server only."""
-        self.door = Api(self.local_upstream, models, lambda: {}, max_tokens=max_tokens, door=True)
+        self.door = Api(self.local_upstream, models, lambda: {}, max_tokens=max_tokens, door=True,
+                        source_of=self._door_source)  # fmt: skip
         self.door_port = await self.door.start("127.0.0.1", 0)
 
     def local_upstream(self, model: str | None) -> Upstream | Unavailable | None:
@@ -263,14 +269,19 @@ class Hosting:
         srv, facts = self.server, self.model.facts if self.model else None
         if srv is None or facts is None or srv.state != ChildState.SERVING:
             return Unavailable("this node does not serve the model now", retry_after_s=1)
-        return Upstream(facts.source, srv.base_url, srv.key) if model in (None, facts.source) else None
+        return Upstream(facts.source, srv.base_url, srv.key, self.slots) if model in (None, facts.source) else None
 
     async def on_http_stream(self, conn: Conn, st: Stream) -> None:
         """Host side: a peer's API forwards a request for our model, through our door, to our llama-server."""
         if self.server is None or self.server.state != ChildState.SERVING or conn.peer is None or not self.door_port:
             st.reset()
             return
-        await connect_and_bridge(st, self.door_port, self.http_stats.setdefault(conn.peer, TunnelStats()))
+        await connect_and_bridge(st, self.door_port, self.http_stats.setdefault(conn.peer, TunnelStats()),
+                                 self.door_sources, f"node {crypto.short(conn.peer)}")  # fmt: skip
+
+    def _door_source(self, client_port: int) -> str:
+        """Whose request came through the door on this connection (the fair share of slots is per peer)."""
+        return self.door_sources.get(client_port, "node ?")
 
     def upstream(
         self, model: str | None, served: list[str], facts: ModelFacts | None, remote: tuple[NodeId, str] | None,
@@ -285,7 +296,7 @@ class Hosting:
         r = serving.route(model, served, local, remote, ready, plan, host, me, host_says)
         if isinstance(r, serving.Local):
             assert srv is not None
-            return Upstream(r.model, srv.base_url, srv.key)
+            return Upstream(r.model, srv.base_url, srv.key, self.slots)
         if isinstance(r, serving.Remote):
             return Upstream(r.model, f"http://127.0.0.1:{listeners[r.host].port}")
         if isinstance(r, serving.Connecting):
@@ -348,7 +359,8 @@ class Hosting:
                     rpc += (f"127.0.0.1:{self.rpc.port}",)
                 extra = ("--load-mode", "none", "--fit", "off")
             want = ServerConfig(
-                model=self.model.path, alias=self.model.facts.source, ctx_size=self.ctx_size,
+                model=self.model.path, alias=self.model.facts.source, ctx_size=self.sizing.ctx,
+                parallel=self.sizing.parallel, tuning=self.tuning, arch_template=self.model.arch_template,
                 threads=default_threads(), rpc=rpc, tensor_split=w.tensor_split if isinstance(w, serving.Split) else (),
                 extra=extra, draft=self.model.draft, draft_max=self.draft_max,
                 draft_device=first_device(self.device),
@@ -393,10 +405,16 @@ class Hosting:
                 rows.append((ep, key.identity, key.key))
             state.save_rpc_client_keys(self.state_dir, rows)
             self._direct_in_cfg = dict(direct)
+        self.slots.resize(cfg.parallel)
         self.server = LocalServer(self.bins, cfg, self.state_dir)
         self.server.on_exit = self._server_exited
         self.server.start()
         self.generations += 1
+
+    def slots_now(self) -> tuple[int, int, int, int]:
+        """Our llama-server's slots: busy, in all, requests waiting for one, and each one's context (tokens)."""
+        busy, total, waiting = self.slots.snapshot()
+        return busy, total, waiting, self.server_cfg.ctx_size if self.server_cfg else 0
 
     def became_ready(self) -> bool:
         """True once, when our llama-server has started serving: peers then route here (gossip state)."""

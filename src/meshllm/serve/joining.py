@@ -18,7 +18,7 @@ from meshllm.proto import crypto
 from meshllm.proto import token as tok
 from meshllm.proto.gossip import ModelFacts, Role
 from meshllm.proto.planner import GB, ModelShape
-from meshllm.serve.modelfiles import ModelFiles, find_by_fingerprint
+from meshllm.serve.modelfiles import ModelFiles, arch_template, find_by_fingerprint
 from meshllm.state import load_token, save_addrs, save_token
 
 
@@ -91,4 +91,5 @@ async def find_mesh_model(
         console.print("[yellow]found the model but no llama.cpp binaries: staying a lite client[/]")
         return None
     console.print(f"found the mesh's model {facts.source} as {found} (same fingerprint): joining as a worker")
-    return ModelFiles(found, facts), model_shape(read_header(found))
+    hdr = read_header(found)
+    return ModelFiles(found, facts, arch_template=arch_template(hdr)), model_shape(hdr)

@@ -33,7 +33,7 @@ from meshllm.proto.crypto import NodeId
 from meshllm.proto.debounce import Debouncer
 from meshllm.proto.gossip import MAX_WHY, ModelFacts, NodeState, PeerRecord, Role
 from meshllm.proto.meshcore import EventKind
-from meshllm.proto.planner import GB, ModelShape, Plan, Waiting, plan, plan_broken, slots_for
+from meshllm.proto.planner import GB, ModelShape, Plan, Sizing, Waiting, plan_broken, size, slots_for
 from meshllm.serve import narration
 from meshllm.serve.api import Api, Unavailable, Upstream
 from meshllm.serve.hosting import Hosting
@@ -74,7 +74,7 @@ class Node:
         self.timeline: deque[dict[str, object]] = deque(maxlen=TIMELINE)  # what the console's timeline shows
         self._api_said: NodeId | None = None  # the host our "API up" line named
         # joins come in bursts and a new plan costs a model load: adopt one once it has held for a moment
-        self._plan_debounce = Debouncer[Plan | Waiting](PLAN_DEBOUNCE_S, first_at_once=True)
+        self._plan_debounce = Debouncer[tuple[Plan | Waiting, Sizing]](PLAN_DEBOUNCE_S, first_at_once=True)
         self._stop = asyncio.Event()
         self.exit_code = 0  # 1: stopped because this node is out of the mesh (revoked, or its admission ended)
 
@@ -113,7 +113,7 @@ class Node:
         self.net = net = MeshNet(self.key, m, self.state, bind=(o.bind_host, o.bind_port),
                                  advertise=o.advertise or None, relay=o.relay_mode, relay_hint=o.relay,
                                  admit_s=o.admission_s)  # fmt: skip
-        self.hosting = Hosting(net, o.bins, self.state, o.ctx_size, o.draft_max, lambda: net.emit(CHANGED),
+        self.hosting = Hosting(net, o.bins, self.state, o.tuning, o.queue, o.draft_max, lambda: net.emit(CHANGED),
                                lambda: self.host, o.rpc_path, o.rpc_port)  # fmt: skip
         return tokens
 
@@ -294,7 +294,8 @@ class Node:
         model = self.facts.source if self.facts else "?"
         draft = f", draft {self.model.draft.name}" if self.model and self.model.draft else ""
         self._say(f"[bold green]ready:[/] http://{self.api_host}:{self.o.port}/v1 — model {model}{draft}", "ready")
-        self.console.print("\n".join(agent_lines(model, self.o.port)), markup=False)
+        ctx = self.hosting.sizing.ctx if self.hosting else 0
+        self.console.print("\n".join(agent_lines(model, self.o.port, ctx, bool(self.o.api_key))), markup=False)
 
     def _replan(self, now: float) -> None:
         assert self.net is not None and self.net.core is not None
@@ -305,12 +306,17 @@ class Node:
             return
         host_rec = self._record(self.host)
         prefer = serving.keep_first(self.me, self.host, self.plan, host_rec.planned if host_rec else ())
-        p = plan(self.shape, *slots, self.o.ctx_size, split=self.o.tensor_split, prefer=prefer)
+        o = self.o
+        sized = size(self.shape, *slots, o.parallel, o.ctx_size, o.tuning.cache_type, split=o.tensor_split,
+                     prefer=prefer)  # fmt: skip
         alive = {r.node for r in self.net.core.alive(now)}
-        settled = self._plan_debounce.propose(p, now, urgent=plan_broken(self.plan, alive))
-        if settled is None or settled == self.plan:
+        got = self._plan_debounce.propose(sized, now, urgent=plan_broken(self.plan, alive))
+        if got is None or (got[0] == self.plan and self.hosting is not None and got[1] == self.hosting.sizing):
             return
+        settled, sizing = got
         self.plan = settled
+        if self.hosting is not None:
+            self.hosting.sizing = sizing  # with the plan it was sized for
         if self.host == self.me:  # every node keeps our plan's nodes first: they converge on the plan we run
             self.net.update(planned=tuple(a.node for a in settled.assignments) if isinstance(settled, Plan) else (),
                             why=settled.message()[:MAX_WHY] if isinstance(settled, Waiting) else "")  # fmt: skip
@@ -320,7 +326,7 @@ class Node:
         """A host tells the mesh, in its record, how far its model has loaded and what its llama-server has done
         (every completion of the mesh runs there: tokens generated, prompt tokens), counted across restarts; every
         node tells how soon its requests got their first token."""
-        assert self.net is not None and self.hosting is not None
+        assert self.net is not None and self.net.core is not None and self.hosting is not None
         base, last, progress, asked = (0, 0), (0, 0), -1, 0
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
             while True:
@@ -340,6 +346,9 @@ class Node:
                         base = (base[0] + last[0], base[1] + last[1])
                     last = got
                     self.net.update(served=(base[0] + got[0], base[1] + got[1]))
+                slots = self.hosting.slots_now() if server is not None else (0, 0, 0, 0)
+                if slots != self.net.core.record.slots:  # a host: its slots busy, in all, waiting, and their context
+                    self.net.update(slots=slots)
 
     def _say(self, line: str, kind: str) -> None:
         """A line about the mesh: on the terminal, and in the timeline the console shows (plain text, wall time)."""

@@ -12,7 +12,7 @@ import psutil
 
 from meshllm.errors import UserError
 from meshllm.llama.build import Binaries
-from meshllm.llama.processes import device_listing
+from meshllm.llama.processes import Tuning, device_listing
 from meshllm.proto import token as tok
 from meshllm.proto.capacity import Offer, offer, parse_devices
 from meshllm.proto.gossip import MAX_NAME
@@ -33,7 +33,10 @@ class NodeOptions:
     token_ttl_s: float = 86400.0
     admission_s: float = tok.ADMIT_S  # --admission: how long the admissions this node signs hold unless renewed
     max_vram_gb: float | None = None
-    ctx_size: int = 4096
+    ctx_size: int | None = None  # each slot's context (None: auto, planner.size)
+    parallel: int | None = None  # llama-server's slots (None: auto)
+    queue: int | None = None  # --queue: how many requests may wait for a slot (None: proto.slots.default_queue)
+    tuning: Tuning = field(default_factory=Tuning)  # llama-server's serving options (the host applies them)
     tensor_split: list[float] | None = None
     port: int = 9337
     listen_all: bool = False

@@ -45,6 +45,7 @@ class MeshTokens(NamedTuple):
 
 class Report:
     def __init__(self, net: MeshNet, hosting: Hosting, api: Api | None, api_host: str, port: int) -> None:
+        self.keyed = bool(api and api.api_key)  # the API requires a key: the agent lines read it from the environment
         self.net = net
         self.hosting = hosting
         self.api = api
@@ -72,6 +73,12 @@ class Report:
         recs = core.alive(now) if core is not None else []
         n, total_ms = sum(r.ttft[0] for r in recs), sum(r.ttft[1] for r in recs)
         return {"count": n, "avg": round(total_ms / n / 1000, 3)} if n else None
+
+    def slots(self, now: float) -> tuple[int, int, int, int]:
+        """The serving host's slots, as it gossips them: busy, in all, requests waiting, each one's context."""
+        core = self.net.core
+        host = next((r for r in core.alive(now) if r.role == "host"), None) if core is not None else None
+        return host.slots if host is not None else (0, 0, 0, 0)
 
     def mesh_tokens(self, now: float) -> MeshTokens | None:
         """What the serving host says its llama-server did, for every node's requests: one source for the whole
@@ -135,7 +142,9 @@ class Report:
             "llama_starts": self.hosting.generations + (server.restarts if server else 0),
             "draft": v.draft,
             "served_models": v.served,
-            "agents": [{"label": a, "copy": b} for a, b in agent_commands(v.served[0], self.port)] if v.served else [],
+            "agents": [{"label": a, "copy": b} for a, b in agent_commands(v.served[0], self.port, self.slots(now)[3],
+                                                                          self.keyed)] if v.served else [],
+            "slots": dict(zip(("busy", "total", "queued", "ctx"), self.slots(now), strict=True)),
             "node": v.me.hex(), "mesh": core.mesh_id.hex(), "role": core.record.role,
             "host": v.host.hex() if v.host else None, "peers": peers, "plan": plan_obj,
             "reach": {
@@ -174,6 +183,11 @@ class Report:
                      "every node's requests (from the host's gossip)", mesh.generated, host)  # fmt: skip
             x.metric("mesh_llm_mesh_prompt_tokens_total", "counter", "prompt tokens the mesh's host processed",
                      mesh.prompt, host)  # fmt: skip
+        busy, total, queued, ctx = self.slots(now)
+        x.metric("mesh_llm_slots_busy", "gauge", "the host's llama-server slots running a request", busy)
+        x.metric("mesh_llm_slots_total", "gauge", "the host's llama-server slots (--parallel)", total)
+        x.metric("mesh_llm_queue_depth", "gauge", "requests waiting for a slot on the host", queued)
+        x.metric("mesh_llm_slot_context_tokens", "gauge", "the context of each slot", ctx)
         x.metric("mesh_llm_elections_total", "counter", "host changes seen", elections)
         x.metric("mesh_llm_build_info", "gauge", "this node's mesh-llm version", 1, {"version": __version__})
         server = self.hosting.server
@@ -219,18 +233,30 @@ def layers_of(plan: Plan | Waiting | None, node: NodeId) -> list[int] | None:
     return None
 
 
-def agent_commands(model: str, port: int) -> list[tuple[str, str]]:
-    """Launch lines for coding agents, for the model actually served: (what to do, the exact text to paste)."""
+KEY_ENV = "MESH_LLM_API_KEY"  # where the launch lines take the API key from, when the node requires one
+
+
+def agent_commands(model: str, port: int, ctx: int = 0, keyed: bool = False) -> list[tuple[str, str]]:
+    """Launch lines for coding agents, for the model actually served: (what to do, the exact text to paste). ``ctx``:
+    the context of each of the host's slots, the window an agent may fill (0: not known yet); ``keyed``: the API
+    requires a key, which the lines read from $MESH_LLM_API_KEY (never printed here)."""
     url = f"http://localhost:{port}/v1"
-    provider = {"mesh": {"baseUrl": url, "api": "openai-completions", "apiKey": "mesh", "models": [{"id": model}]}}
-    return [
+    model_obj: dict[str, object] = {"id": model, **({"contextWindow": ctx} if ctx else {})}
+    key = KEY_ENV if keyed else "mesh"  # pi reads an apiKey that names an environment variable from it
+    provider = {"mesh": {"baseUrl": url, "api": "openai-completions", "apiKey": key, "models": [model_obj]}}
+    goose_key = f"${KEY_ENV}" if keyed else "mesh"
+    limit = f"GOOSE_CONTEXT_LIMIT={ctx} " if ctx else ""
+    lines = [
         ("pi: add to ~/.pi/agent/models.json", json.dumps({"providers": provider})),
         ("pi: then run", f"pi --provider mesh --model {model}"),
-        ("goose: run", f"GOOSE_PROVIDER=openai OPENAI_HOST=http://localhost:{port} OPENAI_API_KEY=mesh "
-                       f"GOOSE_MODEL={model} goose session"),
+        ("goose: run", f"GOOSE_PROVIDER=openai OPENAI_HOST=http://localhost:{port} OPENAI_API_KEY={goose_key} "
+                       f"GOOSE_MODEL={model} {limit}goose session"),
     ]  # fmt: skip
+    if keyed:
+        lines.insert(0, ("first", f"export {KEY_ENV}=<this node's API key> (the one given with --api-key)"))
+    return lines
 
 
-def agent_lines(model: str, port: int) -> list[str]:
+def agent_lines(model: str, port: int, ctx: int = 0, keyed: bool = False) -> list[str]:
     """The same, as lines for the terminal."""
-    return [f"{label}: {text}" for label, text in agent_commands(model, port)]
+    return [f"{label}: {text}" for label, text in agent_commands(model, port, ctx, keyed)]

@@ -10,6 +10,7 @@ with every cross-origin request and every POST). Clients that are not browsers s
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable, Iterable
 from urllib.parse import urlsplit
 
@@ -65,7 +66,7 @@ def middleware(listen_all: bool, allow_headers: str = "Authorization, Content-Ty
         if origin is not None and request.method == "OPTIONS":
             resp: web.StreamResponse = web.Response(status=204)
             resp.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
-            resp.headers["Access-Control-Allow-Headers"] = allow_headers
+            resp.headers["Access-Control-Allow-Headers"] = preflight_headers(allow_headers, request)
             resp.headers["Access-Control-Max-Age"] = "600"
         else:
             resp = await handler(request)
@@ -75,6 +76,18 @@ def middleware(listen_all: bool, allow_headers: str = "Authorization, Content-Ty
         return resp
 
     return guard
+
+
+_TOKEN = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}")
+
+
+def preflight_headers(allow: str, request: web.Request) -> str:
+    """The headers a preflight from a page the guard let in may send: ours, and the ones it asks for (SDKs send their
+    own, such as the OpenAI JS SDK's x-stainless-*) as long as they are well-formed names, at most 32 of them."""
+    asked = [h.strip() for h in request.headers.get("Access-Control-Request-Headers", "").split(",") if h.strip()]
+    have = {h.strip().lower() for h in allow.split(",")}
+    extra = [h for h in asked[:32] if _TOKEN.fullmatch(h) and h.lower() not in have and h.lower() != "cookie"]
+    return ", ".join([allow, *extra]) if extra else allow
 
 
 def strip_cors(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -1,0 +1,269 @@
+"""[team] Many users at once, on real nodes: llama-server's slots, the host's fair and bounded queue in front of them,
+and the API as clients see it (any model name with one model, X-Api-Key, paths without /v1, CORS preflights of SDKs,
+``n`` completions).
+
+Two solo nodes of the tiny model serve the module: ``one`` with a single slot and a queue of two (429s, disconnects,
+fairness: what one slot makes visible) and ``two`` with --parallel 2 and --ctx-size auto.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.meshlab import NodeProc, wait_for
+
+KEY = "slot-test-key"
+LONG = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "temperature": 0}
+
+
+def _ready(n: NodeProc) -> None:
+    wait_for(lambda: "ready:" in n.text() or n.proc.poll() is not None, 180, "the node to serve")
+    assert n.proc.poll() is None, n.text()
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[tuple[NodeProc, NodeProc]]:
+    tmp = tmp_path_factory.mktemp("slots")
+    one = NodeProc(tmp, "one", tiny_model, "--parallel", "1", "--queue", "2", "--ctx-size", "4096",
+                   "--api-key", KEY)  # fmt: skip
+    two = NodeProc(tmp, "two", tiny_model, "--parallel", "2", "--max-vram", "1")
+    try:
+        _ready(one)
+        _ready(two)
+        yield one, two
+    finally:
+        one.stop()
+        two.stop()
+
+
+def _conn(port: int, source: str = "127.0.0.1") -> http.client.HTTPConnection:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=120, source_address=(source, 0))
+    c.connect()
+    return c
+
+
+def _send(c: http.client.HTTPConnection, path: str, body: dict[str, object], key: str | None = KEY,
+          headers: dict[str, str] | None = None) -> None:  # fmt: skip
+    h = {"Content-Type": "application/json", **(headers or {})}
+    if key:
+        h["Authorization"] = f"Bearer {key}"
+    c.request("POST", path, json.dumps(body).encode(), h)
+
+
+def _post(port: int, path: str, body: dict[str, object], key: str | None = KEY, source: str = "127.0.0.1",
+          headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], dict[str, object]]:  # fmt: skip
+    c = _conn(port, source)
+    try:
+        _send(c, path, body, key, headers)
+        r = c.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, json.loads(r.read() or b"{}")
+    finally:
+        c.close()
+
+
+def _stream_first(port: int, body: dict[str, object], key: str | None = KEY) -> tuple[http.client.HTTPConnection,
+                                                                                       http.client.HTTPResponse]:  # fmt: skip
+    """A streaming completion whose first token has arrived: (its connection, its response)."""
+    c = _conn(port)
+    _send(c, "/v1/completions", {**body, "stream": True}, key)
+    r = c.getresponse()
+    assert r.status == 200, r.read()
+    while b'"text"' not in (line := r.readline()):
+        assert line, "the stream ended before its first token"
+    return c, r
+
+
+def _gauge(n: NodeProc, name: str, key: str | None = KEY) -> int:
+    c = _conn(n.port)
+    try:
+        c.request("GET", "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})
+        text = c.getresponse().read().decode()
+    finally:
+        c.close()
+    m = re.search(rf"^{name} (\d+)", text, re.M)
+    return int(m.group(1)) if m else -1
+
+
+def _slots_busy(n: NodeProc, key: str | None = KEY) -> int:
+    return _gauge(n, "mesh_llm_slots_busy", key)
+
+
+def _quick(port: int, key: str | None = KEY) -> float:
+    """Seconds until a short completion answers."""
+    t0 = time.monotonic()
+    code, _, out = _post(port, "/v1/completions", {"prompt": "Hi", "max_tokens": 4, "temperature": 0}, key)
+    assert code == 200, out
+    return time.monotonic() - t0
+
+
+def test_a_long_request_does_not_block_a_short_one(nodes: tuple[NodeProc, NodeProc]) -> None:
+    _, two = nodes
+    c, r = _stream_first(two.port, LONG, key=None)
+    try:
+        took = _quick(two.port, key=None)
+        # the long one still generates: it streams more tokens after the short one answered
+        assert b'"text"' in r.readline() + r.readline() + r.readline()
+    finally:
+        c.close()
+    assert took < 10, f"the short request took {took:.1f} s beside the long one"
+
+
+def test_auto_context_loads_and_is_what_llama_server_runs(nodes: tuple[NodeProc, NodeProc]) -> None:
+    _, two = nodes
+    slots = two.status()["slots"]
+    assert isinstance(slots, dict) and slots["total"] == 2
+    assert 4096 < slots["ctx"] <= 32768  # auto: more than the floor, at most the model's trained 32768
+    log = two.text_of("llama-server.log")
+    assert f"n_slots = 2, n_ctx_slot = {slots['ctx']}" in log
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_goes_away_frees_its_slot_at_once(nodes: tuple[NodeProc, NodeProc], stream: bool) -> None:
+    """One slot: a long generation whose client disconnects stops, so the next request runs at once (llama-server
+    stopped generating too: with its single slot still busy the next one would wait out 4000 tokens)."""
+    one, _ = nodes
+    if stream:
+        c, _r = _stream_first(one.port, LONG)
+    else:
+        c = _conn(one.port)
+        _send(c, "/v1/completions", LONG)
+        wait_for(lambda: _slots_busy(one) == 1, 10, "the long request to take the slot")
+        time.sleep(0.5)  # generating
+    c.sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
+    c.close()
+    t0 = time.monotonic()
+    took = _quick(one.port)
+    assert took < 3.0, f"the next request took {took:.1f} s after the client went away"
+    wait_for(lambda: _slots_busy(one) == 0, 3, "the slot to be free")
+    assert time.monotonic() - t0 < 4
+
+
+def test_a_full_queue_answers_429_with_retry_after(nodes: tuple[NodeProc, NodeProc]) -> None:
+    one, _ = nodes
+    c, _r = _stream_first(one.port, LONG)
+    waiting: list[tuple[int, dict[str, object]]] = []
+
+    def wait_in_line() -> None:
+        code, _, out = _post(one.port, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+        waiting.append((code, out))
+
+    threads = [threading.Thread(target=wait_in_line) for _ in range(2)]  # --queue 2
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        code, headers, out = _post(one.port, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+        assert code == 429, out
+        assert int(headers["retry-after"]) >= 1
+        err = out["error"]
+        assert isinstance(err, dict) and err["code"] == "rate_limit_exceeded" and err["type"] == "rate_limit_error"
+    finally:
+        c.close()
+        for t in threads:
+            t.join(60)
+    assert [w[0] for w in waiting] == [200, 200]  # the queued ones were served once the slot freed
+
+
+def test_a_client_that_gives_up_waiting_leaves_the_queue(nodes: tuple[NodeProc, NodeProc]) -> None:
+    one, _ = nodes
+    c, _r = _stream_first(one.port, LONG)
+    try:
+        q = _conn(one.port)
+        _send(q, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+        wait_for(lambda: _gauge(one, "mesh_llm_queue_depth") == 1, 5, "the request to wait in the queue")
+        q.sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
+        q.close()
+        wait_for(lambda: _gauge(one, "mesh_llm_queue_depth") == 0, 3, "the queue to let it go")
+    finally:
+        c.close()
+
+
+def test_n_completions_take_n_slots(nodes: tuple[NodeProc, NodeProc]) -> None:
+    _, two = nodes
+    c, _r = _stream_first(two.port, {**LONG, "n": 2}, key=None)
+    try:
+        wait_for(lambda: _slots_busy(two, None) == 2, 5, "both slots busy")
+    finally:
+        c.close()
+
+
+def test_one_burst_does_not_starve_another_client(nodes: tuple[NodeProc, NodeProc]) -> None:
+    """One slot, a queue of two: client 127.0.0.1 queues two short requests behind its long one; then client
+    127.0.0.2 asks: its request pushes out the burst's newest (429 to that one) and goes next."""
+    one, _ = nodes
+    c, _r = _stream_first(one.port, LONG)
+    done: list[tuple[str, int, float]] = []
+
+    def ask(source: str) -> None:
+        code, _, _out = _post(one.port, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, source=source)
+        done.append((source, code, time.monotonic()))
+
+    burst = [threading.Thread(target=ask, args=("127.0.0.1",)) for _ in range(2)]
+    other = threading.Thread(target=ask, args=("127.0.0.2",))
+    try:
+        for t in burst:
+            t.start()
+            time.sleep(0.3)
+        time.sleep(0.5)
+        other.start()
+        time.sleep(0.5)
+    finally:
+        c.close()  # the long one ends: the queue drains
+    for t in [*burst, other]:
+        t.join(60)
+    served = [s for s, code, _ in sorted(done, key=lambda d: d[2]) if code == 200]
+    assert sorted(code for _, code, _ in done) == [200, 200, 429], done
+    assert served[0] == "127.0.0.2", done
+
+
+def test_the_api_as_clients_see_it(nodes: tuple[NodeProc, NodeProc]) -> None:
+    one, two = nodes
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    # any model name reaches the one model served, and the answer names the real one
+    code, _, out = _post(two.port, "/v1/chat/completions", {**body, "model": "gpt-4o-mini"}, key=None)
+    assert code == 200 and out["model"] == "gemma-3-270m-q4_k_m", out
+    # paths without /v1, as llama-server serves them
+    code, _, out = _post(two.port, "/chat/completions", body, key=None)
+    assert code == 200 and out["object"] == "chat.completion", out
+    c = _conn(two.port)
+    c.request("GET", "/models")
+    assert json.loads(c.getresponse().read())["data"][0]["id"] == "gemma-3-270m-q4_k_m"
+    c.close()
+    # n completions, each in a slot
+    code, _, out = _post(two.port, "/v1/completions", {"prompt": "Hi", "max_tokens": 3, "n": 2}, key=None)
+    assert code == 200 and len(out["choices"]) == 2, out  # type: ignore[arg-type]
+    # Anthropic's clients send X-Api-Key
+    code, _, out = _post(one.port, "/v1/messages", body, key=None, headers={"X-Api-Key": KEY})
+    assert code == 200 and out["type"] == "message", out
+    code, _, _ = _post(one.port, "/v1/messages", body, key=None, headers={"X-Api-Key": "wrong"})
+    assert code == 401
+    # a loopback page using the OpenAI JS SDK: its preflight asks for x-stainless-* headers
+    c = _conn(two.port)
+    c.request("OPTIONS", "/v1/chat/completions", headers={
+        "Origin": "http://localhost:5173", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os, x-stainless-retry-count"})  # fmt: skip
+    r = c.getresponse()
+    allowed = {h.strip().lower() for h in (r.getheader("Access-Control-Allow-Headers") or "").split(",")}
+    c.close()
+    assert r.status == 204 and {"x-stainless-os", "x-stainless-retry-count", "authorization"} <= allowed
+
+
+def test_a_parallel_that_does_not_fit_is_refused_in_one_line(tmp_path: Path, tiny_model: Path) -> None:
+    n = NodeProc(tmp_path, "big", tiny_model, "--parallel", "200", "--ctx-size", "32768", "--max-vram", "1")
+    try:
+        wait_for(lambda: "--parallel 200 with --ctx-size 32768 needs" in n.text(), 60, "the refusal")
+        line = next(x for x in n.text().splitlines() if "--parallel 200" in x)
+        k = int(line.split("--parallel ")[2].split()[0])
+        assert 1 <= k < 200 and "fits" in line
+        assert "llama-server ready" not in n.text()
+    finally:
+        n.stop()
