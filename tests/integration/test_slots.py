@@ -70,8 +70,10 @@ def _post(port: int, path: str, body: dict[str, object], key: str | None = KEY, 
         c.close()
 
 
-def _stream_first(port: int, body: dict[str, object], key: str | None = KEY) -> tuple[http.client.HTTPConnection,
-                                                                                       http.client.HTTPResponse]:  # fmt: skip
+Streaming = tuple[http.client.HTTPConnection, http.client.HTTPResponse]
+
+
+def _stream_first(port: int, body: dict[str, object], key: str | None = KEY) -> Streaming:
     """A streaming completion whose first token has arrived: (its connection, its response)."""
     c = _conn(port)
     _send(c, "/v1/completions", {**body, "stream": True}, key)
@@ -248,9 +250,10 @@ def test_the_api_as_clients_see_it(nodes: tuple[NodeProc, NodeProc]) -> None:
     assert code == 401
     # a loopback page using the OpenAI JS SDK: its preflight asks for x-stainless-* headers
     c = _conn(two.port)
+    asks = "authorization, content-type, x-stainless-os, x-stainless-retry-count"
     c.request("OPTIONS", "/v1/chat/completions", headers={
         "Origin": "http://localhost:5173", "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os, x-stainless-retry-count"})  # fmt: skip
+        "Access-Control-Request-Headers": asks})  # fmt: skip
     r = c.getresponse()
     allowed = {h.strip().lower() for h in (r.getheader("Access-Control-Allow-Headers") or "").split(",")}
     c.close()
