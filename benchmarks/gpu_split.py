@@ -3,6 +3,10 @@
 On a GPU machine with no network (the lent device), after ``benchmarks/gpu_pack.sh`` made the carry folder here:
 
     python3 benchmarks/gpu_split.py --carry gpuc [--tokens 128] [--runs 3] [--cap 3.5] [--work /tmp/gpu-bench]
+    python3 benchmarks/gpu_split.py --carry gpuc --load [--parallel 8] [--slot-ctx 9216] [--clients 1,4,8,16]
+
+(--prepare builds and makes the model only, so a second call on the still-warm machine has the whole 10 minutes.)
+--load is [team]'s table: many clients at once and long prompts, every setup with the same slots and context.
 
 It installs the carried wheels (into WORK/site), builds the patched binaries with mesh-llm's own build (CUDA,
 self-tested) from the carried source, builds llama-quantize in the same tree, writes a random-weight F16 GGUF of the
@@ -37,6 +41,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from loadgen import concurrent, ids, one, pct, prefill  # benchmarks/loadgen.py: the clients
 
 ROOT = Path(__file__).resolve().parents[1]
 SHA = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"  # the pinned sdist (meshllm.llama.build)
@@ -164,6 +170,14 @@ def main() -> None:
         action="store_true",
         help="instead (4 GPUs): a 2-GPU host and a 2-GPU worker, next to stock RPC with the same four-device split",
     )
+    ap.add_argument("--load", action="store_true",
+                    help="instead: many clients at once (aggregate tok/s, time to first token) and long prompts' "
+                         "prefill, for the mesh, stock RPC and in-process llama.cpp with the same slots and context")
+    ap.add_argument("--parallel", type=int, default=8, help="--load: slots of every setup (default 8)")
+    ap.add_argument("--slot-ctx", type=int, default=9216, help="--load: context per slot (default 9216: an 8k prompt)")
+    ap.add_argument("--clients", default="1,4,8,16", help="--load: concurrent clients, comma-separated")
+    ap.add_argument("--split", default="13,19", help="--load: layers of worker and host (the issue's 13/19 split)")
+    ap.add_argument("--prepare", action="store_true", help="only build the binaries and make the model, then stop")
     args = ap.parse_args()
     work: Path = args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -186,6 +200,8 @@ def main() -> None:
                        check=True, capture_output=True)  # fmt: skip
         (work / "m-f16.gguf").unlink()
         print(f"model: {model.stat().st_size / 1e9:.2f} GB Q4_K_M in {time.monotonic() - t0:.0f} s")
+    if args.prepare:
+        return
     logs = work / "logs"
     rows: list[tuple[str, float]] = []
 
@@ -193,7 +209,9 @@ def main() -> None:
         return dict(env, CUDA_VISIBLE_DEVICES=i)
 
     # the mesh: one node per (GPUs, --max-vram) in ``spec``; the first makes the mesh, the others join
-    def run_mesh(name: str, rpc_path: str, spec: list[tuple[str, float | None]]) -> tuple[float, dict[str, object]]:
+    def run_mesh(name: str, rpc_path: str, spec: list[tuple[str, float | None]], extra: tuple[str, ...] = (),
+                 measure: Any = None) -> tuple[Any, dict[str, object]]:  # fmt: skip
+        """``measure(base_url)``: what to measure at the host's API (default: single-stream decode tok/s)."""
         nodes, ports = [], [free_port() for _ in spec]
         state = work / f"mesh-{name}"
         shutil.rmtree(state, ignore_errors=True)
@@ -203,8 +221,8 @@ def main() -> None:
         try:
             for i, ((gpus, cap), port) in enumerate(zip(spec, ports, strict=True)):
                 cmd = [sys.executable, "-m", "meshllm.cli", "--model", str(model), "--state-dir", str(state / f"n{i}"),
-                       "--port", str(port), "--bind-host", "127.0.0.1", "--ctx-size", "2048",
-                       "--rpc-path", rpc_path]  # fmt: skip
+                       "--port", str(port), "--bind-host", "127.0.0.1", "--rpc-path", rpc_path,
+                       *(extra or ("--ctx-size", "2048", "--parallel", "1"))]  # fmt: skip
                 cmd += ["--max-vram", str(cap)] if cap is not None else []
                 if i:
                     cmd += ["--join-file", str(state / "n0" / "token")]
@@ -220,7 +238,10 @@ def main() -> None:
                 st = json.loads(r.read())
             for t in texts:
                 print(next((line for line in t.read_text().splitlines() if "capacity" in line), "?"), flush=True)
-            return tps(f"http://127.0.0.1:{ports[host]}", "/v1/completions", args.tokens, args.runs), st
+            base = f"http://127.0.0.1:{ports[host]}"
+            if measure is not None:
+                return measure(base, "/v1/completions"), st
+            return tps(base, "/v1/completions", args.tokens, args.runs), st
         finally:
             for n in nodes:
                 n.stop()
@@ -232,12 +253,15 @@ def main() -> None:
         path = "; ".join(p["rpc_path"] for p in st["peers"] if p.get("rpc_path"))  # type: ignore[attr-defined]
         return v, counts, path
 
-    def server(name: str, dev: str, rpc: list[str], tensor_split: list[float], extra: tuple[str, ...] = ()) -> float:
+    def server(name: str, dev: str, rpc: list[str], tensor_split: list[float], extra: tuple[str, ...] = (),
+               measure: Any = None, ctx: int = 2048, parallel: int = 1) -> Any:  # fmt: skip
         port = free_port()
-        argv = llama_server_argv(bins, model, port, ctx_size=2048, rpc=rpc, n_gpu_layers=999,
+        argv = llama_server_argv(bins, model, port, ctx_size=ctx, parallel=parallel, rpc=rpc, n_gpu_layers=999,
                                  tensor_split=tensor_split, extra=("--fit", "off", *extra))  # fmt: skip
         with Child.start(name, argv, logs / f"{name}.log", env=gpu(dev)) as c:
             wait_http_ready(c, f"http://127.0.0.1:{port}/health", 600)
+            if measure is not None:
+                return measure(f"http://127.0.0.1:{port}", "/v1/completions")
             return tps(f"http://127.0.0.1:{port}", "/completion", args.tokens, args.runs)
 
     def rpc_server(name: str, dev: str, device: str | None = None) -> tuple[Child, str]:
@@ -248,6 +272,9 @@ def main() -> None:
 
     if args.quad:
         quad(run_mesh, server, rpc_server, args.tokens, args.runs)
+        return
+    if args.load:
+        load(run_mesh, server, rpc_server, args)
         return
     if args.multi:
         multi(run_mesh, server, rpc_server, args.tokens, args.runs)
@@ -294,6 +321,57 @@ def main() -> None:
     print("| setup | tok/s | ms/token | ÷ in-process | ÷ direct TCP RPC |\n|---|---:|---:|---:|---:|")
     for name, v in rows:
         print(f"| {name} | {v:.1f} | {1000 / v:.2f} | {v / base:.2f} | {v / tcp:.2f} |")
+
+
+def load(run_mesh: Any, server: Any, rpc_server: Any, args: Any) -> None:
+    """[team]: every setup with --parallel slots of --slot-ctx tokens and the same layer split (the mesh's host on GPU
+    0, its worker on GPU 1; --tensor-split forces the split, as the issue's 13/19): aggregate tok/s of --tokens greedy
+    tokens at each client count and the time to first token, then the prefill of a 2k and an 8k prompt."""
+    clients = [int(x) for x in args.clients.split(",")]
+    w, h = (int(x) for x in args.split.split(","))
+    p, ctx = args.parallel, args.slot_ctx
+
+    def measure(base: str, path: str) -> dict[str, object]:
+        out: dict[str, object] = {}
+        one(base, path, ids(32, 1), 8)  # warm-up
+        for i, n in enumerate(clients):
+            out[f"c{n}"] = concurrent(base, path, n, args.tokens, args.runs, seed=100 * i)
+        out["p2k"] = prefill(base, path, 2048, args.runs, seed=7)
+        out["p8k"] = prefill(base, path, 8192, args.runs, seed=9)
+        return out
+
+    results: list[tuple[str, dict[str, object]]] = []
+    mesh_args = ("--parallel", str(p), "--ctx-size", str(ctx), "--tensor-split", f"{w},{h}")
+    for path_name in ("auto", "tunnel"):
+        got, st = run_mesh(f"load-{path_name}", path_name, [("0", None), ("1", None)], mesh_args, measure)
+        via = "; ".join(x["rpc_path"] for x in st["peers"] if x.get("rpc_path"))  # type: ignore[attr-defined]
+        print(f"mesh ({path_name}): plan {[a['count'] for a in st['plan']['assignments']]}, {via}, "  # type: ignore[index]
+              f"slots {st.get('slots')}", flush=True)
+        results.append((f"mesh-llm, {'default path' if path_name == 'auto' else 'tunnel'} ({via})", got))
+    ts = [float(w), float(h + 1)]
+    worker, at = rpc_server("rpc-load", "1")
+    try:
+        tcp = server("load-tcp", "0", [at], ts, (), measure, ctx, p)
+        results.append(("stock: host GPU + worker over TCP RPC", tcp))
+    finally:
+        worker.stop()
+    inproc = server("load-inproc", "0,1", [], ts, ("-sm", "layer"), measure, ctx, p)
+    results.append(("llama.cpp in one process, 2 GPUs", inproc))
+    base = dict(results)["llama.cpp in one process, 2 GPUs"]
+    print(f"\n# {args.tokens} greedy tokens per client, --parallel {p}, {ctx} tokens per slot, split {w}/{h}; "
+          f"aggregate: median of {args.runs} runs; time to first token over all requests of those runs")
+    print("| setup | clients | aggregate tok/s | ÷ in-process | TTFT p50 s | TTFT p95 s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, r in results:
+        for n in clients:
+            agg, tt = r[f"c{n}"]  # type: ignore[misc]
+            b = base[f"c{n}"][0]  # type: ignore[index]
+            print(f"| {name} | {n} | {agg:.1f} | {agg / b:.2f} | {pct(tt, 0.5):.3f} | {pct(tt, 0.95):.3f} |")
+    print(f"\n# prefill, prompt tok/s (llama-server's prompt timing), median of {args.runs}")
+    print("| setup | 2k prompt | ÷ in-process | 8k prompt | ÷ in-process |\n|---|---:|---:|---:|---:|")
+    for name, r in results:
+        a, b2 = r["p2k"], r["p8k"]
+        print(f"| {name} | {a:.0f} | {a / base['p2k']:.2f} | {b2:.0f} | {b2 / base['p8k']:.2f} |")  # type: ignore[operator]
 
 
 _ROW = re.compile(r"\|\s+-\s+(?P<dev>\S+)[^|]*\|[^(|]*?(?:\(\s*)?(?P<self>\d+) =\s+\d+ \+\s+\d+ \+\s+\d+")
