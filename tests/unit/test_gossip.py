@@ -328,3 +328,14 @@ def test_addresses_from_peers_are_ip_literals_never_names() -> None:
     assert host_port("localhost:4000") == "127.0.0.1:4000"  # the user's own name: resolved once, by the CLI
     with pytest.raises(argparse.ArgumentTypeError, match="cannot resolve"):
         host_port("no-such-host.invalid:4000")
+
+
+def test_a_hosts_slots_travel_and_bad_ones_are_dropped() -> None:
+    t = Table(crypto.node_id(FOUNDER), MESH)
+    k, c = member()
+    n = crypto.node_id(k)
+    assert t.merge_record(rec(k, c, slots=(3, 8, 2, 32768)), T).changed == [n]
+    assert t.entries[n].record.slots == (3, 8, 2, 32768)
+    assert "field slots" in t.merge_record(rec(k, c, seq=2, slots=(1, 2, 3)), T).dropped[0]  # type: ignore[arg-type]
+    assert "field slots" in t.merge_record(rec(k, c, seq=3, slots=(-1, 8, 0, 0)), T).dropped[0]
+    assert t.entries[n].record.slots == (3, 8, 2, 32768)

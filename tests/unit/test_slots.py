@@ -180,3 +180,14 @@ def test_unknown_trained_context_stays_at_the_base() -> None:
     shape = dataclasses.replace(SHAPE, n_ctx_train=0)
     _, s = size(shape, Slot(A, 80 * GB), [], None, None)
     assert s.ctx == 4096
+
+
+def test_the_default_context_on_two_80gb_gpus_for_an_8b_model_is_at_least_32k() -> None:
+    """[team]'s goal, on the planner: Llama-3-8B's shape (Q4_K_M, 4.9 GB; GQA 8 KV heads of 128: 4 KiB of f16 K+V per
+    token and layer; trained for 131072) on a mesh of two 80 GB GPUs gets 8 slots of at least 32k tokens."""
+    shape = ModelShape(
+        n_layer=32, layer_bytes=(137 * MiB,) * 32, embd_bytes=282 * MiB, output_bytes=411 * MiB, other_bytes=MiB,
+        kv_bytes_per_token_layer=2 * 8 * (128 + 128), n_embd=4096, n_vocab=128256, n_ctx_train=131072,
+    )  # fmt: skip
+    p, s = size(shape, Slot(A, 80 * GB), [Slot(B, 80 * GB)], None, None)
+    assert isinstance(p, Plan) and s.parallel == MAX_AUTO_SLOTS and s.ctx >= 32768
