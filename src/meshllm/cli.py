@@ -615,7 +615,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", type=nonempty, metavar="KEY", help="require this API key (or $MESH_LLM_API_KEY)")
     p.add_argument("--max-tokens", type=positive_int, metavar="N",
                    help="the most tokens one request may generate, on the API and the console (a request asking for "
-                   "more, or not saying, gets N); default: no cap on the API, 4096 in the console's chat")  # fmt: skip
+                   "more, or not saying, gets N); default: no cap, 4096 for one not saying")  # fmt: skip
     p.add_argument("--bin-dir", type=Path, metavar="DIR", help="your own ggml-rpc-server and llama-server")
     p.add_argument("--console", nargs="?", type=tcp_port, const=3131, metavar="PORT",
                    help="web console on 127.0.0.1 (default port 3131)")  # fmt: skip

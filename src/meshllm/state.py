@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import fcntl
 import json
 import os
 from collections.abc import Sequence
@@ -78,6 +79,28 @@ def check_dir(state: Path) -> None:
         raise UserError(f"state dir {state}: not a directory; pass another --state-dir")
     if not p.is_dir() or not os.access(p, os.W_OK | os.X_OK):
         raise UserError(f"state dir {state}: cannot create or write it under {p}; pass another --state-dir")
+
+
+def take_lock(state: Path) -> int:
+    """One node per state dir: an exclusive lock on ``state/lock`` (held until this process exits; the file says our
+    pid), or one line naming the node that holds it. Makes the dir (after check_dir) if it is not there yet."""
+    state.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _tighten(state)
+    path = state / "lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        raise UserError(f"state dir {state}: cannot open its lock file: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        held = os.read(fd, 32).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise UserError(f"another mesh-llm (pid {held}) runs on state dir {state}: stop it first, or give this one "
+                        "another --state-dir") from None  # fmt: skip
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def check_private(path: Path) -> None:

@@ -185,14 +185,30 @@ def test_bad_input_is_one_clear_line(tmp_path: Path) -> None:
     assert r.returncode == 2 and "--rpc-port" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-def test_sigterm_leaves_no_children(tmp_path: Path) -> None:
+def test_sigterm_leaves_no_children_and_the_same_command_starts_again_at_once(tmp_path: Path) -> None:
+    """[face-2] 3 and 4: a second node on a running node's state dir is refused with one line naming its pid; after
+    Ctrl-C the same command starts again at once (the API port's connections in TIME-WAIT do not count as in use)."""
     s = Solo(tmp_path)
     s.wait_ready()
     kids = psutil.Process(s.proc.pid).children(recursive=True)
     assert kids
+    argv = [sys.executable, "-m", "meshllm.cli", "--model", "gemma3-270m", "--state-dir", str(s.state), "--port",
+            str(s.port)]  # the same command twice: the state dir is what it names, not the port  # fmt: skip
+    second = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert second.returncode == 2 and f"another mesh-llm (pid {s.proc.pid}) runs on state dir" in second.stderr
+    assert len(second.stderr.strip().splitlines()) == 1, second.stderr
+    kept = socket.create_connection(("127.0.0.1", s.port))  # a keep-alive client: the server closes it as it stops
+    kept.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    assert b"HTTP/1.1" in kept.recv(4096)
     s.stop()
     _, alive = psutil.wait_procs(kids, timeout=10)
     assert not alive, f"left behind: {[p.pid for p in alive]}"
+    kept.close()
+    again = Solo(tmp_path, "--port", str(s.port))  # the same state dir and port, at once
+    try:
+        again.wait_ready()
+    finally:
+        again.stop()
 
 
 def test_killed_mesh_llm_takes_its_children_along(tmp_path: Path) -> None:

@@ -240,6 +240,9 @@ def test_the_api_as_clients_see_it(nodes: tuple[NodeProc, NodeProc]) -> None:
     c.request("GET", "/models")
     assert json.loads(c.getresponse().read())["data"][0]["id"] == "gemma-3-270m-q4_k_m"
     c.close()
+    # a count that is not a positive whole number is refused, not passed on (-1 was: "until the context is full")
+    code, _, out = _post(two.port, "/v1/chat/completions", {**body, "max_tokens": -1}, key=None)
+    assert code == 400 and out["error"]["param"] == "max_tokens", out  # type: ignore[index]
     # n completions, each in a slot
     code, _, out = _post(two.port, "/v1/completions", {"prompt": "Hi", "max_tokens": 3, "n": 2}, key=None)
     assert code == 200 and len(out["choices"]) == 2, out  # type: ignore[arg-type]
@@ -261,9 +264,9 @@ def test_the_api_as_clients_see_it(nodes: tuple[NodeProc, NodeProc]) -> None:
 
 
 def test_a_parallel_that_does_not_fit_is_refused_in_one_line(tmp_path: Path, tiny_model: Path) -> None:
-    n = NodeProc(tmp_path, "big", tiny_model, "--parallel", "200", "--ctx-size", "32768", "--max-vram", "1")
+    n = NodeProc(tmp_path, "big", tiny_model, "--parallel", "200", "--ctx-size", "4096", "--max-vram", "1")
     try:
-        wait_for(lambda: "--parallel 200 with --ctx-size 32768 needs" in n.text(), 60, "the refusal")
+        wait_for(lambda: "--parallel 200 with --ctx-size 4096 needs" in n.text(), 60, "the refusal")
         line = next(x for x in n.text().splitlines() if "--parallel 200" in x)
         k = int(line.split("--parallel ")[2].split()[0])
         assert 1 <= k < 200 and "fits" in line

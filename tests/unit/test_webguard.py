@@ -106,3 +106,15 @@ def test_a_preflight_may_ask_for_well_formed_headers_only() -> None:
     assert "cookie" not in got and "bad header" not in got and len(got) <= 2 + 32
     plain = make_mocked_request("OPTIONS", "/v1/models")
     assert preflight_headers("Authorization, Content-Type", plain) == "Authorization, Content-Type"
+
+
+def test_a_request_that_does_not_say_gets_the_default() -> None:
+    """[face-2] 1: a chat without max_tokens ran 22 minutes (a base model never stops): it gets DEFAULT_TOKENS."""
+    from meshllm.serve.api import DEFAULT_TOKENS, ENDPOINTS, default_tokens
+
+    chat, resp = ENDPOINTS["/v1/chat/completions"], ENDPOINTS["/v1/responses"]
+    assert default_tokens({"messages": []}, chat) == {"messages": [], "max_tokens": DEFAULT_TOKENS}
+    assert default_tokens({"messages": [], "max_tokens": None}, chat) == {"messages": [], "max_tokens": DEFAULT_TOKENS}
+    assert default_tokens({"messages": [], "max_completion_tokens": 9}, chat) is None
+    assert default_tokens({"input": "x"}, resp) == {"input": "x", "max_output_tokens": DEFAULT_TOKENS}
+    assert default_tokens({"messages": []}, ENDPOINTS["/v1/messages/count_tokens"]) is None

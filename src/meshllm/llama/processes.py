@@ -56,7 +56,10 @@ def free_port(host: str = LOOPBACK) -> int:
 
 
 def port_in_use(port: int, host: str = LOOPBACK) -> bool:
+    """Whether something listens on ``port`` (connections of a process just stopped, in TIME-WAIT, do not count:
+    our servers bind with SO_REUSEADDR, and so does this check)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

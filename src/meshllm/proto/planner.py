@@ -314,18 +314,19 @@ def size(
 
 def _does_not_fit(run: Callable[[int, int], Plan | Waiting], parallel: int | None, ctx: int | None, base: int,
                   w: Waiting) -> str:  # fmt: skip
-    """The one line for an explicit --parallel / --ctx-size the mesh cannot hold, with what it can."""
+    """The one line for an explicit --parallel / --ctx-size the mesh cannot hold, with the most it can: more slots of
+    this context, else one slot of the longest context that fits."""
     asked = f"--parallel {parallel or 1} with --ctx-size {base}"
-    if parallel and parallel > 1 and isinstance(run(1, base), Plan):
-        k = max(n for n in range(1, parallel) if isinstance(run(n, base), Plan))
+    n = parallel or 1
+    if n > 1 and isinstance(run(1, base), Plan):
+        k = max(i for i in range(1, n) if isinstance(run(i, base), Plan))
         fits = f"--parallel {k} fits"
     else:
-        lo, hi = 1, base // CTX_STEP - 1
+        lo, hi = 1, base // CTX_STEP  # in steps: the caller knows one slot of min(base, BASE_CTX) fits
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if isinstance(run(parallel or 1, mid * CTX_STEP), Plan) else (lo, mid - 1)
-        ok = isinstance(run(parallel or 1, lo * CTX_STEP), Plan)
-        fits = f"--ctx-size {lo * CTX_STEP} fits" if ok else f"--parallel 1 with --ctx-size {min(base, BASE_CTX)} fits"
+            lo, hi = (mid, hi) if isinstance(run(1, mid * CTX_STEP), Plan) else (lo, mid - 1)
+        fits = f"--parallel 1 with --ctx-size {lo * CTX_STEP} fits"
     return f"{asked} needs {w.need / GB:.1f} GB, the mesh has {w.have / GB:.1f} GB: {fits} (or add machines)"
 
 

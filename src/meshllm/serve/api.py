@@ -176,6 +176,18 @@ def _completions(req: dict[str, object]) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
 
 
+DEFAULT_TOKENS = 4096  # what a request that does not say how many tokens gets, when --max-tokens sets no cap
+
+
+def default_tokens(req: dict[str, object], ep: Endpoint) -> dict[str, object] | None:
+    """A request to ``ep`` that says under no name ``ep`` honours how many tokens to generate, made to ask for
+    DEFAULT_TOKENS (else llama-server generates until the slot's context is full: a base model never stops); None
+    when it says (or ``ep`` generates nothing)."""
+    if ep.cap_field is None or any(req.get(f) is not None for f in ep.honoured):
+        return None
+    return {**{k: v for k, v in req.items() if k not in ep.honoured}, ep.cap_field: DEFAULT_TOKENS}
+
+
 def dot_segments(raw_path: str) -> bool:
     """Whether a request's path (as sent, before any decoding) has a '.' or '..' segment, plain or percent-encoded,
     or an encoded slash or backslash that could make one: such paths are refused, never normalised and passed on."""
@@ -344,7 +356,11 @@ class Api:
         if need is not None and not isinstance(parsed.get(need[0]), need[1]):
             return _error(400, f"'{need[0]}' is required", "invalid_request_error", param=need[0],
                           code="missing_required_parameter")  # fmt: skip
-        capped = cap_tokens(parsed, self.max_tokens, ep) if self.max_tokens else None
+        bad = next((f for f in TOKEN_FIELDS if parsed.get(f) is not None and not _count(parsed[f])), None)
+        if bad is not None:
+            return _error(400, f"'{bad}' must be a positive whole number", "invalid_request_error", param=bad,
+                          code="invalid_value")  # fmt: skip
+        capped = cap_tokens(parsed, self.max_tokens, ep) if self.max_tokens else default_tokens(parsed, ep)
         if capped is not None:
             parsed = capped
             body = json.dumps(capped).encode()

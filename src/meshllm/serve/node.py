@@ -41,7 +41,15 @@ from meshllm.serve.joining import addresses_learned, find_mesh_model, join_first
 from meshllm.serve.modelfiles import ModelFiles, open_model
 from meshllm.serve.options import NodeOptions, default_name, measure_offer, parse_tokens
 from meshllm.serve.report import NodeView, Report, agent_lines
-from meshllm.state import check_dir, load_membership, load_or_create_key, load_token, save_addrs, save_membership
+from meshllm.state import (
+    check_dir,
+    load_membership,
+    load_or_create_key,
+    load_token,
+    save_addrs,
+    save_membership,
+    take_lock,
+)
 
 if TYPE_CHECKING:
     from meshllm.serve.console import Console as WebConsole
@@ -76,6 +84,7 @@ class Node:
         # joins come in bursts and a new plan costs a model load: adopt one once it has held for a moment
         self._plan_debounce = Debouncer[tuple[Plan | Waiting, Sizing]](PLAN_DEBOUNCE_S, first_at_once=True)
         self._stop = asyncio.Event()
+        self._lock: int | None = None  # the state dir's lock (state.take_lock), held for the node's life
         self.exit_code = 0  # 1: stopped because this node is out of the mesh (revoked, or its admission ended)
 
     @property
@@ -87,6 +96,7 @@ class Node:
     def prepare(self) -> list[tok.Token]:
         now = time.time()  # wall: token expiry and the mesh's founding link
         check_dir(self.state)  # before anything is written: the tokens first
+        self._lock = take_lock(self.state)  # one node per state dir (a second one would take our identity)
         if port_in_use(self.o.port, self.api_host):
             raise UserError(f"port {self.o.port} is in use: stop what runs there or pass --port N")
         if self.o.rpc_port is not None and port_in_use(self.o.rpc_port, "0.0.0.0"):
