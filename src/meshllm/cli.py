@@ -556,6 +556,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         loading = f"; loading the model: {mt['progress']}%" if mt.get("progress", -1) >= 0 else ""
         out.print(f"mesh: {mt['generated']} tokens generated, {mt['prompt']} prompt tokens (host {mt['host']})"
                   + loading)  # fmt: skip
+    sl = st.get("slots")
+    if isinstance(sl, dict) and sl.get("total"):
+        out.print(f"slots: {sl['busy']} of {sl['total']} busy, {sl['queued']} waiting; "
+                  f"{sl['ctx']} tokens of context each")  # fmt: skip
     mtt = st.get("mesh_ttft_s")
     if isinstance(mtt, dict):
         out.print(f"first token: {mtt['avg'] * 1000:.0f} ms on average over the mesh's {mtt['count']} requests")

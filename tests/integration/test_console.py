@@ -135,6 +135,8 @@ def test_console_shows_the_mesh_and_chats(tmp_path: Path, tiny_model: Path, brow
                  10, "the mesh's token count")  # fmt: skip
         assert "ms median" in drv.find_element(By.ID, "m-ttft").text  # type: ignore[attr-defined]
         wait_for(lambda: "ms average over" in drv.find_element(By.ID, "m-ttft").text, 10, "the mesh's first-token time")  # type: ignore[attr-defined]
+        assert re.fullmatch(r"\d+ of \d+ busy, \d+ waiting · \d+ tokens each",  # [team] the host's slots
+                            drv.find_element(By.ID, "m-slots").text), drv.find_element(By.ID, "m-slots").text  # type: ignore[attr-defined]
 
         def timeline() -> str:
             return str(drv.find_element(By.ID, "timeline").text)  # type: ignore[attr-defined]

@@ -163,6 +163,8 @@ def test_status_command_shows_both_model_nodes(mesh: dict[str, NodeProc]) -> Non
         assert header in r.stdout.splitlines()[1], r.stdout
     # the mesh-wide count (the host's, through gossip, on a lite client) and the latest events
     assert re.search(r"mesh: \d+ tokens generated, \d+ prompt tokens \(host [0-9a-f]{8}\)", r.stdout), r.stdout
+    # [team] the host's slots, as it gossips them
+    assert re.search(r"slots: \d+ of [1-9]\d* busy, \d+ waiting; \d+ tokens of context each", r.stdout), r.stdout
     assert "joined" in r.stdout, r.stdout
     # the host's view, from the state dir it writes (no API needed): every share, the host's with the output
     r2 = subprocess.run([sys.executable, "-m", "meshllm.cli", "status", "--state-dir", str(mesh["a"].state)],

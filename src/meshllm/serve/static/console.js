@@ -48,6 +48,9 @@ function render(st) {
   const here = tt ? `this node: ${(tt.last * 1000).toFixed(0)} ms last, ≤ ${(tt.p50 * 1000).toFixed(0)} ms median` : "";
   const mesh = mtt ? `mesh: ${(mtt.avg * 1000).toFixed(0)} ms average over ${mtt.count} requests` : "";
   $("m-ttft").textContent = [mesh, here].filter(Boolean).join(" · ") || "–";
+  const sl = st.slots || {};
+  $("m-slots").textContent = sl.total
+    ? `${sl.busy} of ${sl.total} busy, ${sl.queued} waiting · ${sl.ctx} tokens each` : "–";
   timeline(st.events || []);
   const agents = $("agents");
   agents.replaceChildren();
