@@ -184,14 +184,25 @@ def gather_tokens(args: argparse.Namespace) -> list[str]:
     return tokens
 
 
+def _member(state: Path | None) -> bool:
+    """Whether this state dir holds a membership (a restart rejoins the members it knew, no token needed)."""
+    from meshllm.paths import state_dir
+    from meshllm.state import load_membership
+
+    try:
+        return load_membership(state_dir(state)) is not None
+    except UserError:
+        return False
+
+
 def cmd_node(args: argparse.Namespace) -> int:
     from meshllm.serve.node import run_node
     from meshllm.serve.options import NodeOptions
 
     tokens = gather_tokens(args)
     tuning = tuning_from(args)
-    if args.client and not tokens:
-        raise UserError("--client needs --join TOKEN (or --join-file / MESH_LLM_JOIN)")
+    if args.client and not tokens and not _member(args.state_dir):
+        raise UserError("--client needs --join TOKEN (or --join-file / MESH_LLM_JOIN) the first time")
     if args.client and args.model is not None:
         raise UserError("--client serves no model: drop --model, or drop --client to serve it")
     if not args.client and args.model is None and not tokens:
@@ -254,9 +265,12 @@ def cmd_token(args: argparse.Namespace) -> int:
         raise UserError(f"the node in {sd} is not in a mesh yet")
     addrs = load_addrs(sd)
     t = mint_scoped(load_or_create_key(sd), m, addrs, time.time(), args.ttl, args.scope)
+    from meshllm.serve.narration import duration
+
+    saved = ""
     if args.scope is None or args.scope == tok.chain_scope(m.chain):
-        save_token(sd, t.encode())  # the node's own invite: a narrower one is only printed
-    print(f"{t.scope} token, valid {args.ttl / 3600:.0f} h:", file=sys.stderr)
+        saved = f"; it replaces the invite saved in {save_token(sd, t.encode())}"  # a narrower one is only printed
+    print(f"{t.scope} token, valid {duration(args.ttl)}{saved}:", file=sys.stderr)
     print(t.encode())
     return 0
 

@@ -216,6 +216,31 @@ def load_addrs(state: Path) -> list[str]:
     return addrs
 
 
+def save_members(state: Path, members: dict[bytes, list[str]]) -> None:
+    """The members this node last knew and where (node id -> addresses): what a restart dials first."""
+    data = {n.hex(): a for n, a in members.items()}
+    write_private(state / "members.json", json.dumps(data, sort_keys=True).encode())
+
+
+def load_members(state: Path) -> dict[bytes, list[str]]:
+    """The members saved by :func:`save_members` (none when the file is missing or damaged: a restart then waits to
+    be dialled)."""
+    try:
+        data = json.loads((state / "members.json").read_text())
+        return {bytes.fromhex(n): [str(x) for x in a][:16] for n, a in data.items() if len(n) == 64}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return {}
+
+
+def saved_port(state: Path) -> int:
+    """The UDP port this node listened on last time (0: none recorded)."""
+    try:
+        addrs = json.loads((state / "node.json").read_text())["addrs"]
+        return int(str(addrs[0]).rsplit(":", 1)[1])
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return 0
+
+
 def save_status(state: Path, text: str) -> None:
     write_private(state / "status.json", text.encode())
 

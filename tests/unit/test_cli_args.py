@@ -73,7 +73,7 @@ def test_bad_value_is_one_line_naming_the_option(
     ("argv", "says"),
     [
         (["--client", "--model", "m.gguf", "--join", "x"], "--client serves no model"),
-        (["--client"], "--client needs --join"),
+        (["--client", "--state-dir", "/nonexistent/mesh-llm-state"], "--client needs --join"),
         (["--join-file", "/nonexistent/token"], "--join-file"),
         (["--client", "--join", "mesh1.x", "--state-dir", "/dev/null/x", "--port", "1"], "state dir /dev/null/x"),
         (["bundle", "/proc/no/such.tar.gz"], "cannot write /proc/no/such.tar.gz"),
@@ -160,3 +160,11 @@ def test_serving_options_reach_llama_servers_command_line(tmp_path: object) -> N
     named = " ".join(llama_server_argv(bins, Path("m.gguf"), 1, tuning=tuning_from(
         build_parser().parse_args(["--model", "m", "--chat-template", "chatml"])), arch_template="gemma"))  # fmt: skip
     assert "--chat-template chatml --no-jinja" in named
+
+
+def test_durations_read_as_people_say_them() -> None:
+    """[face-2] 9: `token --ttl 30m` said "valid 0 h"."""
+    from meshllm.serve.narration import duration
+
+    assert [duration(x) for x in (45, 1800, 5400, 43200, 86400, 129600, 30 * 86400)] == [
+        "45 s", "30 min", "1 h 30 min", "12 h", "1 d", "1 d 12 h", "30 d"]  # fmt: skip

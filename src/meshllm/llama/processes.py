@@ -67,6 +67,19 @@ def port_in_use(port: int, host: str = LOOPBACK) -> bool:
         return False
 
 
+def udp_free(host: str, port: int) -> bool:
+    """Whether a UDP port can be bound now (0: no port to try)."""
+    if not port:
+        return False
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
 def describe_exit(returncode: int | None) -> str:
     """'SIGSEGV' for a death by signal (Popen's negative return code), 'exit code 1' otherwise."""
     if returncode is None:

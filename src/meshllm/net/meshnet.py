@@ -421,6 +421,18 @@ class MeshNet:
             self._make_core(self.m)
         self._register(conn, token.issuer)
 
+    async def redial(self, members: dict[NodeId, list[str]], timeout: float) -> NodeId | None:
+        """Dial the members we knew (a restart: the table is empty), all at once; the first that answered, or None
+        when none did within ``timeout``."""
+        tasks = [asyncio.ensure_future(self._dial_member(n, a)) for n, a in members.items()
+                 if n != self.me and n not in self.peers and n not in self._dialling]  # fmt: skip
+        deadline = asyncio.get_running_loop().time() + timeout
+        while asyncio.get_running_loop().time() < deadline and not any(n in self.peers for n in members):
+            if tasks and all(t.done() for t in tasks):
+                break
+            await asyncio.sleep(0.05)
+        return next((n for n in members if n in self.peers), None)
+
     async def _dial_member(self, node: NodeId, addrs: list[str]) -> None:
         self._dialling.add(node)
         try:

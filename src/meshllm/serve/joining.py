@@ -16,9 +16,11 @@ from meshllm.net.meshnet import MeshNet
 from meshllm.paths import models_dir
 from meshllm.proto import crypto
 from meshllm.proto import token as tok
+from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import ModelFacts, Role
 from meshllm.proto.planner import GB, ModelShape
 from meshllm.serve.modelfiles import ModelFiles, arch_template, find_by_fingerprint
+from meshllm.serve.narration import duration
 from meshllm.state import load_token, save_addrs, save_token
 
 
@@ -35,12 +37,37 @@ async def join_first(net: MeshNet, tokens: list[tok.Token], console: Console) ->
     raise UserError("could not join: " + "; ".join(errors))
 
 
+REDIAL_S = 5.0  # a restarted node with no peer dials the members it knew this often
+
+
+async def rejoin(net: MeshNet, members: dict[NodeId, list[str]], console: Console) -> None:
+    """A restart with no --join: dial the members this node last knew. One line either way; with none answering,
+    what it does and what to do (it keeps dialling them: the mesh heals when one comes back)."""
+    if not members:
+        return
+    got = await net.redial(members, REDIAL_S)
+    if got is not None:
+        console.print(f"rejoined the mesh via {crypto.short(got)} (a member this node knew)")
+        return
+    where = ", ".join(sorted({a for addrs in members.values() for a in addrs[:1]})[:4])
+    console.print(f"[yellow]none of the {len(members)} members this node knew answered ({where}); it serves alone "
+                  f"and dials them every {REDIAL_S:.0f} s — to join another mesh, start it with --join TOKEN[/]")
+
+
+async def keep_dialling(net: MeshNet, members: dict[NodeId, list[str]]) -> None:
+    """While this node has no peer, the members it knew are dialled again every REDIAL_S (they may come back)."""
+    while members:
+        await asyncio.sleep(REDIAL_S)
+        if not net.peers:
+            await net.redial(members, REDIAL_S)
+
+
 def publish_token(net: MeshNet, state: Path, ttl_s: float, console: Console) -> None:
     """Mint an invite token into the state dir; print it only to a terminal (a file or a pipe may be a log)."""
     t = net.mint_token(ttl_s)
     path = save_token(state, t.encode())
     if sys.stdout.isatty():
-        console.print(f"invite token ({t.scope} scope, valid {ttl_s / 3600:.0f} h, also in {path}):")
+        console.print(f"invite token ({t.scope} scope, valid {duration(ttl_s)}, also in {path}):")
         print(t.encode(), flush=True)
     else:
         console.print(

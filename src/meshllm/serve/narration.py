@@ -58,3 +58,15 @@ def api_line(api_host: str, port: int, host: PeerRecord | None, me: NodeId) -> s
     model = host.model.source if host and host.model else "?"
     via = name(host.node, me) if host else "?"
     return f"[bold green]API up:[/] http://{api_host}:{port}/v1 — model {model}, served by host {via}"
+
+
+def duration(seconds: float) -> str:
+    """A duration for people: "45 s", "30 min", "12 h", "1 d 12 h" (never "0 h" for half an hour)."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min" + (f" {s % 60} s" if s % 60 else "")
+    if s < 86400:
+        return f"{s // 3600} h" + (f" {s % 3600 // 60} min" if s % 3600 // 60 else "")
+    return f"{s // 86400} d" + (f" {s % 86400 // 3600} h" if s % 86400 // 3600 else "")

@@ -21,7 +21,7 @@ from rich.text import Text
 
 from meshllm import __version__
 from meshllm.errors import UserError
-from meshllm.llama.processes import port_in_use
+from meshllm.llama.processes import port_in_use, udp_free
 from meshllm.net.endpoint import STREAM_HTTP, STREAM_RPC, STREAM_RPC_KEY
 from meshllm.net.meshnet import MeshNet, new_mesh
 from meshllm.net.netevents import CHANGED, AddrsLearned, Changed, Connected, MeshEvent
@@ -37,17 +37,27 @@ from meshllm.proto.planner import GB, ModelShape, Plan, Sizing, Waiting, plan_br
 from meshllm.serve import narration
 from meshllm.serve.api import Api, Unavailable, Upstream
 from meshllm.serve.hosting import Hosting
-from meshllm.serve.joining import addresses_learned, find_mesh_model, join_first, publish_token
+from meshllm.serve.joining import (
+    addresses_learned,
+    find_mesh_model,
+    join_first,
+    keep_dialling,
+    publish_token,
+    rejoin,
+)
 from meshllm.serve.modelfiles import ModelFiles, open_model
 from meshllm.serve.options import NodeOptions, default_name, measure_offer, parse_tokens
 from meshllm.serve.report import NodeView, Report, agent_lines
 from meshllm.state import (
     check_dir,
+    load_members,
     load_membership,
     load_or_create_key,
     load_token,
     save_addrs,
+    save_members,
     save_membership,
+    saved_port,
     take_lock,
 )
 
@@ -84,6 +94,8 @@ class Node:
         # joins come in bursts and a new plan costs a model load: adopt one once it has held for a moment
         self._plan_debounce = Debouncer[tuple[Plan | Waiting, Sizing]](PLAN_DEBOUNCE_S, first_at_once=True)
         self._stop = asyncio.Event()
+        self._members: dict[NodeId, list[str]] = {}  # the members last saved for a restart
+        self._redial: asyncio.Future[None] | None = None
         self._lock: int | None = None  # the state dir's lock (state.take_lock), held for the node's life
         self.exit_code = 0  # 1: stopped because this node is out of the mesh (revoked, or its admission ended)
 
@@ -120,7 +132,9 @@ class Node:
             m.incarnation += 1  # a new life: outranks our old records and tombstones
             save_membership(self.state, m)
         o = self.o
-        self.net = net = MeshNet(self.key, m, self.state, bind=(o.bind_host, o.bind_port),
+        # the UDP port of the last run, where it is free: invite tokens minted before name it, and peers know it
+        port = o.bind_port or (saved if m is not None and udp_free(o.bind_host, saved := saved_port(self.state)) else 0)
+        self.net = net = MeshNet(self.key, m, self.state, bind=(o.bind_host, port),
                                  advertise=o.advertise or None, relay=o.relay_mode, relay_hint=o.relay,
                                  admit_s=o.admission_s)  # fmt: skip
         self.hosting = Hosting(net, o.bins, self.state, o.tuning, o.queue, o.draft_max, lambda: net.emit(CHANGED),
@@ -157,6 +171,10 @@ class Node:
         )
         if tokens:
             await join_first(self.net, tokens, self.console)
+        else:  # a restart: the members this node knew, before it plans alone
+            known = load_members(self.state)
+            await rejoin(self.net, known, self.console)
+            self._redial = asyncio.ensure_future(keep_dialling(self.net, known))
         assert self.net.m is not None
         scope = tok.chain_scope(self.net.m.chain)
         if scope < tok.Scope.HOST and not lite:
@@ -299,6 +317,11 @@ class Node:
                 self._say(narration.api_line(self.api_host, self.o.port, self._record(remote), self.me), "ready")
         if self.report is not None:
             self.report.save(self._view(), now, self.state)
+        members = {r.node: list(r.addrs) for r in net.core.alive(now) if r.node != self.me and r.addrs
+                   and r.role != Role.CLIENT}  # fmt: skip
+        if members and members != self._members:  # what a restart dials first (clients are never dialled)
+            self._members = members
+            save_members(self.state, members)
 
     def _say_ready(self) -> None:
         model = self.facts.source if self.facts else "?"
