@@ -9,6 +9,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -127,6 +128,17 @@ def test_console_shows_the_mesh_and_chats(tmp_path: Path, tiny_model: Path, brow
         bottom, height = drv.execute_script(js)  # type: ignore[attr-defined]
         assert 0 < bottom <= height, (bottom, height)
         drv.save_screenshot(str(ARTIFACTS / "console.png"))  # type: ignore[attr-defined]
+        drv.save_screenshot(str(tmp_path / "console-desktop.png"))  # type: ignore[attr-defined]
+        # [face-2] 8: a phone (390x844): one column, nothing wider than the screen, the chat's input on it
+        drv.set_window_size(390, 844)  # type: ignore[attr-defined]
+        time.sleep(0.5)
+        js = ("const r = document.getElementById('chat-input').getBoundingClientRect();"
+              "return [document.documentElement.scrollWidth, innerWidth, r.left, r.right]")  # fmt: skip
+        wide, inner, left, right = drv.execute_script(js)  # type: ignore[attr-defined]
+        assert inner <= 420 and wide <= inner and 0 <= left < right <= inner, (wide, inner, left, right)
+        assert right - left > inner / 2, (left, right, inner)  # one column: the chat spans the screen, not half
+        drv.save_screenshot(str(tmp_path / "console-phone.png"))  # type: ignore[attr-defined]
+        drv.set_window_size(1200, 900)  # type: ignore[attr-defined]
         # nodes by name (the hostname by default); requests in words, not JSON
         assert segs()[b_short].startswith("worker-b · ") and segs()[a_short].startswith(socket.gethostname()[:32])
         assert "× 200" in drv.find_element(By.ID, "m-req").text  # type: ignore[attr-defined]

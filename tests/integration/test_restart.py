@@ -23,7 +23,8 @@ def _sees(n: NodeProc, *others: NodeProc) -> bool:
 
 def _ask(n: NodeProc) -> int:
     body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{n.port}/v1/completions", body, {"Content-Type": "application/json"})
+    url = f"http://127.0.0.1:{n.port}/v1/completions"
+    req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return int(r.status)
