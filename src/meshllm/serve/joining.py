@@ -21,7 +21,7 @@ from meshllm.proto.gossip import ModelFacts, Role
 from meshllm.proto.planner import GB, ModelShape
 from meshllm.serve.modelfiles import ModelFiles, arch_template, find_by_fingerprint
 from meshllm.serve.narration import duration
-from meshllm.state import load_token, save_addrs, save_token
+from meshllm.state import load_members, load_token, save_addrs, save_members, save_token
 
 
 async def join_first(net: MeshNet, tokens: list[tok.Token], console: Console) -> None:
@@ -35,6 +35,27 @@ async def join_first(net: MeshNet, tokens: list[tok.Token], console: Console) ->
         except (MeshError, TimeoutError, OSError) as e:
             errors.append(f"{crypto.short(t.issuer)}: {e}")
     raise UserError("could not join: " + "; ".join(errors))
+
+
+async def enter_mesh(net: MeshNet, tokens: list[tok.Token], state: Path, ttl_s: float, lite: bool,
+                     console: Console) -> asyncio.Future[None] | None:  # fmt: skip
+    """Join through a token, or (a restart) rejoin the members this node knew before it plans alone; then say what
+    its scope lets it do and publish its invite token. The task that keeps dialling the known members, if any."""
+    redial = None
+    if tokens:
+        await join_first(net, tokens, console)
+    else:
+        known = load_members(state)
+        await rejoin(net, known, console)
+        redial = asyncio.ensure_future(keep_dialling(net, known))
+    assert net.m is not None
+    scope = tok.chain_scope(net.m.chain)
+    if scope < tok.Scope.HOST and not lite:
+        what = {tok.Scope.WORKER: "serves layers for a host-scoped member and is never elected host",
+                tok.Scope.CLIENT: "may use the API only: it serves no layers"}  # fmt: skip
+        console.print(f"scope {scope}: this node {what[scope]}")
+    publish_token(net, state, ttl_s, console)
+    return redial
 
 
 REDIAL_S = 5.0  # a restarted node with no peer dials the members it knew this often
@@ -60,6 +81,18 @@ async def keep_dialling(net: MeshNet, members: dict[NodeId, list[str]]) -> None:
         await asyncio.sleep(REDIAL_S)
         if not net.peers:
             await net.redial(members, REDIAL_S)
+
+
+def remember_members(net: MeshNet, state: Path, now: float, saved: dict[NodeId, list[str]]) -> dict[NodeId, list[str]]:
+    """The live members and their addresses into the state dir, when they changed: what a restart dials first
+    (clients are left out: nobody dials a client). What is saved now."""
+    assert net.core is not None
+    members = {r.node: list(r.addrs) for r in net.core.alive(now) if r.node != net.me and r.addrs
+               and r.role != Role.CLIENT}  # fmt: skip
+    if members and members != saved:
+        save_members(state, members)
+        return members
+    return saved
 
 
 def publish_token(net: MeshNet, state: Path, ttl_s: float, console: Console) -> None:

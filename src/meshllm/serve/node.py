@@ -14,16 +14,14 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-import aiohttp
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from rich.console import Console
 from rich.text import Text
 
 from meshllm import __version__
 from meshllm.errors import UserError
-from meshllm.llama.processes import port_in_use, udp_free
 from meshllm.net.endpoint import STREAM_HTTP, STREAM_RPC, STREAM_RPC_KEY
-from meshllm.net.meshnet import MeshNet, new_mesh
+from meshllm.net.meshnet import MeshNet
 from meshllm.net.netevents import CHANGED, AddrsLearned, Changed, Connected, MeshEvent
 from meshllm.paths import state_dir as default_state_dir
 from meshllm.proto import crypto, serving
@@ -37,29 +35,13 @@ from meshllm.proto.planner import GB, ModelShape, Plan, Sizing, Waiting, plan_br
 from meshllm.serve import narration
 from meshllm.serve.api import Api, Unavailable, Upstream
 from meshllm.serve.hosting import Hosting
-from meshllm.serve.joining import (
-    addresses_learned,
-    find_mesh_model,
-    join_first,
-    keep_dialling,
-    publish_token,
-    rejoin,
-)
-from meshllm.serve.modelfiles import ModelFiles, open_model
-from meshllm.serve.options import NodeOptions, default_name, measure_offer, parse_tokens
+from meshllm.serve.joining import addresses_learned, enter_mesh, find_mesh_model, publish_token, remember_members
+from meshllm.serve.modelfiles import ModelFiles
+from meshllm.serve.options import NodeOptions, default_name, measure_offer
 from meshllm.serve.report import NodeView, Report, agent_lines
-from meshllm.state import (
-    check_dir,
-    load_members,
-    load_membership,
-    load_or_create_key,
-    load_token,
-    save_addrs,
-    save_members,
-    save_membership,
-    saved_port,
-    take_lock,
-)
+from meshllm.serve.startup import start_checks
+from meshllm.serve.telemetry import watch_llama
+from meshllm.state import load_token, save_addrs
 
 if TYPE_CHECKING:
     from meshllm.serve.console import Console as WebConsole
@@ -106,40 +88,15 @@ class Node:
     # ---------------------------------------------------------------- setup (before anything listens)
 
     def prepare(self) -> list[tok.Token]:
-        now = time.time()  # wall: token expiry and the mesh's founding link
-        check_dir(self.state)  # before anything is written: the tokens first
-        self._lock = take_lock(self.state)  # one node per state dir (a second one would take our identity)
-        if port_in_use(self.o.port, self.api_host):
-            raise UserError(f"port {self.o.port} is in use: stop what runs there or pass --port N")
-        if self.o.rpc_port is not None and port_in_use(self.o.rpc_port, "0.0.0.0"):
-            raise UserError(f"--rpc-port {self.o.rpc_port} is in use: stop what runs there or pass another")
-        m = load_membership(self.state)
-        tokens = parse_tokens(self.o.join, now, m.mesh_id if m else None)  # before anything is written
-        if self.o.model is not None:
-            self.model, self.shape, note = open_model(self.o.model, self.o.models_dir, self.o.draft, self.o.no_draft)
-            if note:
-                self.console.print(note)
-        self.key = load_or_create_key(self.state)
-        self.me = crypto.node_id(self.key)
-        if m is not None and now >= tok.chain_until(m.chain) and not tokens:
-            raise UserError(f"this node's admission to mesh {m.mesh_id.hex()[:8]} ended "
-                            f"{int(now - tok.chain_until(m.chain))} s ago (it was away longer than its admission "
-                            "held): start it with --join and a new token from a member")  # fmt: skip
-        if m is None and not tokens:
-            m = new_mesh(self.key, now)
-            self.console.print(f"new mesh [bold]{m.mesh_id.hex()[:8]}[/] founded by this node")
-        if m is not None:
-            m.incarnation += 1  # a new life: outranks our old records and tombstones
-            save_membership(self.state, m)
+        s = start_checks(self.o, self.state, self.api_host, self.console)
+        self._lock, self.model, self.shape, self.key, self.me = s.lock, s.model, s.shape, s.key, crypto.node_id(s.key)
         o = self.o
-        # the UDP port of the last run, where it is free: invite tokens minted before name it, and peers know it
-        port = o.bind_port or (saved if m is not None and udp_free(o.bind_host, saved := saved_port(self.state)) else 0)
-        self.net = net = MeshNet(self.key, m, self.state, bind=(o.bind_host, port),
+        self.net = net = MeshNet(self.key, s.membership, self.state, bind=(o.bind_host, s.udp_port),
                                  advertise=o.advertise or None, relay=o.relay_mode, relay_hint=o.relay,
                                  admit_s=o.admission_s)  # fmt: skip
         self.hosting = Hosting(net, o.bins, self.state, o.tuning, o.queue, o.draft_max, lambda: net.emit(CHANGED),
                                lambda: self.host, o.rpc_path, o.rpc_port)  # fmt: skip
-        return tokens
+        return s.tokens
 
     # ---------------------------------------------------------------- run
 
@@ -169,19 +126,7 @@ class Node:
             f"node [bold]{crypto.short(self.me)}[/] listening on UDP {', '.join(addrs)}"
             + (f" — capacity {self.capacity / GB:.1f} GB ({device})" if not self.o.client else " — lite client")
         )
-        if tokens:
-            await join_first(self.net, tokens, self.console)
-        else:  # a restart: the members this node knew, before it plans alone
-            known = load_members(self.state)
-            await rejoin(self.net, known, self.console)
-            self._redial = asyncio.ensure_future(keep_dialling(self.net, known))
-        assert self.net.m is not None
-        scope = tok.chain_scope(self.net.m.chain)
-        if scope < tok.Scope.HOST and not lite:
-            what = {tok.Scope.WORKER: "serves layers for a host-scoped member and is never elected host",
-                    tok.Scope.CLIENT: "may use the API only: it serves no layers"}  # fmt: skip
-            self.console.print(f"scope {scope}: this node {what[scope]}")
-        publish_token(self.net, self.state, self.o.token_ttl_s, self.console)
+        self._redial = await enter_mesh(self.net, tokens, self.state, self.o.token_ttl_s, lite, self.console)
         if self.o.console_port is not None:
             from meshllm.serve.console import start_console
 
@@ -189,7 +134,7 @@ class Node:
                 self.o.console_port, lambda: self.status(time.monotonic()), lambda: load_token(self.state),
                 f"http://127.0.0.1:{self.o.port}/v1", self.o.api_key, self.console, self.o.max_tokens,
             )  # fmt: skip
-        watcher = asyncio.ensure_future(self._watch_llama())
+        watcher = asyncio.ensure_future(watch_llama(self.net, self.hosting, self.api, lambda: self.host == self.me))
         if self.o.auto_model:
             await self._adopt_model()
         loop = asyncio.get_running_loop()
@@ -197,8 +142,9 @@ class Node:
             loop.add_signal_handler(sig, self._stop.set)
         await self._stop.wait()
         self.console.print("leaving the mesh")
-        events.cancel()
-        watcher.cancel()
+        for task in (events, watcher, self._redial):
+            if task is not None:
+                task.cancel()
         await self.net.stop(leave=True)
         await self.hosting.stop()
         if self.api:
@@ -317,11 +263,7 @@ class Node:
                 self._say(narration.api_line(self.api_host, self.o.port, self._record(remote), self.me), "ready")
         if self.report is not None:
             self.report.save(self._view(), now, self.state)
-        members = {r.node: list(r.addrs) for r in net.core.alive(now) if r.node != self.me and r.addrs
-                   and r.role != Role.CLIENT}  # fmt: skip
-        if members and members != self._members:  # what a restart dials first (clients are never dialled)
-            self._members = members
-            save_members(self.state, members)
+        self._members = remember_members(net, self.state, now, self._members)
 
     def _say_ready(self) -> None:
         model = self.facts.source if self.facts else "?"
@@ -354,34 +296,6 @@ class Node:
             self.net.update(planned=tuple(a.node for a in settled.assignments) if isinstance(settled, Plan) else (),
                             why=settled.message()[:MAX_WHY] if isinstance(settled, Waiting) else "")  # fmt: skip
         self._say(narration.plan_line(settled, self.me), "plan")
-
-    async def _watch_llama(self) -> None:
-        """A host tells the mesh, in its record, how far its model has loaded and what its llama-server has done
-        (every completion of the mesh runs there: tokens generated, prompt tokens), counted across restarts; every
-        node tells how soon its requests got their first token."""
-        assert self.net is not None and self.net.core is not None and self.hosting is not None
-        base, last, progress, asked = (0, 0), (0, 0), -1, 0
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
-            while True:
-                await asyncio.sleep(1.0)
-                h = self.api.counters.ttft if self.api else None
-                if h is not None and h.n != asked:  # every node: its requests' time to first token, for the mesh's view
-                    asked = h.n
-                    self.net.update(ttft=(h.n, int(h.total * 1000)))
-                server = self.hosting.server if self.host == self.me else None
-                p = server.load_progress() if server is not None else -1
-                if p != progress:
-                    progress = p
-                    self.net.update(progress=p)
-                got = await server.generated(http) if server is not None and p < 0 else None
-                if got is not None and got != last:
-                    if got[0] < last[0] or got[1] < last[1]:  # a new llama-server counts from zero
-                        base = (base[0] + last[0], base[1] + last[1])
-                    last = got
-                    self.net.update(served=(base[0] + got[0], base[1] + got[1]))
-                slots = self.hosting.slots_now() if server is not None else (0, 0, 0, 0)
-                if slots != self.net.core.record.slots:  # a host: its slots busy, in all, waiting, and their context
-                    self.net.update(slots=slots)
 
     def _say(self, line: str, kind: str) -> None:
         """A line about the mesh: on the terminal, and in the timeline the console shows (plain text, wall time)."""
