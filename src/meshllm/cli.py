@@ -29,7 +29,7 @@ from meshllm.errors import UserError
 from meshllm.llama.build import Binaries, BuildPlan
 from meshllm.proto import token as tok
 from meshllm.proto.reach import RelayMode
-from meshllm.serve.serving_flags import add_serving_flags, tuning_from
+from meshllm.serve.serving_flags import add_serving_flags, int_in, tuning_from
 
 if TYPE_CHECKING:
     from meshllm.state import Membership
@@ -65,14 +65,7 @@ def admission(text: str) -> float:
 W = TypeVar("W", bound=tok.SignedWord)
 
 
-def _int_in(text: str, lo: int, hi: int, what: str) -> int:
-    try:
-        value = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if not lo <= value <= hi:
-        raise argparse.ArgumentTypeError(f"{what} must be {lo}-{hi}, got {value}")
-    return value
+_int_in = int_in  # a whole number in a range, or one line naming the option (serve/serving_flags.py)
 
 
 def tcp_port(text: str) -> int:

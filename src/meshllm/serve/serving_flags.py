@@ -20,32 +20,24 @@ SAMPLING = {"--temp": (0.0, 10.0), "--top-p": (0.0, 1.0), "--top-k": (0, 1 << 20
             "--seed": (-1, 2**32 - 1)}  # fmt: skip
 
 
-def _auto_or(lo: int, hi: int, what: str) -> Callable[[str], int | None]:
-    def parse(text: str) -> int | None:
-        if text == "auto":
-            return None
-        try:
-            value = int(text, 10)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number or 'auto'") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"{what} must be {lo}-{hi} or auto, got {value}")
-        return value
-
-    return parse
+def int_in(text: str, lo: int, hi: int, what: str) -> int:
+    """A whole number in [lo, hi], or one line naming ``what`` (the command line's integer check)."""
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not lo <= value <= hi:
+        raise argparse.ArgumentTypeError(f"{what} must be {lo}-{hi}, got {value}")
+    return value
 
 
 def _count(lo: int, hi: int, what: str) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text, 10)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"{what} must be {lo}-{hi}, got {value}")
-        return value
+    return lambda text: int_in(text, lo, hi, what)
 
-    return parse
+
+def _auto_or(lo: int, hi: int, what: str) -> Callable[[str], int | None]:
+    """A whole number in [lo, hi], or "auto" (None)."""
+    return lambda text: None if text == "auto" else int_in(text, lo, hi, f"{what} (or auto)")
 
 
 def chat_template(text: str) -> str:
