@@ -723,12 +723,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _options_before_subcommand(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """The words before a subcommand's name (`mesh-llm --port 9437 status`): the node's options, which the
+    subcommand would silently ignore. Empty when no subcommand is named or nothing precedes it."""
+    subs = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    names = set(subs.choices) if subs is not None else set()
+    valued = {o for a in parser._actions if a.nargs != 0 and not isinstance(a, argparse._SubParsersAction)
+              for o in a.option_strings}  # fmt: skip
+    skip = False
+    for i, word in enumerate(argv):
+        if skip:  # the value of an option (`--name status` names a node "status")
+            skip = False
+        elif word in names:
+            return argv[:i] if any(w not in ("-v", "--verbose") for w in argv[:i]) else []
+        elif word == "--":
+            break
+        else:
+            skip = word in valued
+    return []
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if not argv:
         parser.print_help()
         return 2
+    before = _options_before_subcommand(parser, argv)
+    if before:
+        parser.error(f"{before[0]} comes before the subcommand {argv[len(before)]!r}, where it means nothing: write "
+                     f"`mesh-llm {argv[len(before)]} {' '.join(before)} ...`")  # fmt: skip
     args = parser.parse_args(argv)
     func = args.func
     logging.basicConfig(

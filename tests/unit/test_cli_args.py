@@ -54,6 +54,7 @@ BAD = [
     (["bundle", "--python", "2.7"], "--python"),
     (["bundle", "-j", "-1"], "-j"),
     (["download", ""], "name"),
+    (["--port", "9437", "status"], "--port comes before the subcommand 'status'"),  # [face-2] 9: was ignored
 ]
 
 
@@ -168,3 +169,12 @@ def test_durations_read_as_people_say_them() -> None:
 
     assert [duration(x) for x in (45, 1800, 5400, 43200, 86400, 129600, 30 * 86400)] == [
         "45 s", "30 min", "1 h 30 min", "12 h", "1 d", "1 d 12 h", "30 d"]  # fmt: skip
+
+
+def test_a_node_may_be_named_like_a_subcommand() -> None:
+    from meshllm.cli import _options_before_subcommand, build_parser
+
+    p = build_parser()
+    assert _options_before_subcommand(p, ["--model", "m.gguf", "--name", "status"]) == []
+    assert _options_before_subcommand(p, ["-v", "status"]) == []
+    assert _options_before_subcommand(p, ["--max-vram", "1", "token"]) == ["--max-vram", "1"]
