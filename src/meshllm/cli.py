@@ -513,12 +513,16 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     if args.state_dir is not None:  # what the node last wrote there (it need not be running)
         from meshllm.paths import state_dir
+        from meshllm.state import running_pid
 
         path = state_dir(args.state_dir) / "status.json"
         try:
             st = json.loads(path.read_text())
         except (OSError, ValueError) as e:
             raise UserError(f"no status in {path} ({e}): start the node with this --state-dir first") from None
+        if running_pid(state_dir(args.state_dir)) is None and not args.json:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(path.stat().st_mtime))
+            console.print(f"[yellow]stopped: no node runs on {path.parent}; what it last said, at {when}:[/]")
     else:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         req = urllib.request.Request(f"http://127.0.0.1:{args.port}/mesh/status", headers=headers)

@@ -103,6 +103,22 @@ def take_lock(state: Path) -> int:
     return fd
 
 
+def running_pid(state: Path) -> int | None:
+    """The pid of the node that holds this state dir's lock (:func:`take_lock`), or None when no node runs there."""
+    try:
+        fd = os.open(state / "lock", os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        text = os.read(fd, 32).decode(errors="replace").strip()
+        return int(text) if text.isdigit() else -1
+    finally:
+        os.close(fd)
+    return None  # we could lock it: nobody holds it
+
+
 def check_private(path: Path) -> None:
     """A secret file others can read is refused, not used."""
     mode = path.stat().st_mode & 0o777

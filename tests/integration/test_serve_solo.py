@@ -197,6 +197,12 @@ def test_sigterm_leaves_no_children_and_the_same_command_starts_again_at_once(tm
     second = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert second.returncode == 2 and f"another mesh-llm (pid {s.proc.pid}) runs on state dir" in second.stderr
     assert len(second.stderr.strip().splitlines()) == 1, second.stderr
+    def status_text() -> str:
+        r = subprocess.run([sys.executable, "-m", "meshllm.cli", "status", "--state-dir", str(s.state)],
+                           capture_output=True, text=True, timeout=30)  # fmt: skip
+        return r.stdout + r.stderr
+
+    assert "stopped" not in status_text()
     kept = socket.create_connection(("127.0.0.1", s.port))  # a keep-alive client: the server closes it as it stops
     kept.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     assert b"HTTP/1.1" in kept.recv(4096)
@@ -204,6 +210,7 @@ def test_sigterm_leaves_no_children_and_the_same_command_starts_again_at_once(tm
     _, alive = psutil.wait_procs(kids, timeout=10)
     assert not alive, f"left behind: {[p.pid for p in alive]}"
     kept.close()
+    assert "stopped: no node runs on" in status_text()  # [face-2] 9: a stopped node was shown as live
     again = Solo(tmp_path, "--port", str(s.port))  # the same state dir and port, at once
     try:
         again.wait_ready()
