@@ -539,6 +539,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     # a lite client elects no host of its own: the host is whoever says so
     host = st.get("host") or next((p["node"] for p in st["peers"] if p["role"] == "host"), "") or ""
     out.print(f"node {st['node'][:8]} ({st['role']}) in mesh {st['mesh'][:8]} — host {host[:8] or 'none'}")
+    served = ", ".join(st.get("served_models") or []) or "none yet"
+    out.print(f"model: {served} — API {st.get('api', '?')}", soft_wrap=True)
     why = st.get("unavailable") or (plan.get("waiting") if isinstance(plan, dict) else None)
     if why:  # what /health and a request's 503 say
         out.print(f"[yellow]{why}[/]")

@@ -211,6 +211,7 @@ def test_joins_leaves_and_deaths(tmp_path: Path, tiny_model: Path, stock_bins: B
 
         wait_for(lambda: health()[0] == 503, 30, "/health to say unavailable")
         assert "waiting for more peers" in health()[1], health()
+        assert "then `mesh-llm --model MODEL --join TOKEN` there" in host.text()  # [face-2] 9: the next step
         with pytest.raises(urllib.error.HTTPError) as busy:
             ask(host.port, 4)
         assert busy.value.code == 503 and "waiting for more peers" in busy.value.read().decode()

@@ -46,7 +46,8 @@ def event_line(
 
 def plan_line(p: Plan | Waiting, me: NodeId) -> str:
     if isinstance(p, Waiting):
-        return f"[yellow]{p.message()}[/]"
+        hint = "" if p.why else " — to add one: `mesh-llm token` here, then `mesh-llm --model MODEL --join TOKEN` there"
+        return f"[yellow]{p.message()}[/]{hint}"
     parts = [f"{name(a.node, me)} layers {a.first}-{a.first + a.count - 1} ({a.bytes / GB:.2f} GB)"
              for a in p.assignments if a.count]  # fmt: skip
     standby = f"; standby: {', '.join(name(n, me) for n in p.standby)}" if p.standby else ""
