@@ -158,7 +158,8 @@ def test_status_command_shows_both_model_nodes(mesh: dict[str, NodeProc]) -> Non
     assert "host" in r.stdout and "worker" in r.stdout and "client" in r.stdout
     assert "…" not in r.stdout and max(len(x) for x in r.stdout.splitlines()) <= 80, r.stdout
     assert "host none" not in r.stdout, r.stdout
-    assert re.search(r"model: \S+ — API http://127\.0\.0\.1:\d+/v1", r.stdout), r.stdout  # [face-2] 9  # (a lite client knows no plan: layers "-")
+    # (a lite client knows no plan: layers "-"); [face-2] 9: the model and the API's URL
+    assert re.search(r"model: \S+ — API http://127\.0\.0\.1:\d+/v1", r.stdout), r.stdout
     assert socket.gethostname()[:12] in r.stdout, r.stdout  # each node's name (here: the hostname) under its id
     for header in ("node", "role", "state", "memory", "layers", "path", "RTT ms"):
         assert header in r.stdout.splitlines()[1], r.stdout
