@@ -228,6 +228,22 @@ def test_metrics_parse_and_move(tmp_path: Path, tiny_model: Path) -> None:
         # the mesh's time to first token: each node's own count and sum, gossiped; a and c agree
         wait_for(lambda: all((n.status().get("mesh_ttft_s") or {}).get("count") == 2 for n in (a, c)), 15,
                  "both requests' first-token times on both nodes")  # fmt: skip
+        # [face-2] 9: serving state, requests in flight, the host's slots, peers by name as well as id
+        on_c = scrape(c)
+        assert on_c["mesh_llm_serving"] == 1 and on_c["mesh_llm_requests_in_flight"] == 0
+        assert on_c["mesh_llm_slots_total"] >= 1 and on_c["mesh_llm_queue_depth"] == 0
+        assert any(k.startswith("mesh_llm_peer_direct") and f'"name": "{socket.gethostname()[:32]}"' in k
+                   and f'"peer": "{a.short()}"' in k for k in on_c), on_c  # fmt: skip
+        slow = json.dumps({"prompt": "Once", "max_tokens": 3000, "ignore_eos": True, "stream": True}).encode()
+        streaming = urllib.request.urlopen(urllib.request.Request(
+            f"http://127.0.0.1:{c.port}/v1/completions", data=slow, headers={"Content-Type": "application/json"}),
+            timeout=60)  # fmt: skip
+        try:
+            streaming.readline()
+            assert scrape(c)["mesh_llm_requests_in_flight"] == 1  # c's API passes it on: c counts it
+            wait_for(lambda: scrape(c)["mesh_llm_slots_busy"] == 1, 5, "the host's slot, as c sees it")
+        finally:
+            streaming.close()
     finally:
         for n in nodes:
             n.stop()

@@ -227,6 +227,7 @@ class Api:
         self.status = status
         self.api_key = api_key
         self.requests: dict[int, int] = {}
+        self.in_flight = 0  # requests passed on (or waiting for a slot) now
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
@@ -404,15 +405,19 @@ class Api:
                     ) -> web.StreamResponse | str:  # fmt: skip
         """``_forward`` once the request has its slots on our own llama-server (another node's: that node's door
         holds them); 429 with Retry-After when every slot is busy and the queue is full."""
-        if up.slots is None or not weight:
-            return await self._forward(request, path, up, body)
+        self.in_flight += 1
         try:
+            if up.slots is None or not weight:
+                return await self._forward(request, path, up, body)
             async with up.slots.hold(self._source(request), weight):
                 return await self._forward(request, path, up, body)
         except QueueFull as e:
-            return _error(429, f"the model is busy: every slot is taken and {up.slots.core.queue_max} requests "
-                          f"wait; retry in {e.retry_after_s} s", "rate_limit_error",
+            waiting = up.slots.core.queue_max if up.slots else 0
+            return _error(429, f"the model is busy: every slot is taken and {waiting} requests wait; retry in "
+                          f"{e.retry_after_s} s", "rate_limit_error",
                           headers={"Retry-After": str(e.retry_after_s)}, code="rate_limit_exceeded")  # fmt: skip
+        finally:
+            self.in_flight -= 1
 
     async def _wait_for_upstream(self, model: str | None) -> Upstream | Unavailable | None:
         deadline = asyncio.get_running_loop().time() + RETRY_WAIT_S

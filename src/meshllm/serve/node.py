@@ -155,7 +155,8 @@ class Node:
 
     async def _start_api(self) -> None:
         def metrics() -> str:
-            return self.report.metrics(self.me, self.elections, time.monotonic()) if self.report else ""
+            serving = self._view().unavailable is None if self.hosting else False
+            return self.report.metrics(self.me, self.elections, time.monotonic(), serving) if self.report else ""
 
         self.api = Api(self._route, self._models, lambda: self.status(time.monotonic()), api_key=self.o.api_key,
                        metrics=metrics, listen_all=self.o.listen_all, max_tokens=self.o.max_tokens)  # fmt: skip

@@ -160,8 +160,13 @@ class Report:
             "mesh_ttft_s": self.mesh_ttft(now),
         }  # fmt: skip
 
-    def metrics(self, me: NodeId, elections: int, now: float) -> str:
+    def metrics(self, me: NodeId, elections: int, now: float, serving: bool = False) -> str:
+        """``serving``: this node's API can answer completions now (what /health says)."""
         x = Exposition()
+        x.metric("mesh_llm_serving", "gauge", "1 when this node's API can answer completions now (as /health)",
+                 1 if serving else 0)  # fmt: skip
+        x.metric("mesh_llm_requests_in_flight", "gauge", "requests this node's API passes on now (or that wait for "
+                 "a slot)", self.api.in_flight if self.api else 0)  # fmt: skip
         c = self.api.counters if self.api else None
         if c is not None:
             x.metric("mesh_llm_tokens_generated_total", "counter", "tokens generated through this node's API",
@@ -198,7 +203,7 @@ class Report:
             for r in core.alive(now):
                 if r.node == me:
                     continue
-                peer = {"peer": crypto.short(r.node)}
+                peer = {"peer": crypto.short(r.node), "name": r.name}
                 conn = self.net.peers.get(r.node)
                 x.metric("mesh_llm_peer_direct", "gauge", "1 when connected directly, 0 through gossip only",
                          1 if conn else 0, peer)  # fmt: skip
