@@ -208,6 +208,9 @@ def test_metrics_parse_and_move(tmp_path: Path, tiny_model: Path) -> None:
             'mesh_llm_requests_total{"status": "200"}', 0
         )
         assert after["mesh_llm_tokens_per_second"] > 0
+        urllib.request.urlopen(f"http://127.0.0.1:{a.port}/health", timeout=10).read()
+        ok = 'mesh_llm_requests_total{"status": "200"}'
+        assert scrape()[ok] == after[ok]  # [face-2] 7: probes (/metrics, /health) are not requests to the model
         assert after["mesh_llm_decode_seconds_total"] > before.get("mesh_llm_decode_seconds_total", 0)
         assert any(k.startswith("mesh_llm_build_info") for k in after)
         # [face] counts were per node only: a request through the lite client is counted mesh-wide by the host's

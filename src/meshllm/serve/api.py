@@ -298,7 +298,8 @@ class Api:
                 return _error(401, "missing or wrong API key (Authorization: Bearer ..., or X-Api-Key: ...)",
                               "authentication_error", code="invalid_api_key")  # fmt: skip
         resp = await handler(request)
-        self.requests[resp.status] = self.requests.get(resp.status, 0) + 1
+        if request.match_info.handler == self.proxy:  # what clients asked of the model: not probes of /health, ...
+            self.requests[resp.status] = self.requests.get(resp.status, 0) + 1
         return resp
 
     async def health(self, request: web.Request) -> web.Response:
