@@ -215,6 +215,15 @@ def test_bad_tokens_fail_at_once_with_one_line(tmp_path: Path, tiny_model: Path)
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert r.returncode == 2 and "wrong-mesh" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    # [face-2] 9: a token whose issuer does not answer fails after the node started its API: one line, and the
+    # node stops what it started ("Unclosed client session" was printed after the error)
+    r = subprocess.run(
+        [sys.executable, "-m", "meshllm.cli", "--model", str(tiny_model), "--state-dir", str(tmp_path / "fresh"),
+         "--join", good.encode()],
+        capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+    assert r.returncode == 2 and "could not join" in r.stderr, r.stderr
+    assert "Unclosed" not in r.stdout + r.stderr, r.stdout + r.stderr
 
 
 def test_joining_without_a_model_finds_it_by_fingerprint(tmp_path: Path, tiny_model: Path) -> None:

@@ -77,7 +77,7 @@ class Node:
         self._plan_debounce = Debouncer[tuple[Plan | Waiting, Sizing]](PLAN_DEBOUNCE_S, first_at_once=True)
         self._stop = asyncio.Event()
         self._members: dict[NodeId, list[str]] = {}  # the members last saved for a restart
-        self._redial: asyncio.Future[None] | None = None
+        self._tasks: list[asyncio.Future[None]] = []  # the node's own loops, cancelled at shutdown
         self._lock: int | None = None  # the state dir's lock (state.take_lock), held for the node's life
         self.exit_code = 0  # 1: stopped because this node is out of the mesh (revoked, or its admission ended)
 
@@ -102,8 +102,17 @@ class Node:
 
     async def run(self) -> int:
         tokens = self.prepare()
+        try:
+            await self._serve(tokens)
+            self.console.print("leaving the mesh")
+        finally:  # a start that failed (no token's issuer answered, ...) stops what it started too
+            await self._shutdown()
+        return self.exit_code
+
+    async def _serve(self, tokens: list[tok.Token]) -> None:
+        """Start every part, then serve until told to stop."""
         assert self.net is not None and self.hosting is not None
-        events = asyncio.ensure_future(self._events())
+        self._tasks.append(asyncio.ensure_future(self._events()))
         await self._start_api()
         await self.hosting.open_door(self._models, self.o.max_tokens)
         self.report = Report(self.net, self.hosting, self.api, self.api_host, self.o.port)
@@ -126,7 +135,8 @@ class Node:
             f"node [bold]{crypto.short(self.me)}[/] listening on UDP {', '.join(addrs)}"
             + (f" — capacity {self.capacity / GB:.1f} GB ({device})" if not self.o.client else " — lite client")
         )
-        self._redial = await enter_mesh(self.net, tokens, self.state, self.o.token_ttl_s, lite, self.console)
+        redial = await enter_mesh(self.net, tokens, self.state, self.o.token_ttl_s, lite, self.console)
+        self._tasks += [redial] if redial is not None else []
         if self.o.console_port is not None:
             from meshllm.serve.console import start_console
 
@@ -134,24 +144,26 @@ class Node:
                 self.o.console_port, lambda: self.status(time.monotonic()), lambda: load_token(self.state),
                 f"http://127.0.0.1:{self.o.port}/v1", self.o.api_key, self.console, self.o.max_tokens,
             )  # fmt: skip
-        watcher = asyncio.ensure_future(watch_llama(self.net, self.hosting, self.api, lambda: self.host == self.me))
+        self._tasks.append(asyncio.ensure_future(watch_llama(self.net, self.hosting, self.api,
+                                                             lambda: self.host == self.me)))  # fmt: skip
         if self.o.auto_model:
             await self._adopt_model()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         await self._stop.wait()
-        self.console.print("leaving the mesh")
-        for task in (events, watcher, self._redial):
-            if task is not None:
-                task.cancel()
-        await self.net.stop(leave=True)
-        await self.hosting.stop()
+
+    async def _shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.net is not None:
+            await self.net.stop(leave=True)
+        if self.hosting is not None:
+            await self.hosting.stop()
         if self.api:
             await self.api.stop()
         if self.web_console is not None:
             await self.web_console.stop()
-        return self.exit_code
 
     async def _start_api(self) -> None:
         def metrics() -> str:

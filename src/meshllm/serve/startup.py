@@ -44,7 +44,9 @@ class Start:
 def start_checks(o: NodeOptions, state: Path, api_host: str, console: Console) -> Start:
     now = time.time()  # wall: token expiry and the mesh's founding link
     check_dir(state)  # before anything is written: the tokens first
-    lock = take_lock(state)  # one node per state dir (a second one would take our identity)
+    # one node per state dir (a second one would take our identity); a running node's dir exists, so this comes
+    # before the port checks: the same command twice names the running node, not its port
+    lock = take_lock(state) if state.is_dir() else None
     if port_in_use(o.port, api_host):
         raise UserError(f"port {o.port} is in use: stop what runs there or pass --port N")
     if o.rpc_port is not None and port_in_use(o.rpc_port, "0.0.0.0"):
@@ -56,6 +58,7 @@ def start_checks(o: NodeOptions, state: Path, api_host: str, console: Console) -
         model, shape, note = open_model(o.model, o.models_dir, o.draft, o.no_draft)
         if note:
             console.print(note)
+    lock = lock if lock is not None else take_lock(state)  # the inputs are good: now the dir may be made
     key = load_or_create_key(state)
     if m is not None and now >= tok.chain_until(m.chain) and not tokens:
         raise UserError(f"this node's admission to mesh {m.mesh_id.hex()[:8]} ended "
