@@ -227,6 +227,44 @@ def test_one_burst_does_not_starve_another_client(nodes: tuple[NodeProc, NodePro
     assert served[0] == "127.0.0.2", done
 
 
+def test_the_hosts_door_shares_slots_per_node(nodes: tuple[NodeProc, NodeProc], tmp_path: Path) -> None:
+    """The same as above through two lite clients: requests from other nodes reach the host through its door, and
+    each node is a source of its own there (the door knows which peer's tunnel a connection bridges)."""
+    one, _ = nodes
+    token = (one.state / "token").read_text().strip()
+    c1 = NodeProc(tmp_path, "c1", None, "--join", token)
+    c2 = NodeProc(tmp_path, "c2", None, "--join", token)
+    try:
+        for c in (c1, c2):
+            wait_for(lambda c=c: "API up:" in c.text(), 60, "a lite client's API")  # type: ignore[misc]
+        c, _r = _stream_first(c1.port, LONG, key=None)
+        done: list[tuple[str, int, float]] = []
+
+        def ask(via: NodeProc) -> None:
+            code, _, _out = _post(via.port, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, key=None)
+            done.append((via.state.name, code, time.monotonic()))
+
+        burst = [threading.Thread(target=ask, args=(c1,)) for _ in range(2)]
+        other = threading.Thread(target=ask, args=(c2,))
+        try:
+            for t in burst:
+                t.start()
+                time.sleep(0.3)
+            wait_for(lambda: _gauge(one, "mesh_llm_queue_depth") == 2, 10, "c1's two requests to wait at the host")
+            other.start()
+            time.sleep(1.0)
+        finally:
+            c.close()
+        for t in [*burst, other]:
+            t.join(60)
+        served = [s for s, code, _ in sorted(done, key=lambda d: d[2]) if code == 200]
+        assert sorted(code for _, code, _ in done) == [200, 200, 429], done
+        assert served[0] == "c2", done
+    finally:
+        c1.stop()
+        c2.stop()
+
+
 def test_the_api_as_clients_see_it(nodes: tuple[NodeProc, NodeProc]) -> None:
     one, two = nodes
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
