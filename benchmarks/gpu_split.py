@@ -177,6 +177,9 @@ def main() -> None:
     ap.add_argument("--slot-ctx", type=int, default=9216, help="--load: context per slot (default 9216: an 8k prompt)")
     ap.add_argument("--clients", default="1,4,8,16", help="--load: concurrent clients, comma-separated")
     ap.add_argument("--split", default="13,19", help="--load: layers of worker and host (the issue's 13/19 split)")
+    ap.add_argument("--auto", action="store_true",
+                    help="instead: the mesh's default sizes (--parallel auto --ctx-size auto), alone on one GPU and "
+                         "split over two capped ones: what it picks, that it loads, 8 clients' aggregate")
     ap.add_argument("--prepare", action="store_true", help="only build the binaries and make the model, then stop")
     args = ap.parse_args()
     work: Path = args.work
@@ -276,6 +279,9 @@ def main() -> None:
     if args.load:
         load(run_mesh, server, rpc_server, args)
         return
+    if args.auto:
+        auto(run_mesh, args)
+        return
     if args.multi:
         multi(run_mesh, server, rpc_server, args.tokens, args.runs)
         return
@@ -372,6 +378,24 @@ def load(run_mesh: Any, server: Any, rpc_server: Any, args: Any) -> None:
     for name, r in results:
         a, b2 = r["p2k"], r["p8k"]
         print(f"| {name} | {a:.0f} | {a / base['p2k']:.2f} | {b2:.0f} | {b2 / base['p8k']:.2f} |")  # type: ignore[operator]
+
+
+def auto(run_mesh: Any, args: Any) -> None:
+    """The default sizes on a GPU: one node alone on GPU 0, then two nodes capped at --cap GB (the model splits and
+    its KV must fit what is left): the slots and context each picks, and 8 clients' aggregate tok/s through it."""
+
+    def measure(base: str, path: str) -> tuple[float, list[float]]:
+        one(base, path, ids(32, 1), 8)
+        return concurrent(base, path, 8, args.tokens, args.runs, seed=5)
+
+    print("| mesh | slots x context | 8 clients tok/s | TTFT p50 s |\n|---|---:|---:|---:|")
+    for name, spec in [("one node, GPU 0", [("0", None)]), (f"two nodes capped at {args.cap} GB",
+                                                           [("0", args.cap), ("1", args.cap)])]:  # fmt: skip
+        (agg, tt), st = run_mesh(f"auto-{len(spec)}", "auto", spec, ("--parallel", "auto"), measure)
+        sl = st.get("slots") or {}
+        plan = [a["count"] for a in st["plan"]["assignments"]]  # type: ignore[index]
+        print(f"| {name} (plan {plan}) | {sl.get('total')} x {sl.get('ctx')} | {agg:.1f} | {pct(tt, 0.5):.3f} |",
+              flush=True)  # fmt: skip
 
 
 _ROW = re.compile(r"\|\s+-\s+(?P<dev>\S+)[^|]*\|[^(|]*?(?:\(\s*)?(?P<self>\d+) =\s+\d+ \+\s+\d+ \+\s+\d+")
