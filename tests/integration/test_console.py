@@ -163,6 +163,12 @@ def test_console_shows_the_mesh_and_chats(tmp_path: Path, tiny_model: Path, brow
         dead = f"peer {b_short} went silent and is declared dead"
         wait_for(lambda: dead in timeline(), 10, "the death in the timeline")
         assert timeline().index("declared dead") < timeline().index("joined")  # newest first
+        # [face-2] 6: the page's own node dies: the page greys out and says since when it is stale
+        a.stop(signal.SIGKILL)
+        wait_for(lambda: "lost" in (drv.find_element(By.TAG_NAME, "body").get_attribute("class") or ""), 15,  # type: ignore[attr-defined]
+                 "the page to grey out")  # fmt: skip
+        assert drv.find_element(By.ID, "conn").text.startswith("lost contact at "), drv.find_element(By.ID, "conn").text  # type: ignore[attr-defined]
+        drv.save_screenshot(str(tmp_path / "console-lost.png"))  # type: ignore[attr-defined]
     finally:
         for n in nodes:
             n.stop()

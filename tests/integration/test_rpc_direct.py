@@ -4,10 +4,12 @@ openssl's own client as the stranger and as the key holder (so the TLS is standa
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import struct
 import subprocess
+import urllib.request
 from pathlib import Path
 
 from meshllm.llama.build import Binaries
@@ -69,6 +71,14 @@ def test_a_split_goes_direct_with_tls_and_only_the_host_gets_through(
         # the host's llama-server dies: restarted on the same path and key, the same answer
         a.kill_child("llama-server")
         wait_for(lambda: "restarting" in a.text(), 30, "the restart")
+        # [face-2] 6: the death is in the timeline (what the console shows) and counted in /metrics
+        def timeline() -> str:
+            with urllib.request.urlopen(f"http://127.0.0.1:{a.port}/mesh/status", timeout=10) as r:
+                return " | ".join(e["text"] for e in json.loads(r.read())["events"])
+
+        wait_for(lambda: "llama-server exited (SIGKILL): restarting it" in timeline(), 10, "the death in the timeline")
+        with urllib.request.urlopen(f"http://127.0.0.1:{a.port}/metrics", timeout=10) as r:
+            assert "mesh_llm_child_restarts_total 1" in r.read().decode()
         wait_for(lambda: "llama-server ready" in a.text().split("restarting")[-1], 120, "llama-server back")
         assert text_of(complete(a.port, "/v1/completions")) == out
         assert _rpc_path(a, worker) == path

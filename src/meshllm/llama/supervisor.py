@@ -73,7 +73,8 @@ class Supervised:
         # added to ours (secrets go in files, never here). GGML_NO_BACKTRACE: on an abort ggml would otherwise attach
         # gdb to print a backtrace, which can hang the dying child (seen here) and delays every restart
         self._env = {**os.environ, "GGML_NO_BACKTRACE": "1", **(env or {})}
-        self.on_exit: Callable[[str], None] | None = None  # given the log's tail whenever the child dies
+        # whenever the child dies (not when we stop it): how ("exited (SIGKILL)", "stopped answering"), its log's tail
+        self.on_exit: Callable[[str, str], None] | None = None
         self.binary = binary
         self._argv = argv
         self._ready = ready
@@ -127,7 +128,7 @@ class Supervised:
             rc = child.proc.poll()
             how = "stopped answering" if rc is None else f"exited ({describe_exit(rc)})"
             if self.on_exit is not None:
-                self.on_exit(child.log_tail(400))
+                self.on_exit(how, child.log_tail(400))
             if rc is None:
                 await asyncio.to_thread(child.stop, 5.0)
             now = time.monotonic()

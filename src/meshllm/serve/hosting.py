@@ -67,6 +67,8 @@ class Hosting:
         self.server_cfg: ServerConfig | None = None
         self.announced = False
         self.generations = 0  # llama-server configurations started (a re-plan that changes it: +1)
+        self.crashes = 0  # llama-server deaths we did not cause, over every configuration
+        self.say: Callable[[str, str], None] | None = None  # a line for the terminal and the timeline (node._say)
         self.rpc_stats: dict[NodeId, TunnelStats] = {}  # per peer
         self.http_stats: dict[NodeId, TunnelStats] = {}
         self.at_load: dict[NodeId, tuple[int, int, int]] = {}  # per worker: weight bytes, round trips, allocated
@@ -235,8 +237,13 @@ class Hosting:
         self.direct_failed[worker] = time.monotonic() + serving.DIRECT_RETRY_S
         log.warning("direct RPC path to %s (%s) failed: %s; using the tunnel", crypto.short(worker), ep, why)
 
-    def _server_exited(self, log_tail: str) -> None:
-        """Our llama-server died: if it could not reach a worker directly, that worker goes through its tunnel."""
+    def _server_exited(self, how: str, log_tail: str) -> None:
+        """Our llama-server died: counted and said (the timeline shows it); if it could not reach a worker directly,
+        that worker goes through its tunnel."""
+        self.crashes += 1
+        if self.say is not None:
+            log = self.server.log_path if self.server else "llama-server.log"
+            self.say(f"[red]llama-server {how}[/]: restarting it (its log: {log})", "died")
         broke = [w for w in serving.unreachable_workers(log_tail, self._direct_in_cfg) if w in self.direct]
         for worker in broke:
             self._direct_broke(worker, "llama-server could not connect")

@@ -96,6 +96,7 @@ class Node:
                                  admit_s=o.admission_s)  # fmt: skip
         self.hosting = Hosting(net, o.bins, self.state, o.tuning, o.queue, o.draft_max, lambda: net.emit(CHANGED),
                                lambda: self.host, o.rpc_path, o.rpc_port)  # fmt: skip
+        self.hosting.say = self._say
         return s.tokens
 
     # ---------------------------------------------------------------- run

@@ -195,9 +195,8 @@ class Report:
         x.metric("mesh_llm_slot_context_tokens", "gauge", "the context of each slot", ctx)
         x.metric("mesh_llm_elections_total", "counter", "host changes seen", elections)
         x.metric("mesh_llm_build_info", "gauge", "this node's mesh-llm version", 1, {"version": __version__})
-        server = self.hosting.server
-        x.metric("mesh_llm_child_restarts_total", "counter", "llama-server restarts after a crash",
-                 server.restarts if server else 0)  # fmt: skip
+        x.metric("mesh_llm_child_restarts_total", "counter", "llama-server deaths (each restarted, or given up on)",
+                 self.hosting.crashes)  # fmt: skip
         core = self.net.core
         if core is not None:
             for r in core.alive(now):

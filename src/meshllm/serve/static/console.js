@@ -93,11 +93,17 @@ function timeline(events) {
   }));
 }
 
+let lostAt = null;  // when this page lost its node (the node died, or stopped): everything shown is stale from then
+
 function connect() {
   const es = new EventSource("/events");
-  es.onopen = () => { $("conn").textContent = "live"; };
+  es.onopen = () => { lostAt = null; document.body.classList.remove("lost"); $("conn").textContent = "live"; };
   es.onmessage = (ev) => render(JSON.parse(ev.data));
-  es.onerror = () => { $("conn").textContent = "reconnecting…"; };
+  es.onerror = () => {  // the browser retries by itself; until then the page says it is out of date, and since when
+    lostAt = lostAt || new Date();
+    document.body.classList.add("lost");
+    $("conn").textContent = `lost contact at ${lostAt.toLocaleTimeString()}: what is shown is from then; reconnecting…`;
+  };
 }
 
 document.addEventListener("click", async (ev) => {
