@@ -281,6 +281,13 @@ def test_the_api_as_clients_see_it(nodes: tuple[NodeProc, NodeProc]) -> None:
     # a count that is not a positive whole number is refused, not passed on (-1 was: "until the context is full")
     code, _, out = _post(two.port, "/v1/chat/completions", {**body, "max_tokens": -1}, key=None)
     assert code == 400 and out["error"]["param"] == "max_tokens", out  # type: ignore[index]
+    # llama-server's own errors come in the API's shape (OpenAI's), without its JSON library's words
+    for bad, field in (({"n": 5}, "n"), ({"temperature": "hot"}, "temperature")):
+        code, _, out = _post(two.port, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, **bad}, key=None)
+        err = out["error"]
+        assert code == 400 and isinstance(err, dict) and err["param"] == field, out
+        assert set(err) == {"message", "type", "param", "code"} and not isinstance(err["code"], int), out
+        assert "json.exception" not in err["message"], out
     # n completions, each in a slot
     code, _, out = _post(two.port, "/v1/completions", {"prompt": "Hi", "max_tokens": 3, "n": 2}, key=None)
     assert code == 200 and len(out["choices"]) == 2, out  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
@@ -196,6 +197,28 @@ def dot_segments(raw_path: str) -> bool:
     if "%2f" in low or "%5c" in low or "\\" in path:
         return True
     return any(urllib.parse.unquote(urllib.parse.unquote(seg)) in (".", "..") for seg in path.split("/"))
+
+
+_JSON_LIB = re.compile(r"\s*\[json\.exception\.[\w.]+\]")  # llama-server's JSON library speaking
+_FIELD = re.compile(r"^Field '([\w.]{1,64})'")
+
+
+def upstream_error(status: int, body: bytes) -> web.Response:
+    """llama-server's error (``{"error": {"code": 400, "message": ..., "type": ...}}``) in OpenAI's shape, as the
+    API's own errors are: ``code`` a string or null, ``param`` the field at fault (or null), its JSON library's
+    exception names left out of the message."""
+    try:
+        err = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        err = None
+    if not isinstance(err, dict):
+        return _error(status, body.decode(errors="replace")[:500] or f"the model server answered {status}",
+                      "upstream_error")  # fmt: skip
+    msg = _JSON_LIB.sub("", str(err.get("message") or f"the model server answered {status}"))
+    field = _FIELD.match(msg)
+    code = err.get("code")
+    return _error(status, msg, str(err.get("type") or "invalid_request_error"),
+                  code=code if isinstance(code, str) else None, param=field.group(1) if field else None)
 
 
 def _openai_ids(body: bytes) -> bytes:
@@ -442,6 +465,8 @@ class Api:
         t0 = time.monotonic()
         try:
             async with self._session.request(request.method, url, data=body or None, headers=headers) as r:
+                if r.status >= 400 and "json" in r.headers.get("Content-Type", ""):
+                    return upstream_error(r.status, await r.read())  # one shape for every error the API answers
                 resp = web.StreamResponse(status=r.status)
                 for k, v in webguard.strip_cors(r.headers.items()):
                     if k.lower() not in HOP_HEADERS:
