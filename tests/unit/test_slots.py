@@ -191,3 +191,14 @@ def test_the_default_context_on_two_80gb_gpus_for_an_8b_model_is_at_least_32k() 
     )  # fmt: skip
     p, s = size(shape, Slot(A, 80 * GB), [Slot(B, 80 * GB)], None, None)
     assert isinstance(p, Plan) and s.parallel == MAX_AUTO_SLOTS and s.ctx >= 32768
+
+
+def test_the_memory_of_sources_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every client address of a --listen-all API is a source: their last service times are kept for the newest
+    MAX_SOURCES only (a forgotten source ranks as never served, which only helps it)."""
+    monkeypatch.setattr(sl, "MAX_SOURCES", 8)
+    s = sl.Slots(total=1, queue_max=4)
+    for i in range(20):
+        t = s.arrive(f"client {i}", 1, float(i))
+        s.leave(t.ticket.id, float(i) + 0.5)  # type: ignore[union-attr]
+    assert list(s.last_served) == [f"client {i}" for i in range(12, 20)]

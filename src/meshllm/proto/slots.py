@@ -23,6 +23,7 @@ QUEUE_PER_SLOT = 4  # the default bound of the queue: this many waiting requests
 MIN_QUEUE = 16
 EWMA = 0.2  # how fast the estimate of a request's duration (for Retry-After) follows new ones
 RETRY_MIN_S, RETRY_MAX_S = 1, 60
+MAX_SOURCES = 4096  # sources whose last service is remembered (for round-robin); the oldest are forgotten
 
 
 def default_queue(slots: int) -> int:
@@ -61,7 +62,6 @@ class Slots:
     waiting: list[Ticket] = field(default_factory=list)  # in arrival order
     last_served: dict[str, float] = field(default_factory=dict)  # source -> when it was last admitted
     mean_s: float = 5.0  # estimated duration of one request (seconds)
-    served: int = 0  # admitted so far
     refused: int = 0  # refused or displaced so far
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
@@ -108,8 +108,10 @@ class Slots:
 
     def _admit(self, t: Ticket, now: float) -> None:
         self.running[t.id] = (t, now)
+        self.last_served.pop(t.source, None)  # re-inserted last: the dict stays in order of service
         self.last_served[t.source] = now
-        self.served += 1
+        if len(self.last_served) > MAX_SOURCES:  # forget the source served longest ago (a client address of long ago)
+            del self.last_served[next(iter(self.last_served))]
 
     def _rank(self, t: Ticket) -> tuple[int, float, int]:
         # fewest slots running for its source, then its source served longest ago, then the oldest (ids grow)
