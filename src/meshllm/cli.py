@@ -541,13 +541,17 @@ def cmd_status(args: argparse.Namespace) -> int:
     out.print(f"node {st['node'][:8]} ({st['role']}) in mesh {st['mesh'][:8]} — host {host[:8] or 'none'}")
     served = ", ".join(st.get("served_models") or []) or "none yet"
     out.print(f"model: {served} — API {st.get('api', '?')}", soft_wrap=True)
-    why = st.get("unavailable") or (plan.get("waiting") if isinstance(plan, dict) else None)
+    why = st.get("unavailable")
     if why:  # what /health and a request's 503 say
-        out.print(f"[yellow]{why}[/]")
-    t = Table(box=None, pad_edge=False)  # fits 80 columns: long paths fold onto a second line, nothing is cut
+        out.print(f"[yellow]{why}[/]", soft_wrap=True)
+    else:
+        out.print(f"[green]{_state_text(str(st.get('state', '?')), str(st.get('why') or ''))}[/]")
+    # fits 80 columns: a path's words go onto lines of their own, an address is never broken (IPv4:port: 21 chars)
+    t = Table(box=None, pad_edge=False)
     for name, justify in (("node", "left"), ("role", "left"), ("state", "left"), ("memory", "right"),
                           ("layers", "left"), ("path", "left"), ("RTT ms", "right")):  # fmt: skip
-        t.add_column(name, justify=justify, overflow="fold", no_wrap=name != "path")  # type: ignore[arg-type]
+        t.add_column(name, justify=justify, overflow="fold", no_wrap=name not in ("path", "state"),  # type: ignore[arg-type]
+                     min_width=21 if name == "path" else None)  # fmt: skip
     for p in st["peers"]:
         layers = p.get("layers")
         span = f"{layers[0]}-{layers[1]}" if layers else ""
@@ -556,19 +560,25 @@ def cmd_status(args: argparse.Namespace) -> int:
         used = p.get("planned_bytes")  # what the plan puts there, of what the node offers
         share = f"{used / 1e9:.1f}/" if used else ""
         mem = f"{share}{p['capacity'] / 1e9:.1f} GB {p.get('device') or ''}".strip() if p["capacity"] else "-"
-        state = p["state"] if p["liveness"] == "alive" else f"{p['state']} ({p['liveness']})"
+        state = p["state"]  # one vocabulary, as every node computes it (proto/standing.py); the reason below
         name = str(p.get("name") or "")[:12]  # a second line under the id: the hostname or --name
         t.add_row(
             p["short"] + (f"\n{name}" if name else ""), p["role"], state, mem, span or "-",
-            p["path"] + (f"; RPC {p['rpc_path']}" if p.get("rpc_path") else ""),
+            p["path"] + (f"\nRPC {p['rpc_path']}" if p.get("rpc_path") else ""),
             f"{p['rtt_ms']:.1f}" if p.get("rtt_ms") is not None else "-",
         )  # fmt: skip
     out.print(t)
+    for p in st["peers"]:
+        if p.get("why"):
+            out.print(f"  {p['short']}: {_state_text(p['state'], p['why'])}", markup=False)
     mt, tt = st.get("mesh_tokens"), st.get("ttft_s")
     if isinstance(mt, dict):
-        loading = f"; loading the model: {mt['progress']}%" if mt.get("progress", -1) >= 0 else ""
-        out.print(f"mesh: {mt['generated']} tokens generated, {mt['prompt']} prompt tokens (host {mt['host']})"
-                  + loading)  # fmt: skip
+        host = f" (host {mt['host']})" if mt.get("host") else ""
+        out.print(f"mesh: {mt['generated']} tokens generated, {mt['prompt']} prompt tokens{host}; "
+                  f"{mt.get('rate', 0):.1f} tok/s now")  # fmt: skip
+    flight = st.get("in_flight")
+    if flight:
+        out.print(f"in flight here: {flight} request{'s' if flight != 1 else ''}")
     sl = st.get("slots")
     if isinstance(sl, dict) and sl.get("total"):
         out.print(f"slots: {sl['busy']} of {sl['total']} busy, {sl['queued']} waiting; "
@@ -582,6 +592,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     for ev in (st.get("events") or [])[-args.events :] if args.events else []:
         out.print(f"{time.strftime('%H:%M:%S', time.localtime(ev['t']))} {ev['text']}", markup=False)
     return 0
+
+
+def _state_text(state: str, why: str) -> str:
+    from meshllm.proto.standing import Standing, State
+
+    try:
+        return Standing(State(state), why).text()
+    except ValueError:  # a status written by another version
+        return f"{state}: {why}" if why else state
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -224,7 +224,7 @@ def test_metrics_parse_and_move(tmp_path: Path, tiny_model: Path) -> None:
         # [face] counts were per node only: a request through the lite client is counted mesh-wide by the host's
         # llama-server, and every node shows that count (from the host's gossip); latency and time to first token
         # are histograms
-        mesh = f'mesh_llm_mesh_tokens_generated_total{{"host": "{a.short()}"}}'
+        mesh = "mesh_llm_mesh_tokens_generated_total"
         wait_for(lambda: scrape().get(mesh, 0) >= 12 and scrape(c).get(mesh, 0) >= 12, 15, "the mesh-wide count")
         had = scrape(c)[mesh]
         req = urllib.request.Request(f"http://127.0.0.1:{c.port}/v1/completions", data=body,

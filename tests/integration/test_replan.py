@@ -11,6 +11,7 @@ layers; one worker takes the rest). One scenario, in order, so the model loads s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import threading
@@ -189,11 +190,40 @@ def test_joins_leaves_and_deaths(tmp_path: Path, tiny_model: Path, stock_bins: B
             assert ask(n.port, N) == text
 
         # 4. the host killed -9
+        assert lite is not None
+        survivor = next(n for n in nodes if n is not host)
+        said: dict[str, set[str]] = {"lite": set(), "survivor": set()}
+        gap_over = threading.Event()
+
+        def listen() -> None:  # what the lite client and a worker say while the mesh has no host
+            while not gap_over.is_set():
+                for who, n in (("lite", lite), ("survivor", survivor)):
+                    with contextlib.suppress(OSError):
+                        said[who].add(json.loads(health_of(n.port)[1]).get("reason") or "ok")
+                time.sleep(0.2)
+
+        listener = threading.Thread(target=listen)
+        listener.start()
         t_kill = time.monotonic()
         host.stop(signal.SIGKILL)
         nodes.remove(host)
-        took = until_answered(nodes, t_kill, 120)
+        try:
+            took = until_answered(nodes, t_kill, 120)
+        finally:
+            gap_over.set()
+            listener.join()
         print(f"host kill -9 -> every survivor answering: {took:.1f} s")
+        # [face-2] 5: one state and one reason on every node: a worker said the dead host "is loading the model"
+        # while the lite client said "no host elected yet"; both now judge its silent record the same way
+        dead = f"the host {host.short()} is unreachable"
+        for who, reasons in said.items():
+            assert any(r.startswith(dead) for r in reasons), (who, reasons)
+            assert not any(f"{host.short()} is loading" in r or "no host elected" in r for r in reasons), (who, said)
+        # host changes are counted on a lite client too (it stayed 0 after two)
+        with urllib.request.urlopen(f"http://127.0.0.1:{lite.port}/metrics", timeout=10) as r:
+            elections = next(float(x.split()[-1]) for x in r.read().decode().splitlines()
+                             if x.startswith("mesh_llm_elections_total"))  # fmt: skip
+        assert elections >= 2, elections
         # every survivor's plan names a host, and it is a survivor (roles() maps survivors' ids only: a plan that
         # still named the killed host would fail here with a KeyError, which is the failure we want)
         new_host, _ = roles(nodes)

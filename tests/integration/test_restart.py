@@ -5,6 +5,7 @@ Before, each elected itself host of a one-node mesh and waited for ever."""
 from __future__ import annotations
 
 import json
+import signal
 import time
 import urllib.request
 from pathlib import Path
@@ -32,6 +33,12 @@ def _ask(n: NodeProc) -> int:
         return 0
 
 
+def _rpc_path(host: NodeProc, worker: NodeProc) -> str:
+    """How the host's llama-server reaches ``worker`` now (its status; "" when it is not in the running split)."""
+    me = json.loads((worker.state / "status.json").read_text())["node"]
+    return str(next((p.get("rpc_path") for p in host.status()["peers"] if p["node"] == me), "") or "")  # type: ignore[attr-defined]
+
+
 def _udp(n: NodeProc) -> list[str]:
     return list(json.loads((n.state / "node.json").read_text())["addrs"])
 
@@ -47,13 +54,18 @@ def test_a_restarted_worker_client_and_founder_rejoin_with_their_plain_command(t
         wait_for(lambda: _sees(a, b, c) and _sees(c, a, b) and _ask(c) == 200, 120, "the lite client to be served")
         worker_args = ("--max-vram", "0.3", "--ctx-size", "1024")  # b's start command, without --join
 
-        # the worker
-        b.stop()
+        # the worker, killed -9 (no goodbye) and started again at once: back before the mesh declares it dead
+        assert _rpc_path(a, b).startswith("direct "), _rpc_path(a, b)
+        b.stop(signal.SIGKILL)
         b = NodeProc(tmp_path, "b", tiny_model, *worker_args, port=b.port)
         nodes.append(b)
         took = wait_for(lambda: _sees(b, a) and _sees(a, b), 30, "the worker to rejoin")
         assert took <= REJOIN_S, f"the worker rejoined in {took:.1f} s"
         assert "rejoined the mesh via" in b.text() and "new mesh" not in b.text(), b.text()
+        # [face-2] 6: the host reaches it directly again (its rpc-server listens on a new port): it stayed on the
+        # tunnel, the direct path blamed for a peer that had died
+        wait_for(lambda: _ask(c) == 200 and _rpc_path(a, b).startswith("direct "), 120,
+                 "the split to serve over the direct path again")  # fmt: skip
 
         # the lite client: `mesh-llm --client` with its state dir, no token
         c.stop()

@@ -339,3 +339,19 @@ def test_a_hosts_slots_travel_and_bad_ones_are_dropped() -> None:
     assert "field slots" in t.merge_record(rec(k, c, seq=2, slots=(1, 2, 3)), T).dropped[0]  # type: ignore[arg-type]
     assert "field slots" in t.merge_record(rec(k, c, seq=3, slots=(-1, 8, 0, 0)), T).dropped[0]
     assert t.entries[n].record.slots == (3, 8, 2, 32768)
+
+
+def test_a_hosts_layers_and_rate_travel_and_bad_ones_are_dropped() -> None:
+    """[face-2] 5, 7: the layers of the plan the host runs (a lite client plans nothing: it showed a serving worker as
+    "standby") and its generation rate now."""
+    t = Table(crypto.node_id(FOUNDER), MESH)
+    k, c = member()
+    n = crypto.node_id(k)
+    assert t.merge_record(rec(k, c, layers=((0, 6), (6, 12)), rate=41.5), T).changed == [n]
+    assert t.entries[n].record.layers == ((0, 6), (6, 12)) and t.entries[n].record.rate == 41.5
+    assert "field lyr" in t.merge_record(rec(k, c, seq=2, layers=((0, -1),)), T).dropped[0]
+    assert "field lyr" in t.merge_record(rec(k, c, seq=3, layers=((0, 1, 2),)), T).dropped[0]  # type: ignore[arg-type]
+    assert t.entries[n].record.layers == ((0, 6), (6, 12))
+    for i, bad in enumerate((float("nan"), -1.0, 1e9)):  # a nonsense rate reads as 0, the record stays
+        assert t.merge_record(rec(k, c, seq=4 + i, rate=bad), T).changed == [n]
+        assert t.entries[n].record.rate == 0.0

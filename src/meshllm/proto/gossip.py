@@ -95,6 +95,8 @@ class RecordUpdate(TypedDict, total=False):
     ttft: tuple[int, int]
     slots: tuple[int, int, int, int]
     why: str
+    layers: tuple[tuple[int, int], ...]
+    rate: float
     left: bool
 
 
@@ -126,6 +128,8 @@ class PeerRecord:
     ttft: tuple[int, int] = (0, 0)  # requests through this node's API, and their summed time to first token (ms)
     slots: tuple[int, int, int, int] = (0, 0, 0, 0)  # a host: slots busy, slots in all, requests waiting, context
     why: str = ""  # a host that cannot serve: why ("waiting for more peers — need …"), so every node says the same
+    layers: tuple[tuple[int, int], ...] = ()  # a host: each planned node's layers (first, count), as ``planned``
+    rate: float = 0.0  # a host: tokens per second its llama-server generates now (running requests counted)
 
     @property
     def scope(self) -> tok.Scope:
@@ -144,7 +148,7 @@ class PeerRecord:
                 "chain": tok.chain_to_wire(list(self.chain)), "left": self.left, "at": self.at,
                 "srv": list(self.served), "prog": self.progress, "ttft": list(self.ttft),
                 "slots": list(self.slots),
-                "why": self.why,
+                "why": self.why, "lyr": [list(x) for x in self.layers], "rate": self.rate,
             }
         )  # fmt: skip
         return pack([body, crypto.sign(key, crypto.D_RECORD, body)])
@@ -201,6 +205,19 @@ def _why(d: dict[str, Any]) -> str:
     if not isinstance(v, str) or len(v) > MAX_WHY or not v.isprintable():
         raise RemoteProtocolError("record field why has the wrong type")
     return v
+
+
+def _layers(d: dict[str, Any]) -> tuple[tuple[int, int], ...]:
+    v = d.get("lyr", [])  # absent from records of versions before it
+    if not (isinstance(v, list) and len(v) <= 64
+            and all(isinstance(x, list) and len(x) == 2 and all(_int(y) and 0 <= y < 2**16 for y in x) for x in v)):
+        raise RemoteProtocolError("record field lyr has the wrong type")  # fmt: skip
+    return tuple((x[0], x[1]) for x in v)
+
+
+def _rate(d: dict[str, Any]) -> float:
+    v = d.get("rate", 0.0)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e7 else 0.0
 
 
 def _progress(d: dict[str, Any]) -> int:
@@ -296,6 +313,7 @@ def record_from_wire(
         relay=_field(d, "relay", bool), reflexive=_addrs(d, "nat", 4),
         host=host, planned=_planned(d), chain=tuple(chain), left=_field(d, "left", bool), at=_field(d, "at", int),
         served=_pair(d, "srv"), ttft=_pair(d, "ttft"), progress=_progress(d), why=_why(d), slots=_slots(d),
+        layers=_layers(d), rate=_rate(d),
     )  # fmt: skip
 
 
@@ -610,6 +628,10 @@ class Table:
                      and self._through.get(n, 0) >= MAX_THROUGH), None)  # fmt: skip
 
     # -- liveness
+
+    def silent_s(self, node: NodeId, now: float) -> float:
+        e = self.entries.get(node)
+        return now - e.fresh_at if e is not None else float("inf")
 
     def liveness(self, node: NodeId, now: float) -> Liveness:
         e = self.entries.get(node)

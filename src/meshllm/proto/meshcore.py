@@ -339,6 +339,21 @@ class MeshCore:
         member's record adds no name)."""
         return sorted({r.model.source for r in self.alive(now) if r.model is not None and _may_host(r)})
 
+    def silent_s(self, node: NodeId, now: float) -> float:
+        """Seconds since we last heard news from ``node`` (0 for ourselves; inf for a node we do not know)."""
+        return 0.0 if node == self.me else self.table.silent_s(node, now)
+
+    def host_of(self, rec: PeerRecord, now: float) -> PeerRecord | None:
+        """The record of the host of ``rec``'s model as our election picks it (for a lite client's record, the
+        host this node routes to): what :mod:`proto.standing` judges every node by."""
+        if rec.model is None:
+            return self.host_record(now)
+        fp = rec.model.fingerprint
+        mine = self.record.model.fingerprint if self.record.model else None
+        recs = self.alive(now)
+        host = self._election.current if fp == mine and self._election.current is not None else _elect(recs, fp)
+        return next((r for r in recs if r.node == host), None) if host is not None else None
+
     def host_record(self, now: float) -> PeerRecord | None:
         """The record of the host this node routes to (or, for a node with a model, elected): whose ``why`` every
         node gives as the reason it cannot serve. Never a record that merely claims the role."""

@@ -95,8 +95,8 @@ def route(
         return Busy(host_says)
     if host is None:
         return Busy("no host elected yet: waiting for peers")
-    if host != me:
-        return Busy(f"the host {crypto.short(host)} is loading the model")
+    if host != me:  # it serves, as far as its record says, but we have no connection to it (yet)
+        return Busy(f"connecting to the host {crypto.short(host)}")
     return Busy("starting the model server")
 
 

@@ -86,6 +86,8 @@ class Hosting:
         self.direct: dict[NodeId, str] = {}
         self.direct_failed: dict[NodeId, float] = {}  # worker -> monotonic time until which we do not retry
         self._direct_in_cfg: dict[NodeId, str] = {}  # the direct workers of the configuration being started
+        self._closing: set[asyncio.Future[None]] = set()  # listeners of workers that are gone, closing
+        self._probed_as: dict[NodeId, int] = {}  # worker -> its incarnation when we made its listener and probed
         # worker side: who holds the key our rpc-server's TLS listener accepts now
         self._key_holder: NodeId | None = None
         self._key_seq = 0
@@ -235,7 +237,21 @@ class Hosting:
     def _direct_broke(self, worker: NodeId, why: str) -> None:
         ep = self.direct.pop(worker, None)
         self.direct_failed[worker] = time.monotonic() + serving.DIRECT_RETRY_S
-        log.warning("direct RPC path to %s (%s) failed: %s; using the tunnel", crypto.short(worker), ep, why)
+        log.warning("%s at %s: %s; through its tunnel while it stays a member (a worker that is gone leaves the plan "
+                    "instead)", crypto.short(worker), ep, why)  # fmt: skip
+
+    def forget_worker(self, node: NodeId) -> None:
+        """``node`` died or left: its tunnel listener, its direct endpoint and any failure of that path go with it,
+        so when it comes back (its rpc-server on a new port, perhaps) the path to it is probed afresh. Its death
+        was no fault of the direct path: before, a worker that came back stayed on the tunnel."""
+        self.direct.pop(node, None)
+        self.direct_failed.pop(node, None)
+        self._probed_as.pop(node, None)
+        lst = self.rpc_listeners.pop(node, None)
+        if lst is not None:
+            closing = asyncio.ensure_future(lst.close())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
 
     def _server_exited(self, how: str, log_tail: str) -> None:
         """Our llama-server died: counted and said (the timeline shows it); if it could not reach a worker directly,
@@ -246,7 +262,7 @@ class Hosting:
             self.say(f"[red]llama-server {how}[/]: restarting it (its log: {log})", "died")
         broke = [w for w in serving.unreachable_workers(log_tail, self._direct_in_cfg) if w in self.direct]
         for worker in broke:
-            self._direct_broke(worker, "llama-server could not connect")
+            self._direct_broke(worker, "llama-server could not connect")  # a dead worker: forget_worker undoes it
         if broke:
             asyncio.get_running_loop().call_soon(self.on_listeners)
 
@@ -297,7 +313,11 @@ class Hosting:
         """Where the API sends a request for ``model`` (see ``serving.route``): our llama-server, a tunnel listener
         to the serving host (opened in the background on first need), or a 503 with the reason."""
         srv = self.server
-        local = serving.LocalServing(facts.source, srv.state, srv.reason) if srv and facts else None
+        local = None
+        if srv is not None and facts is not None:
+            p = srv.load_progress() if srv.state == ChildState.LOADING and not srv.reason else -1
+            local = serving.LocalServing(facts.source, srv.state, srv.reason or (f"loading the model: {p}%" if p >= 0
+                                                                                 else ""))  # fmt: skip
         listeners = self.http_listeners
         ready = remote is not None and remote[0] in listeners
         r = serving.route(model, served, local, remote, ready, plan, host, me, host_says)
@@ -343,6 +363,10 @@ class Hosting:
     def reconfigure(self, plan: Plan | Waiting | None, me: NodeId) -> None:
         """Run llama-server as the plan says, restarting it only when its configuration changes."""
         can_host = self.bins is not None and self.model is not None
+        for n, inc in list(self._probed_as.items()):  # a worker restarted (quicker than a death is declared)
+            rec = self.net.record(n)
+            if rec is not None and rec.incarnation != inc:
+                self.forget_worker(n)
         w = serving.wanted_server(
             plan, me, can_host, frozenset(self.rpc_listeners), frozenset(self.net.peers), self.device is not None
         )
@@ -385,6 +409,8 @@ class Hosting:
                 stats.rpc = stats.rpc or WireStats()
                 lst = TunnelListener(self._opener(n, STREAM_RPC), stats)
                 await lst.start()
+                rec = self.net.record(n)
+                self._probed_as[n] = rec.incarnation if rec is not None else 0
                 await self._probe_direct(n)  # the tunnel stays ready as the fallback
                 self.rpc_listeners[n] = lst  # only once it has a port
         self.on_listeners()

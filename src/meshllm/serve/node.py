@@ -24,7 +24,7 @@ from meshllm.net.endpoint import STREAM_HTTP, STREAM_RPC, STREAM_RPC_KEY
 from meshllm.net.meshnet import MeshNet
 from meshllm.net.netevents import CHANGED, AddrsLearned, Changed, Connected, MeshEvent
 from meshllm.paths import state_dir as default_state_dir
-from meshllm.proto import crypto, serving
+from meshllm.proto import crypto, serving, standing
 from meshllm.proto import token as tok
 from meshllm.proto.capacity import Offer
 from meshllm.proto.crypto import NodeId
@@ -73,6 +73,7 @@ class Node:
         self.elections = 0
         self.timeline: deque[dict[str, object]] = deque(maxlen=TIMELINE)  # what the console's timeline shows
         self._api_said: NodeId | None = None  # the host our "API up" line named
+        self._routed: NodeId | None = None  # the host this node last routed to (elections counts changes)
         # joins come in bursts and a new plan costs a model load: adopt one once it has held for a moment
         self._plan_debounce = Debouncer[tuple[Plan | Waiting, Sizing]](PLAN_DEBOUNCE_S, first_at_once=True)
         self._stop = asyncio.Event()
@@ -197,10 +198,15 @@ class Node:
                                      self._host_says())  # fmt: skip
 
     def _host_says(self) -> str:
-        """Why the host this node routes to (its own election's, never a self-claim) cannot serve, as that host says
-        in its record: the reason every node gives (503s, /health)."""
-        rec = self.net.core.host_record(time.monotonic()) if self.net and self.net.core else None
-        return f"the host {crypto.short(rec.node)} is {rec.why}" if rec and rec.why else ""
+        """Why the host this node routes to (its own election's, never a self-claim) cannot serve, from its record
+        and its silence (``proto/standing.py``): the reason every node gives (503s, /health)."""
+        core, now = self.net.core if self.net else None, time.monotonic()
+        rec = core.host_record(now) if core else None
+        if core is not None and rec is not None:
+            return standing.host_says(rec, core.silent_s(rec.node, now))
+        if self.host is not None and self.host != self.me:  # declared dead; our election has not moved on yet
+            return f"the host {crypto.short(self.host)} is unreachable: electing another"
+        return ""
 
     async def _adopt_model(self) -> None:
         """Joined without --model: serve the mesh's model as a worker if this machine has a copy."""
@@ -237,8 +243,8 @@ class Node:
 
     def _on_event(self, ev: MeshEvent) -> None:
         assert self.net is not None and self.net.core is not None
-        if ev.kind == EventKind.HOST:
-            self.elections += 1
+        if ev.kind in (EventKind.DIED, EventKind.LEFT) and self.hosting is not None:
+            self.hosting.forget_worker(ev.node)  # its direct path is tried afresh when it comes back
         if ev.kind == EventKind.REKEYED:
             publish_token(self.net, self.state, self.o.token_ttl_s, self.console)  # the old one admits nobody now
         conn = self.net.peers.get(ev.node)
@@ -260,6 +266,9 @@ class Node:
         now = time.monotonic()
         host = net.core.elected_host(now)
         net.flush_events()
+        routed = net.core.host_record(now)  # on a lite client too: host changes are counted on every node
+        if routed is not None and routed.node != self._routed:
+            self._routed, self.elections = routed.node, self.elections + 1
         if host != self.host:
             self.host = host
             hosting.drop_stale_tunnels(host)
@@ -307,7 +316,8 @@ class Node:
         if self.hosting is not None:
             self.hosting.sizing = sizing  # with the plan it was sized for
         if self.host == self.me:  # every node keeps our plan's nodes first: they converge on the plan we run
-            self.net.update(planned=tuple(a.node for a in settled.assignments) if isinstance(settled, Plan) else (),
+            asg = settled.assignments if isinstance(settled, Plan) else ()
+            self.net.update(planned=tuple(a.node for a in asg), layers=tuple((a.first, a.count) for a in asg),
                             why=settled.message()[:MAX_WHY] if isinstance(settled, Waiting) else "")  # fmt: skip
         self._say(narration.plan_line(settled, self.me), "plan")
 

@@ -11,9 +11,9 @@ from typing import NamedTuple
 
 from meshllm import __version__
 from meshllm.net.meshnet import MeshNet
-from meshllm.proto import crypto
+from meshllm.proto import crypto, standing
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.gossip import ModelFacts
+from meshllm.proto.gossip import ModelFacts, PeerRecord
 from meshllm.proto.planner import Plan, Waiting
 from meshllm.serve.api import Api
 from meshllm.serve.hosting import Hosting
@@ -37,10 +37,11 @@ class NodeView:
 
 
 class MeshTokens(NamedTuple):
-    host: str  # short id of the host whose llama-server counted
-    generated: int
+    host: str  # short id of the host serving now
+    generated: int  # by every host this node has seen, running requests included (a dead host's count stays)
     prompt: int
     progress: int  # percent of the model loaded while the host loads it; -1 otherwise
+    rate: float  # tokens per second the host generates now
 
 
 class Report:
@@ -52,6 +53,8 @@ class Report:
         self.api_host = api_host
         self.port = port
         self._saved = ""
+        self._tokens = standing.Tally(2)  # every host's (generated, prompt): mesh-wide, kept when a host dies
+        self._firsts = standing.Tally(2)  # every node's (requests, summed ms to the first token)
 
     def save(self, v: NodeView, now: float, state_dir: Path) -> None:
         """The status into the state dir's status.json, when it changed (``mesh-llm status`` reads it)."""
@@ -67,11 +70,18 @@ class Report:
             return None
         return {"last": _fmt(h.last), "p50": _fmt(h.quantile(0.5)), "count": h.n}
 
+    def _see(self, now: float) -> None:
+        """Fold every live record's counts into the mesh-wide tallies (what a node reported before it died stays)."""
+        for r in self.net.core.alive(now) if self.net.core is not None else []:
+            if r.served != (0, 0):
+                self._tokens.see(r.node, r.served)
+            if r.ttft != (0, 0):
+                self._firsts.see(r.node, r.ttft)
+
     def mesh_ttft(self, now: float) -> dict[str, object] | None:
         """Time to first token over every node's requests (each node's own count and sum, from gossip)."""
-        core = self.net.core
-        recs = core.alive(now) if core is not None else []
-        n, total_ms = sum(r.ttft[0] for r in recs), sum(r.ttft[1] for r in recs)
+        self._see(now)
+        n, total_ms = self._firsts.total()
         return {"count": n, "avg": round(total_ms / n / 1000, 3)} if n else None
 
     def slots(self, now: float) -> tuple[int, int, int, int]:
@@ -81,27 +91,39 @@ class Report:
         return host.slots if host is not None else (0, 0, 0, 0)
 
     def mesh_tokens(self, now: float) -> MeshTokens | None:
-        """What the serving host says its llama-server did, for every node's requests: one source for the whole
-        mesh (every completion runs there)."""
+        """What the hosts say their llama-servers did, for every node's requests (every completion runs on a host),
+        summed over every host this node has seen; the rate and load progress of the one serving now."""
         core = self.net.core
         if core is None:
             return None
-        host = next((r for r in core.alive(now) if r.role == "host"), None)
-        if host is None:
+        self._see(now)
+        host = core.host_record(now)
+        generated, prompt = self._tokens.total()
+        if host is None and not generated:
             return None
-        return MeshTokens(crypto.short(host.node), host.served[0], host.served[1], host.progress)
+        short = crypto.short(host.node) if host else ""
+        return MeshTokens(short, generated, prompt, host.progress if host else -1, host.rate if host else 0.0)
+
+    def standing(self, r: PeerRecord, now: float) -> standing.Standing:
+        """Where ``r``'s node stands, as every node computes it (``proto/standing.py``)."""
+        core = self.net.core
+        assert core is not None
+        host = core.host_of(r, now)
+        return standing.of_node(r, core.silent_s(r.node, now), host, core.silent_s(host.node, now) if host else 0)
 
     def status(self, v: NodeView, now: float) -> dict[str, object]:
         assert self.net.core is not None
         core = self.net.core
         peers = []
+        host_rec = core.host_record(now)
         for r in core.alive(now):
             conn = self.net.peers.get(r.node)
+            stand = self.standing(r, now)
             peers.append({
                 "node": r.node.hex(), "short": crypto.short(r.node), "name": r.name, "role": r.role,
                 "scope": str(r.scope),
                 "capacity": r.capacity,
-                "device": r.device, "state": r.state, "incarnation": r.incarnation,
+                "device": r.device, "state": str(stand.state), "why": stand.why, "incarnation": r.incarnation,
                 "liveness": core.liveness(r.node, now).value,
                 "model": r.model.fingerprint if r.model else None,
                 "path": "self" if r.node == v.me else (conn.path if conn else "not connected"),
@@ -110,7 +132,7 @@ class Report:
                 "rtt_ms": core.rtt_ms.get(r.node),
                 "tunnel": self.hosting.tunnel_counts(r.node),
                 "rpc_path": self.hosting.rpc_path_of(r.node) or None,  # host: how llama-server reaches it
-                "layers": layers_of(v.plan, r.node),
+                "layers": layers_of(v.plan, r.node, host_rec),
                 "planned_bytes": planned_bytes(v.plan, r.node),  # of its capacity, what the plan puts on it
             })  # fmt: skip
         p = v.plan
@@ -133,13 +155,14 @@ class Report:
             }
         elif isinstance(p, Waiting):
             plan_obj = {"waiting": p.message(), "need": p.need, "have": p.have}
-        server = self.hosting.server
         ep = self.net.ep
         return {
             "api": f"http://{self.api_host}:{self.port}/v1",
-            "state": server.state if server else core.record.state,
+            "state": str((mine := self.standing(core.record, now)).state), "why": mine.why,
+            "in_flight": self.api.in_flight if self.api else 0,
+            "last_tokens_per_second": self.api.counters.last_tokens_per_second if self.api else 0.0,
             "requests": dict(self.api.requests) if self.api else {},
-            "llama_starts": self.hosting.generations + (server.restarts if server else 0),
+            "llama_starts": self.hosting.generations + (srv.restarts if (srv := self.hosting.server) else 0),
             "draft": v.draft,
             "served_models": v.served,
             "agents": [{"label": a, "copy": b} for a, b in agent_commands(v.served[0], self.port, self.slots(now)[3],
@@ -183,11 +206,13 @@ class Report:
             x.metric("mesh_llm_requests_total", "counter", "API requests by status", n, {"status": str(code)})
         mesh = self.mesh_tokens(now)
         if mesh is not None:
-            host = {"host": mesh.host}
-            x.metric("mesh_llm_mesh_tokens_generated_total", "counter", "tokens the mesh's host generated, for "
-                     "every node's requests (from the host's gossip)", mesh.generated, host)  # fmt: skip
-            x.metric("mesh_llm_mesh_prompt_tokens_total", "counter", "prompt tokens the mesh's host processed",
-                     mesh.prompt, host)  # fmt: skip
+            x.metric("mesh_llm_mesh_tokens_generated_total", "counter", "tokens the mesh's hosts generated for every "
+                     "node's requests, running ones included (from their gossip; kept when a host dies)",
+                     mesh.generated)  # fmt: skip
+            x.metric("mesh_llm_mesh_prompt_tokens_total", "counter", "prompt tokens the mesh's hosts processed",
+                     mesh.prompt)  # fmt: skip
+            x.metric("mesh_llm_mesh_tokens_per_second", "gauge", "tokens per second the serving host generates now",
+                     mesh.rate)  # fmt: skip
         busy, total, queued, ctx = self.slots(now)
         x.metric("mesh_llm_slots_busy", "gauge", "the host's llama-server slots running a request", busy)
         x.metric("mesh_llm_slots_total", "gauge", "the host's llama-server slots (--parallel)", total)
@@ -229,7 +254,14 @@ def planned_bytes(plan: Plan | Waiting | None, node: NodeId) -> int | None:
     return None
 
 
-def layers_of(plan: Plan | Waiting | None, node: NodeId) -> list[int] | None:
+def layers_of(plan: Plan | Waiting | None, node: NodeId, host: PeerRecord | None = None) -> list[int] | None:
+    """``node``'s layers, first and last: as the host's record says its running plan has them (what a lite client,
+    which plans nothing, shows too), else as our own plan has them."""
+    if host is not None and host.layers and len(host.layers) == len(host.planned):
+        for n, (first, count) in zip(host.planned, host.layers, strict=True):
+            if n == node:
+                return [first, first + count - 1] if count else None
+        return None
     if isinstance(plan, Plan):
         for a in plan.assignments:
             if a.node == node:

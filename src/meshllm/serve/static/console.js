@@ -3,25 +3,29 @@
 const $ = (id) => document.getElementById(id);
 const gb = (b) => (b / 1e9).toFixed(1) + " GB";
 
-function segment(p, plan) {
+// where a node stands, as every node computes it (proto/standing.py): "serving", "loading: 43%", "standby: ..."
+const stateText = (state, why) => (!why ? state : why.split(" ")[0] === state.split(" ")[0] ? why : `${state}: ${why}`);
+
+function segment(p) {
   const d = document.createElement("div");
-  const inPlan = plan && plan.assignments && plan.assignments.some((a) => a.node === p.node);
-  const kind = p.role === "client" ? "client" : p.role === "host" ? "host" : inPlan ? "worker" : "standby";
-  const suspect = p.liveness === "suspect";  // silent for a few seconds: maybe gone (declared dead at 10 s)
+  // the colour says what it does: host, worker of the running plan, standby (not in it), lite client
+  const kind = p.role === "client" ? "client" : p.role === "host" ? "host" : p.state === "standby" ? "standby" : "worker";
+  const suspect = p.liveness === "suspect" || p.state === "unreachable";  // silent: maybe gone (dead at 10 s)
   d.className = "seg " + kind + (suspect ? " suspect" : "");
   d.dataset.node = p.short;
   d.title = `node ${p.node}`;
   d.style.flex = String(Math.max(p.capacity || 0, 2e8));
-  const layers = p.layers ? `layers ${p.layers[0]}–${p.layers[1]}` : kind === "client" ? "lite client" : "standby";
+  const layers = p.layers ? `layers ${p.layers[0]}–${p.layers[1]}` : kind === "client" ? "lite client" : "no layers";
   const path = (p.path === "self" ? "this node" : p.path) + (p.rpc_path ? `; RPC ${p.rpc_path}` : "");
   const rtt = p.rtt_ms != null ? ` · ${p.rtt_ms.toFixed(1)} ms` : "";
-  d.innerHTML = `<div class="id"></div><div class="sub"></div><div class="sub"></div>`;
-  d.children[0].textContent = `${p.name || p.short} · ${kind}${suspect ? " · not heard from" : ""}`;
+  d.innerHTML = `<div class="id"></div><div class="sub state"></div><div class="sub"></div><div class="sub"></div>`;
+  d.children[0].textContent = `${p.name || p.short} · ${kind}`;
+  d.children[1].textContent = stateText(p.state, p.why);
   const dev = p.device && p.capacity ? ` (${p.device})` : "";
   const used = p.planned_bytes ? `${gb(p.planned_bytes)} of ` : "";  // what the plan puts there, of what it offers
   const scope = p.scope && p.scope !== "host" ? ` · ${p.scope} scope` : "";
-  d.children[1].textContent = `${layers} · ${p.capacity ? used + gb(p.capacity) : "no capacity"}${dev}${scope}`;
-  d.children[2].textContent = `${path}${rtt}`;
+  d.children[2].textContent = `${layers} · ${p.capacity ? used + gb(p.capacity) : "no capacity"}${dev}${scope}`;
+  d.children[3].textContent = `${path}${rtt}`;
   return d;
 }
 
@@ -31,18 +35,20 @@ function render(st) {
   // a stable order: the host first, then by node id (a rejoin must not reshuffle the bar)
   const rank = (p) => (p.role === "host" ? "0" : "1") + p.node;
   const peers = [...st.peers].sort((x, y) => (rank(x) < rank(y) ? -1 : 1));
-  cluster.replaceChildren(...peers.map((p) => segment(p, st.plan)));
-  const plan = st.plan || {};
+  cluster.replaceChildren(...peers.map((p) => segment(p)));
   $("m-name").textContent = st.model ? st.model.source : (st.served_models || []).join(", ") || "–";
   $("m-draft").textContent = st.draft || "none";
-  $("m-state").textContent = st.unavailable || (plan.waiting ? plan.waiting : st.state);  // what /health says
+  $("m-state").textContent = st.unavailable || stateText(st.state, st.why);  // what /health says
   $("m-cap").textContent = gb(st.peers.reduce((s, p) => s + (p.capacity || 0), 0));
   $("m-api").textContent = st.api;
   const req = Object.entries(st.requests || {}).map(([code, n]) => `${n} × ${code}`);
   $("m-req").textContent = req.length ? req.join(", ") : "none yet";
+  $("m-flight").textContent = `${st.in_flight || 0} request${st.in_flight === 1 ? "" : "s"}` +
+    (st.last_tokens_per_second ? ` · last reply ${st.last_tokens_per_second.toFixed(1)} tok/s (llama-server's timing)` : "");
   const mt = st.mesh_tokens;
-  if (mt && mt.progress >= 0) $("m-state").textContent = `loading the model: ${mt.progress}%`;
-  $("m-tps").textContent = meshRate(mt);
+  $("m-tps").textContent = mt
+    ? `${mt.rate.toFixed(1)} tok/s now · ${mt.generated} tokens generated, ${mt.prompt} prompt tokens` +
+      (mt.host ? ` (host ${mt.host})` : "") : "–";
   const tt = st.ttft_s;
   const mtt = st.mesh_ttft_s;
   const here = tt ? `this node: ${(tt.last * 1000).toFixed(0)} ms last, ≤ ${(tt.p50 * 1000).toFixed(0)} ms median` : "";
@@ -66,19 +72,6 @@ function render(st) {
     b.dataset.copy = pre.id;
     agents.append(label, pre, b);
   });
-}
-
-// the whole mesh's tokens per second: the host's own count (every completion runs there), between two updates
-let lastCount = null;
-function meshRate(mt) {
-  if (!mt) return "–";
-  const now = Date.now() / 1000;
-  let rate = "";
-  if (lastCount && lastCount.host === mt.host && mt.generated >= lastCount.n && now - lastCount.t >= 1) {
-    rate = `${((mt.generated - lastCount.n) / (now - lastCount.t)).toFixed(1)} tok/s now · `;
-  }
-  if (!lastCount || lastCount.host !== mt.host || now - lastCount.t >= 5) lastCount = { host: mt.host, n: mt.generated, t: now };
-  return `${rate}${mt.generated} tokens generated, ${mt.prompt} prompt tokens (host ${mt.host})`;
 }
 
 function timeline(events) {
