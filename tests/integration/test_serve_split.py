@@ -164,11 +164,12 @@ def test_status_command_shows_both_model_nodes(mesh: dict[str, NodeProc]) -> Non
     for header in ("node", "role", "state", "memory", "layers", "path", "RTT ms"):
         assert header in next(x for x in r.stdout.splitlines() if " role " in x), r.stdout
     # the mesh-wide count (the host's, through gossip, on a lite client) and the latest events
-    assert re.search(r"mesh: \d+ tokens generated, \d+ prompt tokens \(host [0-9a-f]{8}\); [\d.]+ tok/s now", r.stdout), r.stdout
+    mesh_line = r"mesh: \d+ tokens generated, \d+ prompt tokens \(host [0-9a-f]{8}\); [\d.]+ tok/s now"
+    assert re.search(mesh_line, r.stdout), r.stdout
     # [face-2] 5: a lite client (which plans nothing) showed the serving worker as "standby" with no layers; it now
     # shows what the host's record says: the worker serving, with its layers
-    st_c = json.loads(subprocess.run([sys.executable, "-m", "meshllm.cli", "status", "--json", "--port",
-                                      str(mesh["c"].port)], capture_output=True, text=True, timeout=30).stdout)  # fmt: skip
+    as_json = [sys.executable, "-m", "meshllm.cli", "status", "--json", "--port", str(mesh["c"].port)]
+    st_c = json.loads(subprocess.run(as_json, capture_output=True, text=True, timeout=30).stdout)
     workers = [p for p in st_c["peers"] if p["role"] == "worker"]
     assert workers and all(p["state"] == "serving" and p["layers"] for p in workers), st_c["peers"]
     assert st_c["state"] == "serving" and st_c["unavailable"] is None, st_c
