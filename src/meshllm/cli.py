@@ -225,7 +225,9 @@ def cmd_node(args: argparse.Namespace) -> int:
         draft=args.draft, draft_max=args.draft_max, no_draft=args.no_draft, console_port=args.console,
         rpc_path=args.rpc_path, rpc_port=args.rpc_port, name=args.name or "",
     )  # fmt: skip
-    return run_node(opts, console)
+    from meshllm.serve.terminal import terminal_for_node
+
+    return run_node(opts, terminal_for_node(getattr(args, "verbose", False)))
 
 
 def ensure_binaries(bin_dir: Path | None) -> Binaries:
@@ -248,7 +250,7 @@ def cmd_token(args: argparse.Namespace) -> int:
 
     from meshllm.net.meshnet import mint_scoped
     from meshllm.paths import state_dir
-    from meshllm.state import has_node, load_addrs, load_membership, load_or_create_key, save_token
+    from meshllm.state import has_node, load_addrs, load_members, load_membership, load_or_create_key, save_token
 
     sd = state_dir(args.state_dir)
     if not has_node(sd):
@@ -257,7 +259,8 @@ def cmd_token(args: argparse.Namespace) -> int:
     if m is None:
         raise UserError(f"the node in {sd} is not in a mesh yet")
     addrs = load_addrs(sd)
-    t = mint_scoped(load_or_create_key(sd), m, addrs, time.time(), args.ttl, args.scope)
+    also = list(load_members(sd).items())  # the members the node last knew: a joiner dials them too
+    t = mint_scoped(load_or_create_key(sd), m, addrs, time.time(), args.ttl, args.scope, also)
     from meshllm.serve.narration import duration
 
     saved = ""

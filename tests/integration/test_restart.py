@@ -39,6 +39,14 @@ def _rpc_path(host: NodeProc, worker: NodeProc) -> str:
     return str(next((p.get("rpc_path") for p in host.status()["peers"] if p["node"] == me), "") or "")  # type: ignore[attr-defined]
 
 
+def _named(n: NodeProc) -> set[str]:
+    """The short ids of the members the node's saved invite token names, the issuer's included."""
+    from meshllm.proto import crypto
+    from meshllm.proto import token as tok
+
+    return {crypto.short(m) for m, _ in tok.parse((n.state / "token").read_text()).members()}
+
+
 def _udp(n: NodeProc) -> list[str]:
     return list(json.loads((n.state / "node.json").read_text())["addrs"])
 
@@ -57,6 +65,7 @@ def test_a_restarted_worker_client_and_founder_rejoin_with_their_plain_command(t
         # the worker, killed -9 (no goodbye) and started again at once: back before the mesh declares it dead
         assert _rpc_path(a, b).startswith("direct "), _rpc_path(a, b)
         b.stop(signal.SIGKILL)
+        (b.state / "status.json").unlink()  # what the killed node last wrote: the restarted one writes its own
         b = NodeProc(tmp_path, "b", tiny_model, *worker_args, port=b.port)
         nodes.append(b)
         took = wait_for(lambda: _sees(b, a) and _sees(a, b), 30, "the worker to rejoin")
@@ -89,6 +98,15 @@ def test_a_restarted_worker_client_and_founder_rejoin_with_their_plain_command(t
         d = NodeProc(tmp_path, "d", None, "--join", token)
         nodes.append(d)
         wait_for(lambda: _sees(d, a), 30, "a new member through the old token")
+        # [face-2] 2: the invite token the founder keeps names the other members too: with the founder away, a
+        # joiner gets in through one of them
+        wait_for(lambda: b.short() in _named(a), 15, "the founder's token to name the worker")
+        fresh = (a.state / "token").read_text().strip()
+        a.stop()
+        e = NodeProc(tmp_path, "e", None, "--join", fresh)
+        nodes.append(e)
+        wait_for(lambda: _sees(e, b), 30, "a joiner through another member the token names")
+        assert f"via {b.short()} (the token's issuer {a.short()} did not answer first)" in e.text(), e.text()
     finally:
         for n in nodes:
             n.stop()

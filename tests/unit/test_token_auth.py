@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import base64
 import os
 from dataclasses import replace
+
+import msgpack
 
 import pytest
 from hypothesis import given, settings
@@ -388,3 +391,25 @@ def test_a_node_cut_off_with_the_member_that_admitted_it_knows_it_is_out(mesh: d
     core.revoke([r], 2.0)
     assert [e for e in core.events if e.kind == EventKind.REVOKED and e.node == crypto.node_id(c)] != []
     assert len([e for e in core.events if e.node == crypto.node_id(c)]) == 1
+
+
+def test_a_token_names_other_members_and_their_list_is_signed(mesh: dict[str, object]) -> None:
+    """[face-2] 2: a token carried one issuer's addresses; when that member was away (a restart, a laptop shut), a
+    joiner had no one to ask. It now names up to MAX_ALSO others, each with its addresses, under the signature."""
+    others = [(bytes([i]) * 32, [f"10.0.0.{i}:4000", "bad address", f"[fd00::{i}]:4000"]) for i in range(1, 7)]
+    me = crypto.node_id(mesh["key"])  # type: ignore[arg-type]
+    t = tok.mint(mesh["key"], mesh["mesh_id"], mesh["secret"], ["127.0.0.1:1"], NOW, 3600,  # type: ignore[arg-type]
+                 also=[(me, ["127.0.0.1:1"]), (bytes([9]) * 32, []), *others])  # fmt: skip
+    assert [n for n, _ in t.also] == [o[0] for o in others[: tok.MAX_ALSO]]  # not itself, none without an address
+    assert t.also[0][1] == ("10.0.0.1:4000", "[fd00::1]:4000")
+    got = tok.check(tok.parse(t.encode()), NOW, mesh["mesh_id"])  # type: ignore[arg-type]
+    assert got == t and got.members()[0] == (me, ["127.0.0.1:1"]) and len(got.members()) == 1 + tok.MAX_ALSO
+    assert _handshake(mesh, crypto.new_key(), token=got)[0]  # checked by any member, the list included
+    # the list is under the signature: swapping a member's id or address is refused
+    for forged in (replace(t, also=((bytes([8]) * 32, ("10.0.0.1:4000",)), *t.also[1:])), replace(t, also=())):
+        with pytest.raises(tok.TokenError, match="signature"):
+            tok.check(tok.parse(forged.encode()), NOW)
+    # a token naming nobody else is byte for byte the old layout (older nodes read it)
+    plain = _token(mesh)
+    b64 = plain.encode().removeprefix(tok.TOKEN_PREFIX)
+    assert plain.also == () and len(msgpack.unpackb(base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)))) == 8

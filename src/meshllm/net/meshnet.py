@@ -41,7 +41,7 @@ from meshllm.proto.auth import (
     rekey_refused,
 )
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.gossip import PeerRecord, RecordUpdate
+from meshllm.proto.gossip import PeerRecord, RecordUpdate, Role
 from meshllm.proto.meshcore import EventKind, MeshCore, Out
 from meshllm.proto.reach import Observed, PunchRequest, RelayMode
 from meshllm.proto.wire import FrameDecoder, Message, encode
@@ -404,13 +404,14 @@ class MeshNet:
         self.send(self.core.revoke([r], self.now))
         self.flush_events()
 
-    async def join(self, token: tok.Token) -> None:
-        """Connect to the token's issuer; as a joiner (token) unless we are already a member of its mesh."""
+    async def join(self, token: tok.Token) -> NodeId:
+        """Connect to the token's issuer, or another member it names (any member checks a token), whichever answers
+        first; as a joiner (token) unless we are already a member of its mesh. The member we joined through."""
         as_member = self.m is not None and self.m.mesh_id == token.mesh_id and self.admitted()
-        conn = await self.dial_any(token.issuer, list(token.addrs))
+        conn, node = await self._dial_first(token.members())
         try:
             chain = await asyncio.wait_for(
-                self._auth_as_dialler(conn, token.issuer, None if as_member else token), AUTH_TIMEOUT_S * 2
+                self._auth_as_dialler(conn, node, None if as_member else token), AUTH_TIMEOUT_S * 2
             )
         except BaseException:
             conn.close("auth failed")
@@ -419,7 +420,30 @@ class MeshNet:
             self.m = Membership(mesh_id=token.mesh_id, secret=token.secret, chain=chain, incarnation=1)
             save_membership(self.state_dir, self.m)
             self._make_core(self.m)
-        self._register(conn, token.issuer)
+        self._register(conn, node)
+        return node
+
+    async def _dial_first(self, members: list[tuple[NodeId, list[str]]]) -> tuple[Conn, NodeId]:
+        """Dial every member at once; the first that proves to be who it should be, the others closed."""
+        tasks = {asyncio.ensure_future(self.dial_any(n, a)): n for n, a in members}
+        errors: list[str] = []
+        pending = set(tasks)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                won = [t for t in done if t.exception() is None]
+                for t in won[1:]:  # two at once: the first is kept
+                    t.result().close("another member answered first")
+                if won:
+                    return won[0].result(), tasks[won[0]]
+                errors += [f"{crypto.short(tasks[t])}: {t.exception()}" for t in done]
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
+            for t in pending:  # cancelled above; one that won a race with the cancel is closed
+                t.add_done_callback(_close_unused)
+        raise DialError("; ".join(errors) or "no address")
 
     async def redial(self, members: dict[NodeId, list[str]], timeout: float) -> NodeId | None:
         """Dial the members we knew (a restart: the table is empty), all at once; the first that answered, or None
@@ -587,20 +611,30 @@ class MeshNet:
         return self.m is not None and self.wall() < tok.chain_until(self.m.chain)
 
     def mint_token(self, ttl_s: float, scope: tok.Scope | None = None) -> tok.Token:
-        """An invite token of ``scope`` (default: our own, the widest we may give)."""
+        """An invite token of ``scope`` (default: our own, the widest we may give), naming a few other members a
+        joiner dials when we do not answer (the host first, then the biggest)."""
         assert self.m is not None
-        return mint_scoped(self.key, self.m, self.all_addrs, self.wall(), ttl_s, scope)
+        recs = self.core.alive(self.now) if self.core is not None else []
+        recs = sorted((r for r in recs if r.node != self.me and r.addrs and r.role != Role.CLIENT),
+                      key=lambda r: (r.role != Role.HOST, -r.capacity, r.node))  # fmt: skip
+        also = [(r.node, list(r.addrs)) for r in recs]
+        return mint_scoped(self.key, self.m, self.all_addrs, self.wall(), ttl_s, scope, also)
+
+
+def _close_unused(f: asyncio.Future[Conn]) -> None:
+    if not f.cancelled() and f.exception() is None:
+        f.result().close("another member answered first")
 
 
 def mint_scoped(key: Ed25519PrivateKey, m: Membership, addrs: list[str], now: float, ttl_s: float,
-                scope: tok.Scope | None) -> tok.Token:  # fmt: skip
+                scope: tok.Scope | None, also: list[tuple[NodeId, list[str]]] | None = None) -> tok.Token:  # fmt: skip
     """A token no wider than our own scope and no longer-lived than the cap, or a UserError that says why."""
     mine = tok.chain_scope(m.chain)
     if scope is not None and scope > mine:
         raise UserError(f"this node is {mine}-scoped: it can invite {', '.join(str(s) for s in tok.Scope if s <= mine)}"
                         f" nodes, not {scope} ones")  # fmt: skip
     try:
-        return tok.mint(key, m.mesh_id, m.secret, addrs, now, ttl_s, mine if scope is None else scope)
+        return tok.mint(key, m.mesh_id, m.secret, addrs, now, ttl_s, mine if scope is None else scope, also)
     except ValueError as e:
         raise UserError(f"cannot mint that token: {e}") from None
 

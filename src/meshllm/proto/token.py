@@ -54,6 +54,8 @@ MAX_ADMIT_S = 30 * 86400  # no link holds longer, whoever signed it
 CLOCK_SKEW_S = 300  # how far apart members' clocks may be where one checks what another signed
 MAX_TOKEN_CHARS = 4096
 MAX_ADDRS = 16
+MAX_ALSO = 4  # other members a token names (a joiner dials them too when the issuer is away), each by its id
+MAX_ALSO_ADDRS = 4  # and up to this many of its addresses
 MAX_CHAIN = 64
 SECRET_LEN = 32
 MESH_ID_LEN = 16
@@ -96,10 +98,20 @@ class Token:
     expires: int  # unix seconds
     scope: Scope = Scope.HOST  # what the node it admits may do
     sig: bytes = b""
+    # other members to dial when the issuer does not answer (any member checks a token): (node id, addresses)
+    also: tuple[tuple[NodeId, tuple[str, ...]], ...] = ()
 
     def body(self) -> bytes:
-        return pack([TOKEN_VERSION, self.mesh_id, self.secret, self.issuer, list(self.addrs), self.expires,
-                     int(self.scope)])  # fmt: skip
+        fields = [TOKEN_VERSION, self.mesh_id, self.secret, self.issuer, list(self.addrs), self.expires,
+                  int(self.scope)]  # fmt: skip
+        return pack(fields + ([self._also()] if self.also else []))  # a token without others signs as before
+
+    def _also(self) -> list[list[object]]:
+        return [[n, list(a)] for n, a in self.also]
+
+    def members(self) -> list[tuple[NodeId, list[str]]]:
+        """Every member the token names, the issuer first: (node id, addresses)."""
+        return [(self.issuer, list(self.addrs)), *((n, list(a)) for n, a in self.also)]
 
     def signed_by(self, key: Ed25519PrivateKey) -> Token:
         return replace(self, sig=crypto.sign(key, crypto.D_TOKEN, self.body()))
@@ -109,7 +121,7 @@ class Token:
 
     def encode(self) -> str:
         raw = pack([TOKEN_VERSION, self.mesh_id, self.secret, self.issuer, list(self.addrs), self.expires,
-                    int(self.scope), self.sig])  # fmt: skip
+                    int(self.scope), self.sig] + ([self._also()] if self.also else []))  # fmt: skip
         return TOKEN_PREFIX + base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
     def redacted(self) -> str:
@@ -119,12 +131,16 @@ class Token:
 
 
 def mint(key: Ed25519PrivateKey, mesh_id: bytes, secret: bytes, addrs: list[str], now: float, ttl_s: float,
-         scope: Scope = Scope.HOST) -> Token:  # fmt: skip
-    """A signed token; the caller checked ``scope`` against its own (``chain_scope``). ValueError over MAX_TTL_S."""
+         scope: Scope = Scope.HOST, also: list[tuple[NodeId, list[str]]] | None = None) -> Token:  # fmt: skip
+    """A signed token; the caller checked ``scope`` against its own (``chain_scope``). ValueError over MAX_TTL_S.
+    ``also``: other members a joiner may dial (the first MAX_ALSO with addresses, MAX_ALSO_ADDRS of each)."""
     if not 0 < ttl_s <= MAX_TTL_S:
         raise ValueError(f"a token lives at most {MAX_TTL_S // 86400} days")
+    me = crypto.node_id(key)
+    others = tuple((n, tuple(a for a in ad if ip_port(a))[:MAX_ALSO_ADDRS]) for n, ad in also or [] if n != me)
+    others = tuple(x for x in others if x[1])[:MAX_ALSO]
     addrs_ = tuple(addrs[:MAX_ADDRS])
-    return Token(mesh_id, secret, crypto.node_id(key), addrs_, int(now + ttl_s), scope).signed_by(key)
+    return Token(mesh_id, secret, me, addrs_, int(now + ttl_s), scope, also=others).signed_by(key)
 
 
 def parse(text: str) -> Token:
@@ -140,9 +156,10 @@ def parse(text: str) -> Token:
         raise TokenError("malformed", "not valid base64/msgpack") from None
     if isinstance(obj, list) and obj and obj[0] == 1:
         raise TokenError("malformed", "a token of an older mesh-llm (version 1, before scopes): ask for a new one")
-    if not isinstance(obj, list) or len(obj) != 8 or obj[0] != TOKEN_VERSION:
+    if not isinstance(obj, list) or len(obj) not in (8, 9) or obj[0] != TOKEN_VERSION:
         raise TokenError("malformed", "unknown layout or version")
-    _, mesh_id, secret, issuer, addrs, expires, scope, sig = obj
+    _, mesh_id, secret, issuer, addrs, expires, scope, sig = obj[:8]
+    also = _also(obj[8]) if len(obj) == 9 else ()
     if not (
         isinstance(mesh_id, bytes) and len(mesh_id) == MESH_ID_LEN
         and isinstance(secret, bytes) and len(secret) == SECRET_LEN
@@ -154,7 +171,21 @@ def parse(text: str) -> Token:
         and isinstance(sig, bytes) and len(sig) == crypto.SIG_LEN
     ):  # fmt: skip
         raise TokenError("malformed", "a field has the wrong type or size")
-    return Token(mesh_id, secret, issuer, tuple(addrs), expires, Scope(scope), sig)
+    return Token(mesh_id, secret, issuer, tuple(addrs), expires, Scope(scope), sig, also)
+
+
+def _also(v: object) -> tuple[tuple[NodeId, tuple[str, ...]], ...]:
+    """The other members a token names; TokenError("malformed") for anything else (an empty list included: a
+    token without others has no such field, so its signature covers the same bytes as an older one's)."""
+    if not (isinstance(v, list) and 0 < len(v) <= MAX_ALSO):
+        raise TokenError("malformed", "its list of other members has the wrong size")
+    out = []
+    for x in v:
+        if not (isinstance(x, list) and len(x) == 2 and isinstance(x[0], bytes) and len(x[0]) == crypto.NODE_ID_LEN
+                and isinstance(x[1], list) and 0 < len(x[1]) <= MAX_ALSO_ADDRS and all(ip_port(a) for a in x[1])):
+            raise TokenError("malformed", "another member it names has the wrong type or size")  # fmt: skip
+        out.append((x[0], tuple(x[1])))
+    return tuple(out)
 
 
 def ip_port(text: object) -> bool:

@@ -29,8 +29,10 @@ async def join_first(net: MeshNet, tokens: list[tok.Token], console: Console) ->
     errors = []
     for t in tokens:
         try:
-            await net.join(t)
-            console.print(f"joined mesh [bold]{t.mesh_id.hex()[:8]}[/] via {crypto.short(t.issuer)}")
+            via = await net.join(t)
+            console.print(f"joined mesh [bold]{t.mesh_id.hex()[:8]}[/] via {crypto.short(via)}"
+                          + ("" if via == t.issuer else f" (the token's issuer {crypto.short(t.issuer)} did not "
+                                                        "answer first)"))  # fmt: skip
             return
         except (MeshError, TimeoutError, OSError) as e:
             errors.append(f"{crypto.short(t.issuer)}: {e}")
@@ -83,14 +85,18 @@ async def keep_dialling(net: MeshNet, members: dict[NodeId, list[str]]) -> None:
             await net.redial(members, REDIAL_S)
 
 
-def remember_members(net: MeshNet, state: Path, now: float, saved: dict[NodeId, list[str]]) -> dict[NodeId, list[str]]:
+def remember_members(net: MeshNet, state: Path, now: float, saved: dict[NodeId, list[str]],
+                     ttl_s: float) -> dict[NodeId, list[str]]:  # fmt: skip
     """The live members and their addresses into the state dir, when they changed: what a restart dials first
-    (clients are left out: nobody dials a client). What is saved now."""
+    (clients are left out: nobody dials a client); the saved invite token re-minted to name them too (a joiner
+    dials them when this node is away). What is saved now."""
     assert net.core is not None
     members = {r.node: list(r.addrs) for r in net.core.alive(now) if r.node != net.me and r.addrs
                and r.role != Role.CLIENT}  # fmt: skip
     if members and members != saved:
         save_members(state, members)
+        if net.m is not None and load_token(state) is not None:
+            save_token(state, net.mint_token(ttl_s).encode())
         return members
     return saved
 

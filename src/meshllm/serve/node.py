@@ -286,7 +286,7 @@ class Node:
                 self._say(narration.api_line(self.api_host, self.o.port, self._record(remote), self.me), "ready")
         if self.report is not None:
             self.report.save(self._view(), now, self.state)
-        self._members = remember_members(net, self.state, now, self._members)
+        self._members = remember_members(net, self.state, now, self._members, self.o.token_ttl_s)
 
     def _say_ready(self) -> None:
         model = self.facts.source if self.facts else "?"
