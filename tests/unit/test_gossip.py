@@ -355,3 +355,21 @@ def test_a_hosts_layers_and_rate_travel_and_bad_ones_are_dropped() -> None:
     for i, bad in enumerate((float("nan"), -1.0, 1e9)):  # a nonsense rate reads as 0, the record stays
         assert t.merge_record(rec(k, c, seq=4 + i, rate=bad), T).changed == [n]
         assert t.entries[n].record.rate == 0.0
+
+
+def test_a_member_that_left_is_still_one_for_its_tokens_until_revoked_or_ended() -> None:
+    """[face-2] 2: a token names several members so that it works while its issuer is away; the member a joiner
+    reaches checks the issuer's scope, which it knew only while the issuer was in its table."""
+    t = Table(crypto.node_id(FOUNDER), MESH)
+    t.wall = T
+    k, c = member()
+    n = crypto.node_id(k)
+    t.merge_record(rec(k, c), T)
+    t.merge_record(rec(k, c, seq=2, left=True), T)
+    assert n not in t.entries and t.scope_of(n) == tok.Scope.HOST and t.chain_of(n) == tuple(c)
+    t.wall = tok.chain_until(c) + 1  # its admission ended: no longer
+    assert t.scope_of(n) is None
+    t.wall = T
+    t.add_revocation(tok.revoke(FOUNDER, MESH, n, T))  # revoked: no longer
+    assert t.scope_of(n) is None and t.chain_of(n) is None
+    assert t.scope_of(b"\x01" * 32) is None  # never a member

@@ -107,3 +107,10 @@ def test_running_tokens_from_llama_servers_slots() -> None:
     assert running_tokens(slots) == 235
     for junk in (None, {}, [1], [{"is_processing": True, "next_token": [{"n_decoded": "x"}]}], [{"next_token": 5}]):
         assert running_tokens(junk) == 0
+
+
+def test_a_tally_forgets_sources_one_by_one_beyond_its_bound_but_not_their_counts() -> None:
+    t = s.Tally(1)
+    for i in range(s.MAX_SOURCES + 500):
+        t.see(i, (2,))
+    assert len(t._last) == s.MAX_SOURCES and t.total() == (2 * (s.MAX_SOURCES + 500),)

@@ -7,7 +7,6 @@ import os
 from dataclasses import replace
 
 import msgpack
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -413,3 +412,20 @@ def test_a_token_names_other_members_and_their_list_is_signed(mesh: dict[str, ob
     plain = _token(mesh)
     b64 = plain.encode().removeprefix(tok.TOKEN_PREFIX)
     assert plain.also == () and len(msgpack.unpackb(base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)))) == 8
+
+
+def test_the_founders_token_is_checked_by_a_member_that_never_saw_the_founder(mesh: dict[str, object]) -> None:
+    """A founder is a member for good (every chain starts with its link): its token admits through any member, even
+    one that joined while it was away (before, "token issuer … is not a member of this mesh")."""
+    lkey = crypto.new_key()
+    lchain = tok.admit(mesh["key"], mesh["chain"], crypto.node_id(lkey), NOW)  # type: ignore[arg-type]
+    ok, why = _handshake(mesh, crypto.new_key(), token=_token(mesh), members={}, listener_chain=lchain,
+                         listener_key=lkey)  # fmt: skip
+    assert ok, why
+    # another member's token still needs its issuer known to the one checking it
+    other = crypto.new_key()
+    ochain = tok.admit(mesh["key"], mesh["chain"], crypto.node_id(other), NOW)  # type: ignore[arg-type]
+    theirs = tok.mint(other, mesh["mesh_id"], mesh["secret"], ["127.0.0.1:1"], NOW, 60)  # type: ignore[arg-type]
+    ok, why = _handshake(mesh, crypto.new_key(), token=theirs, members={}, listener_chain=lchain, listener_key=lkey)
+    assert not ok and "is not a member" in why
+    assert ochain

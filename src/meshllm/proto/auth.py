@@ -224,7 +224,10 @@ def check_proof(
     if t.expires - now > tok.MAX_TTL_S:
         return _refuse(f"token lives past the {tok.MAX_TTL_S // 86400}-day limit")
     mine = tok.chain_scope(my_chain)
+    founder = my_chain[0][1] if my_chain else None  # every chain starts with the founder's own link
     issuer = mine if t.issuer == me else scope_of(t.issuer)
+    if issuer is None and t.issuer == founder:  # the founder, never seen by this member: it stays one for good
+        issuer = tok.chain_scope(my_chain[:1])
     if issuer is None:
         return _refuse(f"token issuer {crypto.short(t.issuer)} is not a member of this mesh")
     if t.scope > issuer:
@@ -235,7 +238,9 @@ def check_proof(
         return _refuse("this member's own admission has ended: join through another member")
     # the token's issuer, and whoever admitted it, stay on record in the new link (provenance): revoking any of them
     # cuts this joiner too, though it is our chain that admits it
-    issuer_chain = chain_of(t.issuer) if t.issuer != me else None
+    issuer_chain = None
+    if t.issuer != me:
+        issuer_chain = chain_of(t.issuer) or (tuple(my_chain[:1]) if t.issuer == founder else None)
     via = tok.provenance(issuer_chain, my_chain, hello.dialler) if issuer_chain else () if t.issuer == me else (
         t.issuer,)  # fmt: skip
     try:

@@ -15,6 +15,7 @@ Records from keys without a valid admission chain for this mesh are dropped.
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from typing import Any, TypedDict, TypeVar
@@ -31,6 +32,7 @@ HEARTBEAT_S = 2.0
 SUSPECT_AFTER_S = 4.0  # two heartbeats missed (a direct peer is declared dead at 6 s: DIRECT_DEAD_S)
 DEAD_AFTER_S = 10.0
 TOMBSTONE_TTL_S = 600.0
+MAX_DEPARTED = 4096  # admission chains of members that left or died, kept (the oldest forgotten first)
 # a record signed longer ago than this (by its own wall time) is stale: once a departed node's tombstone is forgotten
 # (TOMBSTONE_TTL_S), its last record replayed must not bring it back. Half the tombstone's life leaves room for clocks
 # that disagree by minutes.
@@ -431,6 +433,7 @@ class Table:
         self.leaves: dict[NodeId, bytes] = {}  # signed leave records (self-issued tombstones)
         self._chains_ok: set[bytes] = set()
         self.graveyard: dict[NodeId, PeerRecord] = {}  # last record of nodes declared dead, until forgotten
+        self.departed: OrderedDict[NodeId, tuple[tok.Link, ...]] = OrderedDict()  # chains of members gone away
         self.my_incarnation = 0  # our own current life (MeshCore keeps it): only it can be buried
         self.my_links: frozenset[NodeId] = frozenset()  # our connected peers as our record says: who may bury us
         self.revoked: dict[NodeId, tok.Revocation] = {}  # for good: never forgotten
@@ -612,7 +615,12 @@ class Table:
         self._count(e.record.chain, +1)
 
     def _drop(self, node: NodeId) -> None:
-        self._count(self.entries.pop(node).record.chain, -1)
+        chain = self.entries.pop(node).record.chain
+        self._count(chain, -1)
+        self.departed.pop(node, None)
+        self.departed[node] = chain  # (revoked or ended: ``chain_of`` checks)
+        while len(self.departed) > MAX_DEPARTED:
+            self.departed.popitem(last=False)
 
     def _count(self, chain: tuple[tok.Link, ...], d: int) -> None:
         for n in tok.lineage(chain)[:-1]:  # every member it was admitted through (not itself, not the founder)
@@ -684,13 +692,20 @@ class Table:
 
     def scope_of(self, node: NodeId) -> tok.Scope | None:
         """A member's scope, from its verified admission chain (None: not a member we know)."""
-        e = self.entries.get(node)
-        return e.record.scope if e is not None else None
+        chain = self.chain_of(node)
+        return tok.chain_scope(chain) if chain is not None else None
 
     def chain_of(self, node: NodeId) -> tuple[tok.Link, ...] | None:
-        """A member's verified admission chain (None: not a member we know)."""
+        """A member's verified admission chain (None: not a member we know). A member that left or went silent is
+        still one until its admission ends or it is revoked: the tokens it minted still admit (checked by whoever
+        a joiner reaches), so a token outlives its issuer's absence."""
         e = self.entries.get(node)
-        return e.record.chain if e is not None else None
+        if e is not None:
+            return e.record.chain
+        chain = self.departed.get(node)
+        if chain is None or tok.cut_off(chain, self.revoked) is not None:
+            return None
+        return chain if self.wall is None or self.wall < tok.chain_until(chain) else None
 
     def push_all(self) -> GossipPush:
         return GossipPush(
