@@ -9,6 +9,9 @@ import shutil
 import socket
 import struct
 import subprocess
+import threading
+import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -69,6 +72,21 @@ def test_a_split_goes_direct_with_tls_and_only_the_host_gets_through(
                 assert keys[1] not in log.read_text(errors="replace"), log
 
         # the host's llama-server dies: restarted on the same path and key, the same answer
+        said: list[str] = []
+        watching = threading.Event()
+
+        def watch() -> None:  # what the worker's /health says meanwhile
+            while not watching.is_set():
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{b.port}/health", timeout=5).read()
+                except urllib.error.HTTPError as e:
+                    said.append(json.loads(e.read()).get("reason", ""))
+                except OSError:
+                    pass
+                time.sleep(0.05)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
         a.kill_child("llama-server")
         wait_for(lambda: "restarting" in a.text(), 30, "the restart")
         # [face-2] 6: the death is in the timeline (what the console shows) and counted in /metrics
@@ -80,6 +98,11 @@ def test_a_split_goes_direct_with_tls_and_only_the_host_gets_through(
         with urllib.request.urlopen(f"http://127.0.0.1:{a.port}/metrics", timeout=10) as r:
             assert "mesh_llm_child_restarts_total 1" in r.read().decode()
         wait_for(lambda: "llama-server ready" in a.text().split("restarting")[-1], 120, "llama-server back")
+        watching.set()
+        watcher.join()
+        # [face-2] 6: every node says the host restarts a crashed llama-server (the record said "serving" through it)
+        crash = f"the host {a.short()} is loading: llama-server exited (SIGKILL); restarting it"
+        assert any(r.startswith(crash) for r in said), said
         assert text_of(complete(a.port, "/v1/completions")) == out
         assert _rpc_path(a, worker) == path
 

@@ -27,7 +27,7 @@ from meshllm.net.tunnel import TunnelListener, TunnelStats, connect_and_bridge
 from meshllm.proto import crypto, serving
 from meshllm.proto.capacity import first_device
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.gossip import ModelFacts, NodeState
+from meshllm.proto.gossip import MAX_WHY, ModelFacts, NodeState
 from meshllm.proto.planner import BASE_CTX, Plan, Sizing, Waiting
 from meshllm.serve.api import Api, Unavailable, Upstream
 from meshllm.serve.modelfiles import ModelFiles
@@ -257,6 +257,10 @@ class Hosting:
         """Our llama-server died: counted and said (the timeline shows it); if it could not reach a worker directly,
         that worker goes through its tunnel."""
         self.crashes += 1
+        # peers stop routing here and say why until it serves again (``became_ready``); before, the record said
+        # "serving" through a crash loop, and the console "loading the model: 100%"
+        self.announced = False
+        self.net.update(state=NodeState.LOADING, why=f"llama-server {how}; restarting it"[:MAX_WHY])
         if self.say is not None:
             log = self.server.log_path if self.server else "llama-server.log"
             self.say(f"[red]llama-server {how}[/]: restarting it (its log: {log})", "died")
@@ -454,7 +458,7 @@ class Hosting:
         if self.announced or self.server is None or self.server.state != ChildState.SERVING:
             return False
         self.announced = True
-        self.net.update(state=NodeState.SERVING)
+        self.net.update(state=NodeState.SERVING, why="")
         # what loading the model cost on each worker's wire (later traffic is per-token inputs)
         self.at_load = {n: _weights_and_trips(st) for n, st in self.rpc_stats.items() if st.rpc is not None}
         return True
