@@ -54,7 +54,7 @@ class Hosting:
         self.bins = bins
         self.state_dir = state_dir
         self.tuning = tuning
-        self.sizing = Sizing(1, BASE_CTX)  # the slots and context the plan gives llama-server (node: _replan)
+        self.sizing = Sizing(1, BASE_CTX)  # the slots and context the plan gives llama-server (replanning.py)
         self.slots = SlotGate(1, queue)  # every completion for our llama-server waits here for a slot
         self.door_sources: dict[int, str] = {}  # the door's client port -> the peer whose request it bridges
         self.draft_max = draft_max
@@ -109,6 +109,11 @@ class Hosting:
             await self.rpc.wait_ready()
         except ChildFailed as e:
             raise UserError(str(e)) from None
+
+    def take_streams(self) -> None:
+        """Peers' streams to our rpc-server, for its key, and API requests for our llama-server come here."""
+        self.net.stream_handlers.update({STREAM_RPC: self.on_rpc_stream, STREAM_RPC_KEY: self.on_rpc_key_stream,
+                                         STREAM_HTTP: self.on_http_stream})  # fmt: skip
 
     def rpc_up(self) -> bool:
         return self.rpc is not None and self.rpc.alive()

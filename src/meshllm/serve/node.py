@@ -1,7 +1,8 @@
 """The one place that wires a node together: options, start-up, the mesh's events, the plan. Decisions live in pure
-cores (``proto/``: election, planner, serving); what a node runs for the model and the paths to it in ``hosting.py``;
-joining in ``joining.py``; console lines in ``narration.py``; status in ``report.py``; the API in ``api.py``. This
-module gathers their inputs and applies their outputs, on every mesh change.
+cores (``proto/``: election, planner, serving, standing); what a node runs for the model and the paths to it in
+``hosting.py``; the plan it follows in ``replanning.py``; where a request goes in ``routing.py``; joining in
+``joining.py``; console lines in ``narration.py``; status in ``report.py``; the API in ``api.py``. This module
+gathers their inputs and applies their outputs, on every mesh change.
 """
 
 from __future__ import annotations
@@ -20,25 +21,25 @@ from rich.text import Text
 
 from meshllm import __version__
 from meshllm.errors import UserError
-from meshllm.net.endpoint import STREAM_HTTP, STREAM_RPC, STREAM_RPC_KEY
 from meshllm.net.meshnet import MeshNet
 from meshllm.net.netevents import CHANGED, AddrsLearned, Changed, Connected, MeshEvent
 from meshllm.paths import state_dir as default_state_dir
-from meshllm.proto import crypto, serving, standing
+from meshllm.proto import crypto
 from meshllm.proto import token as tok
 from meshllm.proto.capacity import Offer
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.debounce import Debouncer
-from meshllm.proto.gossip import MAX_WHY, ModelFacts, NodeState, PeerRecord, Role
+from meshllm.proto.gossip import ModelFacts, NodeState, PeerRecord, Role
 from meshllm.proto.meshcore import EventKind
-from meshllm.proto.planner import GB, ModelShape, Plan, Sizing, Waiting, plan_broken, size, slots_for
+from meshllm.proto.planner import GB, ModelShape, Plan, Waiting
 from meshllm.serve import narration
-from meshllm.serve.api import Api, Unavailable, Upstream
+from meshllm.serve.api import Api, Unavailable
 from meshllm.serve.hosting import Hosting
 from meshllm.serve.joining import addresses_learned, enter_mesh, find_mesh_model, publish_token, remember_members
 from meshllm.serve.modelfiles import ModelFiles
 from meshllm.serve.options import NodeOptions, default_name, measure_offer
+from meshllm.serve.replanning import Replanner
 from meshllm.serve.report import NodeView, Report, agent_lines
+from meshllm.serve.routing import Router
 from meshllm.serve.startup import start_checks
 from meshllm.serve.telemetry import watch_llama
 from meshllm.state import load_token, save_addrs
@@ -47,7 +48,6 @@ if TYPE_CHECKING:
     from meshllm.serve.console import Console as WebConsole
 
 log = logging.getLogger("meshllm.node")
-PLAN_DEBOUNCE_S = 2.0
 TIMELINE = 50  # the latest mesh events kept for the console (joins, leaves, deaths, elections, plans, ready)
 
 
@@ -69,18 +69,21 @@ class Node:
         self.api: Api | None = None
         self.web_console: WebConsole | None = None  # --console
         self.host: NodeId | None = None
-        self.plan: Plan | Waiting | None = None
+        self.router: Router | None = None  # where a request goes
+        self.replanner: Replanner | None = None  # the plan we follow
         self.elections = 0
         self.timeline: deque[dict[str, object]] = deque(maxlen=TIMELINE)  # what the console's timeline shows
         self._api_said: NodeId | None = None  # the host our "API up" line named
         self._routed: NodeId | None = None  # the host this node last routed to (elections counts changes)
-        # joins come in bursts and a new plan costs a model load: adopt one once it has held for a moment
-        self._plan_debounce = Debouncer[tuple[Plan | Waiting, Sizing]](PLAN_DEBOUNCE_S, first_at_once=True)
         self._stop = asyncio.Event()
         self._members: dict[NodeId, list[str]] = {}  # the members last saved for a restart
         self._tasks: list[asyncio.Future[None]] = []  # the node's own loops, cancelled at shutdown
         self._lock: int | None = None  # the state dir's lock (state.take_lock), held for the node's life
         self.exit_code = 0  # 1: stopped because this node is out of the mesh (revoked, or its admission ended)
+
+    @property
+    def plan(self) -> Plan | Waiting | None:
+        return self.replanner.plan if self.replanner else None
 
     @property
     def facts(self) -> ModelFacts | None:
@@ -98,6 +101,8 @@ class Node:
         self.hosting = Hosting(net, o.bins, self.state, o.tuning, o.queue, o.draft_max, lambda: net.emit(CHANGED),
                                lambda: self.host, o.rpc_path, o.rpc_port)  # fmt: skip
         self.hosting.say = self._say
+        self.router = Router(net, self.hosting, self.me, lambda: self.host, lambda: self.plan, lambda: self.facts)
+        self.replanner = Replanner(net, self.hosting, o, self.me)
         return s.tokens
 
     # ---------------------------------------------------------------- run
@@ -113,14 +118,12 @@ class Node:
 
     async def _serve(self, tokens: list[tok.Token]) -> None:
         """Start every part, then serve until told to stop."""
-        assert self.net is not None and self.hosting is not None
+        assert self.net is not None and self.hosting is not None and self.router is not None
         self._tasks.append(asyncio.ensure_future(self._events()))
         await self._start_api()
-        await self.hosting.open_door(self._models, self.o.max_tokens)
+        await self.hosting.open_door(self.router.models, self.o.max_tokens)
         self.report = Report(self.net, self.hosting, self.api, self.api_host, self.o.port)
-        self.net.stream_handlers[STREAM_RPC] = self.hosting.on_rpc_stream
-        self.net.stream_handlers[STREAM_RPC_KEY] = self.hosting.on_rpc_key_stream
-        self.net.stream_handlers[STREAM_HTTP] = self.hosting.on_http_stream
+        self.hosting.take_streams()  # RPC, RPC keys and API requests from peers
         self.offer = await measure_offer(self.o.bins, self.o.max_vram_gb)
         self.capacity, device = self.offer.capacity, self.offer.device
         if self.o.bins is not None and self.model is not None:
@@ -172,41 +175,16 @@ class Node:
             serving = self._view().unavailable is None if self.hosting else False
             return self.report.metrics(self.me, self.elections, time.monotonic(), serving) if self.report else ""
 
-        self.api = Api(self._route, self._models, lambda: self.status(time.monotonic()), api_key=self.o.api_key,
-                       metrics=metrics, listen_all=self.o.listen_all, max_tokens=self.o.max_tokens)  # fmt: skip
+        assert self.router is not None
+        self.api = Api(self.router.route, self.router.models, lambda: self.status(time.monotonic()),
+                       api_key=self.o.api_key, metrics=metrics, listen_all=self.o.listen_all,
+                       max_tokens=self.o.max_tokens)  # fmt: skip
         try:
             await self.api.start(self.api_host, self.o.port)
         except OSError as e:
             raise UserError(f"cannot listen on {self.api_host}:{self.o.port}: {e.strerror}") from None
 
     # ---------------------------------------------------------------- requests
-
-    def _models(self) -> list[str]:
-        return self.net.core.served_models(time.monotonic()) if self.net and self.net.core else []
-
-    def _serving_host(self, model: str | None) -> NodeId | None:
-        core = self.net.core if self.net else None
-        return core.serving_host(model, time.monotonic()) if core else None
-
-    def _route(self, model: str | None) -> Upstream | Unavailable | None:
-        assert self.hosting is not None
-        remote = self._serving_host(model)
-        rec = self._record(remote) if remote else None
-        name = rec.model.source if rec and rec.model else "?"
-        served = (remote, name) if remote else None
-        return self.hosting.upstream(model, self._models(), self.facts, served, self.plan, self.host, self.me,
-                                     self._host_says())  # fmt: skip
-
-    def _host_says(self) -> str:
-        """Why the host this node routes to (its own election's, never a self-claim) cannot serve, from its record
-        and its silence (``proto/standing.py``): the reason every node gives (503s, /health)."""
-        core, now = self.net.core if self.net else None, time.monotonic()
-        rec = core.host_record(now) if core else None
-        if core is not None and rec is not None:
-            return standing.host_says(rec, core.silent_s(rec.node, now))
-        if self.host is not None and self.host != self.me:  # declared dead; our election has not moved on yet
-            return f"the host {crypto.short(self.host)} is unreachable: electing another"
-        return ""
 
     async def _adopt_model(self) -> None:
         """Joined without --model: serve the mesh's model as a worker if this machine has a copy."""
@@ -274,11 +252,13 @@ class Node:
             hosting.drop_stale_tunnels(host)
             if not self.o.client and self.facts is not None:
                 net.update(role=Role.HOST if host == self.me else Role.WORKER)
-        self._replan(now)
+        adopted = self.replanner.step(now, self.host, self.shape, self.facts) if self.replanner else None
+        if adopted is not None:
+            self._say(narration.plan_line(adopted, self.me), "plan")
         hosting.reconfigure(self.plan, self.me)
         if hosting.became_ready():
             self._say_ready()
-        remote = self._serving_host(None)
+        remote = self.router.serving_host(None) if self.router else None
         if remote is not None:
             hosting.open_http_listener(remote)  # ready before the first request
             if remote != self._api_said and remote != self.me and remote in hosting.http_listeners:
@@ -295,32 +275,6 @@ class Node:
         ctx = self.hosting.sizing.ctx if self.hosting else 0
         self.console.print("\n".join(agent_lines(model, self.o.port, ctx, bool(self.o.api_key))), markup=False)
 
-    def _replan(self, now: float) -> None:
-        assert self.net is not None and self.net.core is not None
-        if self.host is None or self.shape is None or self.facts is None:
-            return
-        slots = slots_for(self.net.core.alive(now), self.host, self.facts.fingerprint)
-        if slots is None:
-            return
-        host_rec = self._record(self.host)
-        prefer = serving.keep_first(self.me, self.host, self.plan, host_rec.planned if host_rec else ())
-        o = self.o
-        sized = size(self.shape, *slots, o.parallel, o.ctx_size, o.tuning.cache_type, split=o.tensor_split,
-                     prefer=prefer)  # fmt: skip
-        alive = {r.node for r in self.net.core.alive(now)}
-        got = self._plan_debounce.propose(sized, now, urgent=plan_broken(self.plan, alive))
-        if got is None or (got[0] == self.plan and self.hosting is not None and got[1] == self.hosting.sizing):
-            return
-        settled, sizing = got
-        self.plan = settled
-        if self.hosting is not None:
-            self.hosting.sizing = sizing  # with the plan it was sized for
-        if self.host == self.me:  # every node keeps our plan's nodes first: they converge on the plan we run
-            asg = settled.assignments if isinstance(settled, Plan) else ()
-            self.net.update(planned=tuple(a.node for a in asg), layers=tuple((a.first, a.count) for a in asg),
-                            why=settled.message()[:MAX_WHY] if isinstance(settled, Waiting) else "")  # fmt: skip
-        self._say(narration.plan_line(settled, self.me), "plan")
-
     def _say(self, line: str, kind: str) -> None:
         """A line about the mesh: on the terminal, and in the timeline the console shows (plain text, wall time)."""
         self.console.print(line)
@@ -328,10 +282,11 @@ class Node:
 
     def _view(self) -> NodeView:
         draft = self.model.draft.name if self.model and self.model.draft else None
-        up = self._route(None) if self.hosting is not None else None
+        up = self.router.route(None) if self.router is not None else None
         why = up.reason if isinstance(up, Unavailable) else None if up is not None else "no model served yet"
-        return NodeView(self.me, self.host, self.plan, self.facts, draft, self._models(), self.elections,
-                        list(self.timeline), why)  # fmt: skip
+        served = self.router.models() if self.router else []
+        return NodeView(self.me, self.host, self.plan, self.facts, draft, served, self.elections, list(self.timeline),
+                        why)  # fmt: skip
 
     def status(self, now: float) -> dict[str, object]:
         assert self.report is not None

@@ -1,0 +1,50 @@
+"""The plan this node follows: sized from the live records (``proto/planner.size``: layers, slots, context),
+adopted once it has held for ``PLAN_DEBOUNCE_S`` (joins come in bursts and a new plan costs a model load; at once
+when a planned node is gone). The host gossips the plan it runs, so every node keeps its nodes first and every node
+shows its layers."""
+
+from __future__ import annotations
+
+from meshllm.net.meshnet import MeshNet
+from meshllm.proto import serving
+from meshllm.proto.crypto import NodeId
+from meshllm.proto.debounce import Debouncer
+from meshllm.proto.gossip import MAX_WHY, ModelFacts
+from meshllm.proto.planner import ModelShape, Plan, Sizing, Waiting, plan_broken, size, slots_for
+from meshllm.serve.hosting import Hosting
+from meshllm.serve.options import NodeOptions
+
+PLAN_DEBOUNCE_S = 2.0
+
+
+class Replanner:
+    def __init__(self, net: MeshNet, hosting: Hosting, opts: NodeOptions, me: NodeId) -> None:
+        self.net, self.hosting, self.o, self.me = net, hosting, opts, me
+        self.plan: Plan | Waiting | None = None
+        self._debounce = Debouncer[tuple[Plan | Waiting, Sizing]](PLAN_DEBOUNCE_S, first_at_once=True)
+
+    def step(self, now: float, host: NodeId | None, shape: ModelShape | None,
+             facts: ModelFacts | None) -> Plan | Waiting | None:  # fmt: skip
+        """The plan newly adopted now (None: none, or the same as before)."""
+        core = self.net.core
+        if core is None or host is None or shape is None or facts is None:
+            return None
+        slots = slots_for(core.alive(now), host, facts.fingerprint)
+        if slots is None:
+            return None
+        host_rec = core.record if host == self.me else self.net.record(host)
+        prefer = serving.keep_first(self.me, host, self.plan, host_rec.planned if host_rec else ())
+        o = self.o
+        sized = size(shape, *slots, o.parallel, o.ctx_size, o.tuning.cache_type, split=o.tensor_split, prefer=prefer)
+        alive = {r.node for r in core.alive(now)}
+        got = self._debounce.propose(sized, now, urgent=plan_broken(self.plan, alive))
+        if got is None or (got[0] == self.plan and got[1] == self.hosting.sizing):
+            return None
+        settled, sizing = got
+        self.plan = settled
+        self.hosting.sizing = sizing  # with the plan it was sized for
+        if host == self.me:  # every node keeps our plan's nodes first: they converge on the plan we run
+            asg = settled.assignments if isinstance(settled, Plan) else ()
+            self.net.update(planned=tuple(a.node for a in asg), layers=tuple((a.first, a.count) for a in asg),
+                            why=settled.message()[:MAX_WHY] if isinstance(settled, Waiting) else "")  # fmt: skip
+        return settled
