@@ -223,7 +223,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         listen_all=args.listen_all, api_key=api_key, max_tokens=args.max_tokens, bins=bins, auto_model=auto,
         models_dir=args.models_dir,
         draft=args.draft, draft_max=args.draft_max, no_draft=args.no_draft, console_port=args.console,
-        rpc_path=args.rpc_path, rpc_port=args.rpc_port, name=args.name or "",
+        rpc_path=args.rpc_path, rpc_port=args.rpc_port, name=args.name or "", share=args.share == "on",
     )  # fmt: skip
     from meshllm.serve.terminal import terminal_for_node
 
@@ -485,6 +485,15 @@ def cmd_download(args: argparse.Namespace) -> int:
         out.print(t)
         out.print("GB: the download; needs: about what serving it takes (+15 %). mesh-llm download NAME [--draft]")
         return 0
+    tokens = gather_tokens(args)
+    if tokens:  # from the mesh's members: by a catalog name, the name the mesh serves it under, or its fingerprint
+        import asyncio
+
+        from meshllm.serve.fetching import download_through_mesh
+
+        path = asyncio.run(download_through_mesh(tokens, args.name, args.models_dir, console))
+        console.print(f"[green]ready:[/] {args.name} at {path}")
+        return 0
     entry = catalog.find(args.name)
     if entry is None:
         hints = catalog.closest(args.name)
@@ -662,6 +671,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-max", type=draft_max, default=8, metavar="N", help="tokens drafted per step (default 8)")
     p.add_argument("--no-draft", action="store_true", help="no draft, not even the catalog's pairing")
     p.add_argument(
+        "--share", choices=("on", "off"), default="on",
+        help="send this node's model file to members that fetch it instead of downloading it (default on)",
+    )
+    p.add_argument(
         "--rpc-path", choices=("auto", "tunnel"), default="auto",
         help="how a host reaches its workers' rpc-servers: auto (direct TCP + TLS 1.3 where reachable, else the QUIC "
         "tunnel; workers open a TLS port on all interfaces) or tunnel (always the tunnel, no extra port)",
@@ -722,6 +735,9 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--draft", action="store_true", help="also fetch its paired draft model")
     pd.add_argument("--models-dir", type=Path, metavar="DIR", help="where models go (default ~/.models)")
     pd.add_argument("--check", action="store_true", help="verify every catalog entry against the live hub")
+    pd.add_argument("--join", type=nonempty, action="append", metavar="TOKEN",
+                    help="fetch it from the members of this mesh that serve it (the hub if none does)")
+    pd.add_argument("--join-file", action="append", metavar="PATH", help="file holding invite token(s)")
     pd.set_defaults(func=cmd_download)
     pk = sub.add_parser(
         "bundle",

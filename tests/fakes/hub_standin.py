@@ -65,6 +65,7 @@ class HubStandin:
     port: int = 0
     cdn_port: int = 0
     cdn_saw_authorization: int = 0  # requests that reached the CDN carrying an Authorization header
+    resolves: int = 0  # file requests (resolve) the hub answered, any file
 
     def start(self) -> None:
         ready = threading.Event()
@@ -124,6 +125,7 @@ class HubStandin:
         return web.Response(status=404, headers={"X-Error-Code": code}, text="not found")
 
     async def resolve(self, request: web.Request) -> web.Response:
+        self.resolves += 1
         repo = f"{request.match_info['org']}/{request.match_info['repo']}"
         refused = self._refused(request, repo)
         if refused is not None:

@@ -21,7 +21,7 @@ from meshllm.llama.build import Binaries
 from meshllm.llama.processes import ChildFailed, Tuning, speaks_tls
 from meshllm.llama.rpcwire import Cmd, WireStats
 from meshllm.llama.supervisor import ChildState, LocalServer, RpcServer, ServerConfig, default_threads
-from meshllm.net.endpoint import STREAM_HTTP, STREAM_RPC, STREAM_RPC_KEY, Conn, Stream
+from meshllm.net.endpoint import STREAM_FETCH, STREAM_HTTP, STREAM_RPC, STREAM_RPC_KEY, Conn, Stream
 from meshllm.net.meshnet import MeshNet
 from meshllm.net.tunnel import TunnelListener, TunnelStats, connect_and_bridge
 from meshllm.proto import crypto, serving
@@ -30,6 +30,7 @@ from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import MAX_WHY, ModelFacts, NodeState
 from meshllm.proto.planner import BASE_CTX, Plan, Sizing, Waiting
 from meshllm.serve.api import Api, Unavailable, Upstream
+from meshllm.serve.fetching import Sharing
 from meshllm.serve.modelfiles import ModelFiles
 from meshllm.serve.slotgate import SlotGate
 
@@ -69,6 +70,7 @@ class Hosting:
         self.generations = 0  # llama-server configurations started (a re-plan that changes it: +1)
         self.crashes = 0  # llama-server deaths we did not cause, over every configuration
         self.say: Callable[[str, str], None] | None = None  # a line for the terminal and the timeline (node._say)
+        self.sharing: Sharing | None = None  # our model file, for members that fetch it (serve/fetching.py)
         self.rpc_stats: dict[NodeId, TunnelStats] = {}  # per peer
         self.http_stats: dict[NodeId, TunnelStats] = {}
         self.at_load: dict[NodeId, tuple[int, int, int]] = {}  # per worker: weight bytes, round trips, allocated
@@ -114,6 +116,8 @@ class Hosting:
         """Peers' streams to our rpc-server, for its key, and API requests for our llama-server come here."""
         self.net.stream_handlers.update({STREAM_RPC: self.on_rpc_stream, STREAM_RPC_KEY: self.on_rpc_key_stream,
                                          STREAM_HTTP: self.on_http_stream})  # fmt: skip
+        if self.sharing is not None:  # members fetching our model file
+            self.net.stream_handlers[STREAM_FETCH] = self.sharing.on_stream
 
     def rpc_up(self) -> bool:
         return self.rpc is not None and self.rpc.alive()

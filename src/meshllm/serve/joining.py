@@ -16,11 +16,15 @@ from meshllm.net.meshnet import MeshNet
 from meshllm.paths import models_dir
 from meshllm.proto import crypto
 from meshllm.proto import token as tok
+from meshllm.proto.capacity import Offer
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import ModelFacts, Role
 from meshllm.proto.planner import GB, ModelShape
+from meshllm.serve.fetching import obtain_and_open
+from meshllm.serve.hosting import Hosting
 from meshllm.serve.modelfiles import ModelFiles, arch_template, find_by_fingerprint
 from meshllm.serve.narration import duration
+from meshllm.serve.options import NodeOptions
 from meshllm.state import load_members, load_token, save_addrs, save_members, save_token
 
 
@@ -150,7 +154,7 @@ async def find_mesh_model(
     if found is None:
         console.print(
             f"[yellow]no copy of {facts.source} ({facts.size / GB:.2f} GB, fingerprint {facts.fingerprint[:12]}) in "
-            f"{where}: staying a lite client (downloading it is the [models] issue's work)[/]"
+            f"{where}: staying a lite client (start it with --model NAME to fetch it from the members that have it)[/]"
         )
         return None
     if not can_serve:
@@ -159,3 +163,18 @@ async def find_mesh_model(
     console.print(f"found the mesh's model {facts.source} as {found} (same fingerprint): joining as a worker")
     hdr = read_header(found)
     return ModelFiles(found, facts, arch_template=arch_template(hdr)), model_shape(hdr)
+
+
+async def adopt_model(net: MeshNet, hosting: Hosting, wanted: str | None, o: NodeOptions, offer: Offer,
+                      console: Console) -> tuple[ModelFiles, ModelShape] | None:  # fmt: skip
+    """Joined without --model (the mesh's model, if this machine has a copy), or with one this machine lacks
+    (``wanted``: fetched from the members that have it, else the hub): our rpc-server on it, and we say in our
+    record that we serve it as a worker. None: this node stays a lite client."""
+    if wanted is not None:
+        found: tuple[ModelFiles, ModelShape] | None = await obtain_and_open(net, wanted, o, console)
+    else:
+        found = await find_mesh_model(net, o.models_dir, o.bins is not None, console)
+    if found is not None:
+        await hosting.start_rpc_server(found[0], offer.use)
+        net.update(role=Role.WORKER, capacity=offer.capacity, model=found[0].facts)
+    return found

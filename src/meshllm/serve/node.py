@@ -33,8 +33,9 @@ from meshllm.proto.meshcore import EventKind
 from meshllm.proto.planner import GB, ModelShape, Plan, Waiting
 from meshllm.serve import narration
 from meshllm.serve.api import Api, Unavailable
+from meshllm.serve.fetching import Sharing
 from meshllm.serve.hosting import Hosting
-from meshllm.serve.joining import addresses_learned, enter_mesh, find_mesh_model, publish_token, remember_members
+from meshllm.serve.joining import addresses_learned, adopt_model, enter_mesh, publish_token, remember_members
 from meshllm.serve.modelfiles import ModelFiles
 from meshllm.serve.options import NodeOptions, default_name, measure_offer
 from meshllm.serve.replanning import Replanner
@@ -94,6 +95,7 @@ class Node:
     def prepare(self) -> list[tok.Token]:
         s = start_checks(self.o, self.state, self.api_host, self.console)
         self._lock, self.model, self.shape, self.key, self.me = s.lock, s.model, s.shape, s.key, crypto.node_id(s.key)
+        self.wanted = s.wanted
         o = self.o
         self.net = net = MeshNet(self.key, s.membership, self.state, bind=(o.bind_host, s.udp_port),
                                  advertise=o.advertise or None, relay=o.relay_mode, relay_hint=o.relay,
@@ -101,6 +103,8 @@ class Node:
         self.hosting = Hosting(net, o.bins, self.state, o.tuning, o.queue, o.draft_max, lambda: net.emit(CHANGED),
                                lambda: self.host, o.rpc_path, o.rpc_port)  # fmt: skip
         self.hosting.say = self._say
+        self.hosting.sharing = Sharing(s.key, self.state, lambda: {self.facts.fingerprint: self.model.path}
+                                       if self.model and self.facts else {}, o.share)  # fmt: skip
         self.router = Router(net, self.hosting, self.me, lambda: self.host, lambda: self.plan, lambda: self.facts)
         self.replanner = Replanner(net, self.hosting, o, self.me)
         return s.tokens
@@ -151,8 +155,9 @@ class Node:
             )  # fmt: skip
         self._tasks.append(asyncio.ensure_future(watch_llama(self.net, self.hosting, self.api,
                                                              lambda: self.host == self.me)))  # fmt: skip
-        if self.o.auto_model:
-            await self._adopt_model()
+        if self.o.auto_model or self.wanted:  # serve a model found here, fetched from peers, or downloaded
+            found = await adopt_model(self.net, self.hosting, self.wanted, self.o, self.offer, self.console)
+            self.model, self.shape = found or (self.model, self.shape)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
@@ -185,15 +190,6 @@ class Node:
             raise UserError(f"cannot listen on {self.api_host}:{self.o.port}: {e.strerror}") from None
 
     # ---------------------------------------------------------------- requests
-
-    async def _adopt_model(self) -> None:
-        """Joined without --model: serve the mesh's model as a worker if this machine has a copy."""
-        assert self.net is not None and self.hosting is not None
-        found = await find_mesh_model(self.net, self.o.models_dir, self.o.bins is not None, self.console)
-        if found is not None:
-            self.model, self.shape = found
-            await self.hosting.start_rpc_server(self.model, self.offer.use)
-            self.net.update(role=Role.WORKER, capacity=self.capacity, model=self.model.facts)
 
     # ---------------------------------------------------------------- mesh events
 

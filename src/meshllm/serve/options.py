@@ -52,6 +52,7 @@ class NodeOptions:
     rpc_port: int | None = None  # --rpc-port: the TLS listener's port (None: any free one)
     models_dir: Path | None = None
     name: str = ""  # --name: how people see this node (default: the hostname)
+    share: bool = True  # --share: serve our model file to members that fetch it
 
 
 def default_name() -> str:

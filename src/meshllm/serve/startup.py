@@ -17,6 +17,7 @@ from meshllm.llama.processes import port_in_use, udp_free
 from meshllm.net.meshnet import new_mesh
 from meshllm.proto import token as tok
 from meshllm.proto.planner import ModelShape
+from meshllm.serve.fetching import is_local
 from meshllm.serve.modelfiles import ModelFiles, open_model
 from meshllm.serve.options import NodeOptions, parse_tokens
 from meshllm.state import (
@@ -37,6 +38,7 @@ class Start:
     membership: Membership | None  # None: joining through ``tokens``
     model: ModelFiles | None
     shape: ModelShape | None
+    wanted: str | None  # --model this machine lacks, to fetch once in the mesh (serve/fetching.py)
     lock: int  # the state dir's lock, held for the node's life
     udp_port: int  # 0: any
 
@@ -53,8 +55,10 @@ def start_checks(o: NodeOptions, state: Path, api_host: str, console: Console) -
         raise UserError(f"--rpc-port {o.rpc_port} is in use: stop what runs there or pass another")
     m = load_membership(state)
     tokens = parse_tokens(o.join, now, m.mesh_id if m else None)  # before anything is written
-    model = shape = None
-    if o.model is not None:
+    model = shape = wanted = None
+    if o.model is not None and (tokens or m is not None) and not is_local(str(o.model), o.models_dir):
+        wanted = str(o.model)  # a member: from the mesh's members that have it (the hub if none does)
+    elif o.model is not None:
         model, shape, note = open_model(o.model, o.models_dir, o.draft, o.no_draft)
         if note:
             console.print(note)
@@ -72,4 +76,5 @@ def start_checks(o: NodeOptions, state: Path, api_host: str, console: Console) -
         save_membership(state, m)
     # the UDP port of the last run, where it is free: invite tokens minted before name it, and peers know it
     saved = saved_port(state) if m is not None else 0
-    return Start(tokens, key, m, model, shape, lock, o.bind_port or (saved if udp_free(o.bind_host, saved) else 0))
+    udp = o.bind_port or (saved if udp_free(o.bind_host, saved) else 0)
+    return Start(tokens, key, m, model, shape, wanted, lock, udp)

@@ -1,0 +1,130 @@
+"""Fetching a model from peers ([fetch]) next to a plain TCP copy of the same file between the same two endpoints.
+
+    .venv/bin/python benchmarks/fetch.py [--runs 3] [--sources 1,2]
+
+Rows, all in one run, on this machine's loopback (the tiny model, ~250 MB):
+  plain TCP copy        one socket, the kernel's sendfile on one side, recv_into + write on the other, to disk
+  mesh-llm fetch        a node joining with --model NAME and no file fetches it from N members (QUIC streams,
+                        8 MiB chunks, each checked against the source's signed manifest, the whole file's SHA-256
+                        and fingerprint checked at the end); its own "fetched … in X s" line, start of the first
+                        chunk to the checked file
+Each row: the median MB/s of --runs runs, and its ratio to the plain copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _wait(pred: object, timeout: float, what: str) -> None:
+    t0 = time.monotonic()
+    while not pred():  # type: ignore[operator]
+        if time.monotonic() - t0 > timeout:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def tcp_copy(src: Path, dest: Path) -> float:
+    """Seconds to copy ``src`` to ``dest`` over one loopback TCP connection."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def send() -> None:
+        conn, _ = srv.accept()
+        with conn, src.open("rb") as f:
+            conn.sendfile(f)
+
+    t = threading.Thread(target=send)
+    t.start()
+    t0 = time.monotonic()
+    buf = bytearray(1 << 20)
+    with socket.create_connection(("127.0.0.1", port)) as c, dest.open("wb") as out:
+        while n := c.recv_into(buf):
+            out.write(memoryview(buf)[:n])
+    took = time.monotonic() - t0
+    t.join()
+    srv.close()
+    return took
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--sources", default="1,2", help="members that have the file, for each mesh row")
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT / "src"))
+    from meshllm.llama.processes import free_port
+    from meshllm.models.tiny import tiny_model_path
+
+    model = tiny_model_path()
+    size = model.stat().st_size
+    tmp = Path(tempfile.mkdtemp(prefix="mesh-fetch-"))
+    rows: list[tuple[str, list[float]]] = []
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def node(name: str, *extra: str) -> Path:
+        log = tmp / f"{name}.log"
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "meshllm.cli", "--state-dir", str(tmp / name), "--bind-host", "127.0.0.1",
+             "--port", str(free_port()), "--ctx-size", "512", *extra],
+            stdout=log.open("wb"), stderr=subprocess.STDOUT))  # fmt: skip
+        return log
+
+    def one_fetch(run: int, n_src: int) -> float:
+        """Seconds a joining node took to fetch the model from ``n_src`` members (its own line)."""
+        for p in procs:
+            p.terminate()
+            p.wait(30)
+        procs.clear()
+        first = node(f"s{run}-0", "--model", str(model), "--max-vram", "0.5")
+        token_file = tmp / f"s{run}-0" / "token"
+        _wait(token_file.exists, 60, "the first source's token")
+        token = token_file.read_text().strip()
+        for i in range(1, n_src):
+            node(f"s{run}-{i}", "--model", str(model), "--max-vram", "0.3", "--join", token)
+        _wait(lambda: "ready:" in first.read_text(errors="replace"), 120, "the mesh")
+        time.sleep(2)
+        log = node(f"f{run}", "--model", model.stem, "--models-dir", str(tmp / f"m{run}"), "--max-vram", "0.2",
+                   "--join", token)  # fmt: skip
+        _wait(lambda: re.search(r"fetched |error", log.read_text(errors="replace")), 300, "the fetch")
+        m = re.search(r"from the mesh in ([\d.]+) s", log.read_text())
+        if m is None:
+            raise SystemExit(log.read_text()[-2000:])
+        shutil.rmtree(tmp / f"m{run}", ignore_errors=True)
+        return float(m[1])
+
+    try:
+        rows.append(("plain TCP copy (loopback)", [size / tcp_copy(model, tmp / f"copy{i}") / 1e6
+                                                    for i in range(args.runs)]))  # fmt: skip
+        for n_src in [int(x) for x in args.sources.split(",")]:
+            speeds = [size / one_fetch(run, n_src) / 1e6 for run in range(args.runs)]
+            rows.append((f"mesh-llm fetch from {n_src} member{'s' if n_src > 1 else ''}", speeds))
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(30)
+        shutil.rmtree(tmp, ignore_errors=True)
+    base = statistics.median(rows[0][1])
+    print(f"\n# this machine's loopback ({os.cpu_count()} cores), the tiny model ({size / 1e6:.0f} MB); median of "
+          f"{args.runs} runs")  # fmt: skip
+    print("| path | MB/s | ÷ plain TCP copy |")
+    print("|---|---:|---:|")
+    for name, speeds in rows:
+        print(f"| {name} | {statistics.median(speeds):.0f} | {statistics.median(speeds) / base:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

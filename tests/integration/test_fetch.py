@@ -1,0 +1,178 @@
+"""[fetch] A node that joins with --model NAME and lacks the file fetches it from the members that serve it — several
+at once, chunk by chunk, each chunk checked — and serves it; the hub (its local stand-in) sees not one request.
+
+The mesh: a (the founder, an honest source), b (``--share off``: sends nothing) and x, whose copy of the model rotted
+after it hashed it: its manifest (hashed before) is the honest one, its bytes are not — a source that sends bad
+chunks. The fingerprint samples windows of each tensor, so x's copy keeps the model's fingerprint, as bit rot
+between the windows would."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from meshllm.llama.gguf import model_fingerprint, read_header
+from meshllm.proto import fetch as core
+from tests.fakes.hub_standin import HubStandin
+
+from .meshlab import NodeProc, wait_for
+
+NAME = "gemma-3-270m-q4_k_m"  # the name the mesh serves the tiny model under (its file's stem)
+
+
+def _sha(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _rotted_copy(src: Path, dest: Path) -> None:
+    """``src`` copied to ``dest`` with one byte flipped in every chunk, each outside the header and the windows the
+    model fingerprint samples (so whatever chunk x sends is bad, and x's copy keeps the model's fingerprint)."""
+    shutil.copyfile(src, dest)
+    hdr = read_header(src)
+    sampled = []  # the byte ranges the fingerprint reads (llama/gguf.py)
+    for t in hdr.tensors:
+        if t.nbytes <= 4096 * 16:
+            sampled.append((t.offset, t.offset + t.nbytes))
+        else:
+            sampled += [(o, o + 4096) for o in (t.offset + j * (t.nbytes - 4096) // 15 for j in range(16))]
+    size = dest.stat().st_size
+    with dest.open("r+b") as f:
+        for lo in range(0, size, core.CHUNK):
+            at = next((p for p in range(max(lo, hdr.data_offset) + 4096, min(lo + core.CHUNK, size), 4099)
+                       if not any(a <= p < b for a, b in sampled)), None)  # fmt: skip
+            assert at is not None, f"no byte to flip in the chunk at {lo}"
+            f.seek(at)
+            b = f.read(1)
+            f.seek(at)
+            f.write(bytes([b[0] ^ 0xFF]))
+
+
+def _stale_manifest(good: Path, rotted: Path, state: Path, fp: str) -> None:
+    """x's manifest cache as it was written before the rot: the honest hashes, stamped with the file as it is now
+    (its size and time unchanged by the rot), so x promises the honest chunks and sends others."""
+    whole, chunks = hashlib.sha256(), []
+    with good.open("rb") as f:
+        while block := f.read(core.CHUNK):
+            whole.update(block)
+            chunks.append(hashlib.sha256(block).hexdigest())
+    st = rotted.stat()
+    (state / "manifests").mkdir(parents=True, mode=0o700)
+    (state / "manifests" / f"{fp}.json").write_text(json.dumps({
+        "stamp": [st.st_size, st.st_mtime_ns], "chunk_size": core.CHUNK, "sha256": whole.hexdigest(),
+        "chunks": chunks}))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hub() -> Iterator[HubStandin]:
+    h = HubStandin()  # knows no file: a node that asked it would fail, and it counts the asking
+    h.start()
+    yield h
+    h.stop()
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, hub: HubStandin) -> Iterator[dict[str, object]]:
+    tmp = tmp_path_factory.mktemp("fetch")
+    env = {"HF_ENDPOINT": hub.url}
+    nodes: list[NodeProc] = []
+    try:
+        a = NodeProc(tmp, "a", tiny_model, "--max-vram", "0.5", "--ctx-size", "1024", env=env)
+        nodes.append(a)
+        wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
+        token = (a.state / "token").read_text().strip()
+        b = NodeProc(tmp, "b", tiny_model, "--max-vram", "0.3", "--ctx-size", "1024", "--share", "off",
+                     "--join", token, env=env)  # fmt: skip
+        nodes.append(b)
+        fp = model_fingerprint(tiny_model)
+        (tmp / "x-models").mkdir()
+        rotted = tmp / "x-models" / tiny_model.name
+        _rotted_copy(tiny_model, rotted)
+        assert model_fingerprint(rotted) == fp and _sha(rotted) != _sha(tiny_model)
+        (tmp / "x").mkdir(mode=0o700)
+        _stale_manifest(tiny_model, rotted, tmp / "x", fp)
+        x = NodeProc(tmp, "x", rotted, "--max-vram", "0.3", "--ctx-size", "1024", "--join", token, env=env)
+        nodes.append(x)
+        wait_for(lambda: len(a.status().get("peers", [])) == 3, 60, "a, b and x")  # type: ignore[arg-type]
+        yield {"a": a, "b": b, "x": x, "token": token, "tmp": tmp, "env": env, "fp": fp, "nodes": nodes}
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def test_a_node_without_the_file_fetches_it_from_peers_and_a_lying_one_costs_one_chunk(
+    mesh: dict[str, object], tiny_model: Path, hub: HubStandin
+) -> None:
+    a, b, x = mesh["a"], mesh["b"], mesh["x"]
+    assert isinstance(a, NodeProc) and isinstance(b, NodeProc) and isinstance(x, NodeProc)
+    tmp, nodes = mesh["tmp"], mesh["nodes"]
+    assert isinstance(tmp, Path) and isinstance(nodes, list)
+    models = tmp / "c-models"
+    c = NodeProc(tmp, "c", None, "--model", NAME, "--models-dir", str(models), "--max-vram", "0.3", "--ctx-size",
+                 "1024", "--join", str(mesh["token"]), env=mesh["env"], auto=True)  # type: ignore[arg-type]  # fmt: skip
+    nodes.append(c)
+    wait_for(lambda: "fetched " in c.text() or "error" in c.text(), 180, "the fetch")
+    got = models / tiny_model.name
+    assert got.is_file() and _sha(got) == _sha(tiny_model), c.text()[-2000:]
+    assert not (models / ".partial" / f"{mesh['fp']}.part").exists()
+    # x was caught at its first bad chunk and dropped; the file came from a (and x's one bad chunk, thrown away)
+    caught = [ln for ln in c.text().splitlines() if "not the one promised" in ln]
+    assert len(caught) == 1 and x.short() in caught[0], c.text()[-3000:]
+    done = next(ln for ln in c.text().splitlines() if "fetched " in ln and "from the mesh in" in ln)
+    assert a.short() in done and b.short() not in done, done  # b shares nothing (--share off)
+    assert hub.resolves == 0  # nothing from the hub
+    # it serves: a worker of the mesh with that model (the same fingerprint as the others)
+    def c_is_worker() -> bool:
+        me = json.loads((c.state / "status.json").read_text())["node"] if (c.state / "status.json").exists() else ""
+        return any(p["node"] == me and p["role"] == "worker" and p["model"] == mesh["fp"]
+                   for p in a.status().get("peers", []))  # type: ignore[attr-defined]  # fmt: skip
+
+    wait_for(c_is_worker, 60, "c to serve as a worker")
+
+
+def test_a_fetch_cut_by_kill_9_resumes_where_it_stopped(mesh: dict[str, object], tiny_model: Path) -> None:
+    tmp, nodes = mesh["tmp"], mesh["nodes"]
+    assert isinstance(tmp, Path) and isinstance(nodes, list)
+    models = tmp / "e-models"
+    args = ("--model", NAME, "--models-dir", str(models), "--max-vram", "0.3", "--ctx-size", "1024")
+    e = NodeProc(tmp, "e", None, *args, "--join", str(mesh["token"]), env=mesh["env"], auto=True)  # type: ignore[arg-type]
+    nodes.append(e)
+    have = models / ".partial" / f"{mesh['fp']}.have"
+
+    def kept() -> int:
+        try:
+            return sum(len(v) for v in json.loads(have.read_text()).values())
+        except (OSError, ValueError):
+            return 0
+
+    wait_for(lambda: kept() >= 4, 120, "some chunks fetched")
+    e.stop(signal.SIGKILL)
+    n = kept()
+    assert not (models / tiny_model.name).exists()
+    e2 = NodeProc(tmp, "e", None, *args, env=mesh["env"], port=e.port, auto=True)  # a member now: no token
+    nodes.append(e2)
+    wait_for(lambda: "fetched " in e2.text() or "error" in e2.text(), 180, "the resumed fetch")
+    assert "chunks kept (checked again)" in e2.text() and f": {n} of " in e2.text(), e2.text()[-2000:]
+    assert _sha(models / tiny_model.name) == _sha(tiny_model)
+
+
+def test_mesh_llm_download_join_fetches_without_serving(mesh: dict[str, object], tiny_model: Path,
+                                                        hub: HubStandin) -> None:  # fmt: skip
+    import subprocess
+    import sys
+
+    tmp = mesh["tmp"]
+    assert isinstance(tmp, Path)
+    r = subprocess.run([sys.executable, "-m", "meshllm.cli", "download", NAME, "--models-dir", str(tmp / "d-models")],
+                       capture_output=True, text=True, timeout=180,
+                       env={**os.environ, **mesh["env"], "MESH_LLM_JOIN": str(mesh["token"])})  # type: ignore[dict-item]  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert _sha(tmp / "d-models" / tiny_model.name) == _sha(tiny_model)
+    assert "from the mesh in" in r.stderr and hub.resolves == 0, r.stderr[-2000:]
