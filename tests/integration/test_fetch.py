@@ -122,7 +122,8 @@ def test_a_node_without_the_file_fetches_it_from_peers_and_a_lying_one_costs_one
     got = models / tiny_model.name
     assert got.is_file() and _sha(got) == _sha(tiny_model), c.text()[-2000:]
     assert not (models / ".partial" / f"{mesh['fp']}.part").exists()
-    # x was caught at its first bad chunk and dropped; the file came from a (and x's one bad chunk, thrown away)
+    # x was caught at its first bad chunk and dropped (asked one chunk at a time until one proves good: it cost one
+    # chunk); the file came from a
     caught = [ln for ln in c.text().splitlines() if "not the one promised" in ln]
     assert len(caught) == 1 and x.short() in caught[0], c.text()[-3000:]
     done = next(ln for ln in c.text().splitlines() if "fetched " in ln and "from the mesh in" in ln)

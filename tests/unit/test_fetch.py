@@ -55,11 +55,13 @@ def test_the_promise_most_sources_make_is_believed() -> None:
 def test_chunks_are_shared_out_lowest_first_and_bounded_per_source() -> None:
     plan = f.Fetch(manifest(KEYS[0]), have={0, 1, 99})
     assert plan.have == {0, 1}  # a chunk that does not exist is not kept
+    assert [plan.next_for(A), plan.next_for(A)] == [2, None]  # one at a time until a chunk of its proved good
+    assert plan.arrived(A, 2, DATA[2000:3000])
     got = [plan.next_for(A) for _ in range(f.IN_FLIGHT + 1)]
-    assert got == [2, 3, 4, 5, None]
-    assert plan.next_for(B) == 6
-    plan.give_back(A, 3)  # a timeout: asked again, by anyone
-    assert plan.next_for(B) == 3
+    assert got == [3, 4, 5, 6, None]
+    assert plan.next_for(B) == 7
+    plan.give_back(A, 4)  # a timeout: asked again, by anyone
+    assert plan.next_for(C) == 4
 
 
 def test_a_lying_source_costs_one_chunk_and_the_fetch_completes() -> None:
@@ -83,6 +85,7 @@ def test_a_lying_source_costs_one_chunk_and_the_fetch_completes() -> None:
 
 def test_a_source_that_vanishes_gives_its_chunks_back() -> None:
     plan = f.Fetch(manifest(KEYS[0]))
+    plan.proven |= {A, B}
     mine = [plan.next_for(A) for _ in range(3)]
     plan.drop(A, "stopped answering")
     assert not plan.asked and plan.next_for(A) is None

@@ -125,6 +125,20 @@ def test_both_ends_keep_the_same_one_of_two_connections(
         assert dialler[at_a] == s.designated_dialler(a, b) == min(a, b)
 
 
+def test_a_peer_that_dials_again_lost_its_first_connection_and_the_new_one_stays() -> None:
+    """A node killed -9 and started again at once dials its peers while they still hold the dead connection (QUIC
+    notices only at its idle timeout); they kept the dead one by the dialler rule and the restarted node got no
+    gossip for 30 s and more. Both ends now keep the new one (the restarted end has no other)."""
+    a, b = min(ME, HOST), max(ME, HOST)
+    for me, peer in ((a, b), (b, a)):
+        for old_mine in (True, False):  # both dialled by me, or both by the peer
+            assert not s.keep_existing(True, True, old_mine, me, peer, new_dialled_by_me=old_mine)
+    # a race of one dial each way still goes by the dialler rule, the same at both ends
+    assert s.keep_existing(True, True, True, a, b, new_dialled_by_me=False)
+    assert s.keep_existing(True, True, False, b, a, new_dialled_by_me=True)  # a's dial, at b too
+    assert s.keep_existing(True, False, True, a, b, new_dialled_by_me=True)  # direct beats relayed
+
+
 def test_the_direct_path_is_tried_only_where_it_can_work() -> None:
     ok = dict(mode="auto", tls_here=True, quic_direct=True, ip="10.0.0.2", failed_until=None, now=100.0)
     assert s.try_direct(**ok)  # type: ignore[arg-type]

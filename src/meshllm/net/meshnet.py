@@ -537,10 +537,11 @@ class MeshNet:
     def _register(self, conn: Conn, node: NodeId, listener: bool = False) -> None:
         old = self.peers.get(node)
         if old is not None and not old.closed.is_set():
-            if serving.keep_existing(old.is_direct, conn.is_direct, old.is_client, self.me, node):
+            if serving.keep_existing(old.is_direct, conn.is_direct, old.is_client, self.me, node, conn.is_client):
                 conn.close("duplicate connection")
                 return
             old.close("duplicate connection")
+            self.gossip.pop(node, None)  # its gossip went with it: the new connection's stream takes over
         conn.peer = node
         conn.set_authenticated()
         self.peers[node] = conn

@@ -24,7 +24,7 @@ from meshllm.proto.crypto import NodeId
 D_MANIFEST = b"mesh-llm manifest v1\0"
 CHUNK = 8 << 20  # bytes per chunk: a 40 GB model is 5,000 chunks, its manifest 160 KB
 MAX_CHUNKS = 1 << 20  # 8 TiB at the default size: anything larger is not a model we fetch
-IN_FLIGHT = 4  # chunks asked of one source at a time
+IN_FLIGHT = 4  # chunks asked of one source at a time, once it has sent one good chunk (one until then)
 
 
 @dataclass(frozen=True)
@@ -99,20 +99,23 @@ def believe(manifests: list[Manifest]) -> tuple[Manifest, list[NodeId]] | None:
 
 @dataclass
 class Fetch:
-    """Which chunk to ask which source for: every missing chunk once, the lowest first, at most IN_FLIGHT per
-    source; a chunk that failed goes back in line, a source that lied or vanished takes no more."""
+    """Which chunk to ask which source for: every missing chunk once, the lowest first; one at a time from a source
+    until its first chunk proved good, then IN_FLIGHT (so a source that lies costs one chunk, not IN_FLIGHT); a
+    chunk that failed goes back in line, a source that lied or vanished takes no more."""
 
     manifest: Manifest
     have: set[int] = field(default_factory=set)  # chunks already on disk and checked (a resumed fetch)
     asked: dict[int, NodeId] = field(default_factory=dict)  # chunk -> the source it is asked of now
     dropped: dict[NodeId, str] = field(default_factory=dict)  # source -> why
+    proven: set[NodeId] = field(default_factory=set)  # sources that sent a good chunk
 
     def __post_init__(self) -> None:
         self.have = {i for i in self.have if 0 <= i < len(self.manifest.chunks)}
 
     def next_for(self, source: NodeId) -> int | None:
         """The next chunk to ask ``source`` for, now marked asked (None: nothing for it now)."""
-        if source in self.dropped or sum(1 for s in self.asked.values() if s == source) >= IN_FLIGHT:
+        most = IN_FLIGHT if source in self.proven else 1
+        if source in self.dropped or sum(1 for s in self.asked.values() if s == source) >= most:
             return None
         for i in range(len(self.manifest.chunks)):
             if i not in self.have and i not in self.asked:
@@ -127,6 +130,7 @@ class Fetch:
             del self.asked[i]
         if self.manifest.check(i, data):
             self.have.add(i)
+            self.proven.add(source)
             return True
         self.drop(source, f"chunk {i} did not match its hash")
         return False

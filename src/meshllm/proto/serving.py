@@ -176,13 +176,18 @@ def designated_dialler(a: NodeId, b: NodeId) -> NodeId:
 
 
 def keep_existing(
-    existing_direct: bool, new_direct: bool, existing_dialled_by_me: bool, me: NodeId, peer: NodeId
+    existing_direct: bool, new_direct: bool, existing_dialled_by_me: bool, me: NodeId, peer: NodeId,
+    new_dialled_by_me: bool | None = None,
 ) -> bool:
     """Two connections for one pair of nodes: whether to keep the one we had (else the new one). A direct connection
-    beats a relayed one; otherwise the one the designated dialler dialled survives. Both ends compute this from
-    their own side and reach the same answer, so exactly one connection stays."""
+    beats a relayed one; one side that dialled both lost the first (a node dials only a peer it has no connection
+    to: it restarted, perhaps after a kill -9 the other end has not noticed yet), so the new one stays; otherwise
+    the one the designated dialler dialled survives. Both ends compute this from their own side and reach the same
+    answer, so exactly one connection stays."""
     if existing_direct != new_direct:
         return existing_direct
+    if new_dialled_by_me is not None and new_dialled_by_me == existing_dialled_by_me:
+        return False  # before: the dead connection was kept and the restarted node got no gossip until it timed out
     dialler = me if existing_dialled_by_me else peer
     return dialler == designated_dialler(me, peer)
 

@@ -136,12 +136,12 @@ def _manifest_of(path: Path, fp: str, key: Ed25519PrivateKey, state_dir: Path) -
 
 async def _read_all(st: Stream, most: int) -> bytes | None:
     """Everything the stream carries, or None past ``most`` bytes."""
-    out = b""
+    out = bytearray()  # (bytes += a datagram's worth at a time copied the whole chunk each time: 5 MB/s)
     while chunk := await st.read():
         out += chunk
         if len(out) > most:
             return None
-    return out
+    return bytes(out)
 
 
 # ------------------------------------------------------------------------------------------------ fetching
@@ -180,13 +180,13 @@ async def ask(net: MeshNet, node: NodeId, op: str, fp: str, index: int, most: in
         return None
 
 
-def sources_of(net: MeshNet, fp: str) -> list[NodeId]:
-    """The connected members whose record says they serve the model with fingerprint ``fp``."""
+def sources_of(net: MeshNet, fp: str, connected: bool = True) -> list[NodeId]:
+    """The members whose record says they serve the model with fingerprint ``fp`` (those we are connected to)."""
     core_ = net.core
     if core_ is None:
         return []
     return [r.node for r in core_.alive(net.now) if r.node != net.me and r.model is not None
-            and r.model.fingerprint == fp and r.node in net.peers]  # fmt: skip
+            and r.model.fingerprint == fp and (r.node in net.peers or not connected)]  # fmt: skip
 
 
 async def fetch_from_peers(net: MeshNet, fp: str, dest: Path, say: Callable[[str], None] | None = None) -> Path:
@@ -362,7 +362,7 @@ def file_name_for(name: str, served_as: str) -> str:
     return base if base.endswith(".gguf") else f"{base}.gguf"
 
 
-async def obtain_model(net: MeshNet, name: str, where_opt: Path | None, console: Console, wait_s: float = 10.0
+async def obtain_model(net: MeshNet, name: str, where_opt: Path | None, console: Console, wait_s: float = 30.0
                        ) -> Path:  # fmt: skip
     """``--model name`` that this machine lacks, once in the mesh: from the members that serve it; the hub when
     none does (``resolve`` downloads catalog and hub models)."""
@@ -380,6 +380,8 @@ async def obtain_model(net: MeshNet, name: str, where_opt: Path | None, console:
         console.print(f"no member serves {name}: downloading it from the hub")
         return await asyncio.to_thread(resolve, name, where_opt)
     fp, served_as, size = found
+    while set(sources_of(net, fp, connected=False)) - set(sources_of(net, fp)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.25)  # the members we are still connecting to: every source helps
     dest = inside(where, file_name_for(name, served_as))
     n = len(sources_of(net, fp))
     console.print(f"fetching {served_as} ({size / 1e9:.2f} GB) from {n} member{'s' if n != 1 else ''} of the mesh "
