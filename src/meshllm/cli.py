@@ -489,7 +489,7 @@ def cmd_download(args: argparse.Namespace) -> int:
     if tokens:  # from the mesh's members: by a catalog name, the name the mesh serves it under, or its fingerprint
         import asyncio
 
-        from meshllm.serve.fetching import download_through_mesh
+        from meshllm.serve.joining import download_through_mesh
 
         path = asyncio.run(download_through_mesh(tokens, args.name, args.models_dir, console))
         console.print(f"[green]ready:[/] {args.name} at {path}")

@@ -38,8 +38,8 @@ from meshllm.net.meshnet import MeshNet
 from meshllm.proto import crypto
 from meshllm.proto import fetch as core
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.gossip import Role
 from meshllm.proto.planner import ModelShape
+from meshllm.serve.fetch_direct import DirectLink, DirectSource
 from meshllm.serve.modelfiles import ModelFiles
 from meshllm.serve.options import NodeOptions
 
@@ -61,7 +61,10 @@ class Sharing:
     state_dir: Path
     files: Callable[[], dict[str, Path]]  # fingerprint -> the model file this node serves
     share: bool = True  # --share off: serve nothing
+    bind_host: str = "0.0.0.0"  # where the direct path's TLS listener listens (opened at the first ticket)
     sent: dict[NodeId, int] = field(default_factory=dict)  # bytes sent per peer
+    direct: DirectSource | None = None
+    _direct_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _uploads: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(UPLOADS))
     _manifests: dict[str, core.Manifest] = field(default_factory=dict)
     _hashing: dict[str, asyncio.Lock] = field(default_factory=dict)
@@ -74,26 +77,42 @@ class Sharing:
         except (ValueError, TypeError, msgpack.UnpackException):
             op = fp = index = None
         path = self.files().get(fp) if isinstance(fp, str) else None
-        if peer is None or not self.share or path is None or op not in ("manifest", "chunk") or not isinstance(fp, str):
+        if peer is None or not self.share or path is None or op not in ("manifest", "chunk", "ticket"):
             st.reset()
             return
+        assert isinstance(fp, str)
         try:
             if op == "manifest":
-                m = await self.manifest(fp, path)
-                st.write(m.encode(), end=True)
-                return
-            m = await self.manifest(fp, path)
-            if not (isinstance(index, int) and not isinstance(index, bool) and 0 <= index < len(m.chunks)):
-                st.reset()
-                return
-            off, n = m.span(index)
-            async with self._uploads:
-                data = await asyncio.to_thread(_read_at, path, off, n)
+                st.write((await self.manifest(fp, path)).encode(), end=True)
+            elif op == "ticket":  # the direct path (TCP + TLS), opened at the first ask
+                async with self._direct_lock:
+                    if self.direct is None:
+                        d = DirectSource(self.state_dir, self.bind_host, self.chunk)
+                        await d.start()
+                        self.direct = d
+                st.write(self.direct.ticket(peer, time.monotonic()), end=True)
+            elif (data := await self.chunk(peer, fp, index)) is not None:
                 st.write(data, end=True)
-            self.sent[peer] = self.sent.get(peer, 0) + n
+            else:
+                st.reset()
         except (ConnectionError, OSError) as e:
             log.info("fetch by %s ended: %s", crypto.short(peer), e)
             st.reset()
+
+    async def chunk(self, peer: NodeId, fp: str, index: object) -> bytes | None:
+        """Chunk ``index`` of our model with fingerprint ``fp`` for ``peer`` (a member), by either path; None
+        for anything we do not serve."""
+        path = self.files().get(fp)
+        if not self.share or path is None or not isinstance(index, int) or isinstance(index, bool):
+            return None
+        m = await self.manifest(fp, path)
+        if not 0 <= index < len(m.chunks):
+            return None
+        off, n = m.span(index)
+        async with self._uploads:
+            data = await asyncio.to_thread(_read_at, path, off, n)
+        self.sent[peer] = self.sent.get(peer, 0) + n
+        return data
 
     async def manifest(self, fp: str, path: Path) -> core.Manifest:
         """Our signed manifest of ``path`` (hashed once; kept in the state dir while the file is unchanged)."""
@@ -227,11 +246,12 @@ async def fetch_from_peers(net: MeshNet, fp: str, dest: Path, say: Callable[[str
             say(p.line())
 
     fd = os.open(part, os.O_RDWR)
+    written = set(have)  # on disk (``plan.have`` has them once checked, a moment before they are written)
     try:
-        await asyncio.gather(*(_pull(net, s, plan, fd, prog, have_file, on_progress) for s in trusted))
+        await asyncio.gather(*(_pull(net, s, plan, fd, prog, have_file, written, on_progress) for s in trusted))
     finally:
         os.close(fd)
-        _save_have(have_file, plan.have, m.promise())
+        _save_have(have_file, written, m.promise())
     if not plan.done():
         why = "; ".join(f"{crypto.short(s)}: {w}" for s, w in plan.dropped.items()) or "no source left"
         raise UserError(f"could not fetch {dest.name} from the mesh ({why}); "
@@ -250,23 +270,32 @@ async def fetch_from_peers(net: MeshNet, fp: str, dest: Path, say: Callable[[str
 
 
 async def _pull(net: MeshNet, source: NodeId, plan: core.Fetch, fd: int, prog: Progress, have_file: Path,
-                on_progress: Callable[[Progress], None] | None) -> None:  # fmt: skip
-    """One source's share: up to IN_FLIGHT chunks asked of it at a time, until nothing is left for it."""
+                written: set[int], on_progress: Callable[[Progress], None] | None) -> None:  # fmt: skip
+    """One source's share: up to IN_FLIGHT chunks asked of it at a time, until nothing is left for it; over the
+    direct path (a TLS connection per chunk in flight) where it works, else QUIC streams."""
+    m = plan.manifest
+    links = await _Links.of(net, source, m.fingerprint)
 
     async def one(i: int) -> None:
-        data = await ask(net, source, "chunk", plan.manifest.fingerprint, i, plan.manifest.chunk_size,
-                         CHUNK_TIMEOUT_S)  # fmt: skip
+        data = None
+        link = await links.take() if links else None
+        if link is not None and links is not None:
+            data = await link.get(m.fingerprint, i, m.chunk_size, CHUNK_TIMEOUT_S)
+            links.give(link, data is not None)
+        if data is None:  # no direct path, or it failed: this chunk (and the rest) on the QUIC stream
+            data = await ask(net, source, "chunk", m.fingerprint, i, m.chunk_size, CHUNK_TIMEOUT_S)
         if data is None:
             plan.drop(source, "stopped answering")
             return
         if not plan.arrived(source, i, data):
             log.warning("%s sent a chunk that is not the one promised: dropped as a source", crypto.short(source))
             return
-        await asyncio.to_thread(os.pwrite, fd, data, plan.manifest.span(i)[0])
+        await asyncio.to_thread(os.pwrite, fd, data, m.span(i)[0])
+        written.add(i)  # only now may the record of what a restart keeps name it
         prog.done += len(data)
         prog.fetched[source] = prog.fetched.get(source, 0) + len(data)
-        if len(plan.have) % 4 == 0:
-            _save_have(have_file, plan.have, plan.manifest.promise())
+        if len(written) % 4 == 0:
+            _save_have(have_file, written, m.promise())
         if on_progress is not None:
             on_progress(prog)
 
@@ -281,6 +310,54 @@ async def _pull(net: MeshNet, source: NodeId, plan: core.Fetch, fd: int, prog: P
             await asyncio.sleep(0.05)
             continue
         _, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+    if links:
+        links.close()
+
+
+class _Links:
+    """The direct path's connections to one source: up to IN_FLIGHT, opened as needed with one ticket; none any
+    more once one failed (the QUIC stream serves then)."""
+
+    def __init__(self, ip: str, ticket: bytes) -> None:
+        self.ip, self.ticket = ip, ticket
+        self.idle: list[DirectLink] = []
+        self.opened = 0
+        self.broken = False
+
+    @classmethod
+    async def of(cls, net: MeshNet, source: NodeId, fp: str) -> _Links | None:
+        conn = net.peers.get(source)
+        if conn is None or conn.relay is not None:  # through a relay: a TCP port of that member is out of reach
+            return None
+        raw = await ask(net, source, "ticket", fp, 0, 4096, 10.0)
+        return cls(conn.addr[0].removeprefix("::ffff:"), raw) if raw else None
+
+    def __bool__(self) -> bool:
+        return not self.broken
+
+    async def take(self) -> DirectLink | None:
+        if self.broken:
+            return None
+        if self.idle:
+            return self.idle.pop()
+        if self.opened >= core.IN_FLIGHT:
+            return None
+        self.opened += 1
+        link = await DirectLink.open(self.ip, self.ticket)
+        if link is None:
+            self.broken = True
+            log.info("no direct fetch path to %s: QUIC streams", self.ip)
+        return link
+
+    def give(self, link: DirectLink, ok: bool) -> None:
+        if ok:
+            self.idle.append(link)
+        else:
+            self.broken = True
+
+    def close(self) -> None:
+        for link in self.idle:
+            link.close()
 
 
 def _resume(part: Path, have_file: Path, m: core.Manifest) -> set[int]:
@@ -400,25 +477,3 @@ async def obtain_and_open(net: MeshNet, name: str, o: NodeOptions, console: Cons
     except UserError:  # a name the models dir does not know it by (a fingerprint): by its file
         model, shape, _ = await asyncio.to_thread(open_model, path, o.models_dir, o.draft, o.no_draft)
     return model, shape
-
-
-async def download_through_mesh(tokens: list[str], name: str, where: Path | None, console: Console) -> Path:
-    """``mesh-llm download NAME --join TOKEN``: a throwaway lite member (its own key and state, gone afterwards)
-    joins, fetches the model from the members that serve it (the hub if none does), and leaves."""
-    import tempfile
-
-    from meshllm.serve.joining import join_first
-    from meshllm.serve.options import parse_tokens
-
-    checked = parse_tokens(tokens, time.time(), None)
-    with tempfile.TemporaryDirectory(prefix="mesh-llm-download-") as tmp:
-        state = Path(tmp)
-        state.chmod(0o700)
-        net = MeshNet(crypto.new_key(), None, state)
-        try:
-            await net.start()
-            await join_first(net, checked, console)
-            net.update(role=Role.CLIENT, name="download")
-            return await obtain_model(net, name, where, console)
-        finally:
-            await net.stop(leave=True)

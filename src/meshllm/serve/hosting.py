@@ -489,6 +489,8 @@ class Hosting:
     async def stop(self) -> None:
         if self.door:
             await self.door.stop()
+        if self.sharing is not None and self.sharing.direct is not None:
+            await self.sharing.direct.stop()
         if self.server:
             await self.server.stop()
         if self.rpc:

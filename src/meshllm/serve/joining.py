@@ -20,7 +20,7 @@ from meshllm.proto.capacity import Offer
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import ModelFacts, Role
 from meshllm.proto.planner import GB, ModelShape
-from meshllm.serve.fetching import obtain_and_open
+from meshllm.serve.fetching import obtain_and_open, obtain_model
 from meshllm.serve.hosting import Hosting
 from meshllm.serve.modelfiles import ModelFiles, arch_template, find_by_fingerprint
 from meshllm.serve.narration import duration
@@ -178,3 +178,24 @@ async def adopt_model(net: MeshNet, hosting: Hosting, wanted: str | None, o: Nod
         await hosting.start_rpc_server(found[0], offer.use)
         net.update(role=Role.WORKER, capacity=offer.capacity, model=found[0].facts)
     return found
+
+
+async def download_through_mesh(tokens: list[str], name: str, where: Path | None, console: Console) -> Path:
+    """``mesh-llm download NAME --join TOKEN``: a throwaway lite member (its own key and state, gone afterwards)
+    joins, fetches the model from the members that serve it (the hub if none does), and leaves."""
+    import tempfile
+
+    from meshllm.serve.options import parse_tokens
+
+    checked = parse_tokens(tokens, time.time(), None)
+    with tempfile.TemporaryDirectory(prefix="mesh-llm-download-") as tmp:
+        state = Path(tmp)
+        state.chmod(0o700)
+        net = MeshNet(crypto.new_key(), None, state)
+        try:
+            await net.start()
+            await join_first(net, checked, console)
+            net.update(role=Role.CLIENT, name="download")
+            return await obtain_model(net, name, where, console)
+        finally:
+            await net.stop(leave=True)

@@ -104,7 +104,7 @@ class Node:
                                lambda: self.host, o.rpc_path, o.rpc_port)  # fmt: skip
         self.hosting.say = self._say
         self.hosting.sharing = Sharing(s.key, self.state, lambda: {self.facts.fingerprint: self.model.path}
-                                       if self.model and self.facts else {}, o.share)  # fmt: skip
+                                       if self.model and self.facts else {}, o.share, o.bind_host)  # fmt: skip
         self.router = Router(net, self.hosting, self.me, lambda: self.host, lambda: self.plan, lambda: self.facts)
         self.replanner = Replanner(net, self.hosting, o, self.me)
         return s.tokens
