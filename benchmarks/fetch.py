@@ -89,13 +89,16 @@ def main() -> None:
             p.terminate()
             p.wait(30)
         procs.clear()
-        first = node(f"s{run}-0", "--model", str(model), "--max-vram", "1")
+        first = node(f"s{run}-0", "--model", str(model), "--max-vram", "1.5")  # the host: the most memory
         token_file = tmp / f"s{run}-0" / "token"
         _wait(token_file.exists, 60, "the first source's token")
         token = token_file.read_text().strip()
         for i in range(1, n_src):
             node(f"s{run}-{i}", "--model", str(model), "--max-vram", "1", "--join", token)
-        _wait(lambda: "ready:" in first.read_text(errors="replace"), 120, "the mesh")
+        try:
+            _wait(lambda: "ready:" in first.read_text(errors="replace"), 120, "the mesh")
+        except SystemExit:
+            raise SystemExit(first.read_text(errors="replace")[-1500:]) from None
         time.sleep(2)
         log = node(f"f{run}", "--model", model.stem, "--models-dir", str(tmp / f"m{run}"), "--max-vram", "0.2",
                    "--join", token)  # fmt: skip
