@@ -1,8 +1,10 @@
 """Fetching a model from peers ([fetch]) next to a plain TCP copy of the same file between the same two endpoints.
 
-    .venv/bin/python benchmarks/fetch.py [--runs 3] [--sources 1,2]
+    .venv/bin/python benchmarks/fetch.py [--runs 3] [--sources 1,2] [--link 1gbit]
 
-Rows, all in one run, on this machine's loopback (the tiny model, ~250 MB):
+Rows, all in one run, on this machine's loopback (the tiny model, ~250 MB) — or, with ``--link RATE`` (root), on
+the loopback of a network namespace of its own shaped to RATE by the kernel's token bucket filter (``tc qdisc ...
+tbf``; this kernel has no netem), as a LAN link would be:
   plain TCP copy        one socket, the kernel's sendfile on one side, recv_into + write on the other, to disk
   mesh-llm fetch        a node joining with --model NAME and no file fetches it from N members (QUIC streams,
                         8 MiB chunks, each checked against the source's signed manifest, the whole file's SHA-256
@@ -60,11 +62,31 @@ def tcp_copy(src: Path, dest: Path) -> float:
     return took
 
 
+def shaped(args: argparse.Namespace) -> None:
+    """This benchmark again, inside a network namespace whose loopback the kernel shapes to ``args.link``."""
+    ns = f"meshfetch{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        run_in = ["ip", "netns", "exec", ns]
+        subprocess.run([*run_in, "ip", "link", "set", "lo", "up"], check=True)
+        subprocess.run([*run_in, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", args.link, "burst",
+                        "256kb", "latency", "50ms"], check=True)  # fmt: skip
+        env = {**os.environ, "MESH_FETCH_LINK": f"loopback shaped to {args.link} (tc tbf) in a netns"}
+        subprocess.run([*run_in, sys.executable, __file__, "--runs", str(args.runs), "--sources", args.sources],
+                       check=True, env=env)  # fmt: skip
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--sources", default="1,2", help="members that have the file, for each mesh row")
+    ap.add_argument("--link", help="run on a loopback shaped to this rate (tc's units: 1gbit), in a netns (root)")
     args = ap.parse_args()
+    if args.link:
+        shaped(args)
+        return
     sys.path.insert(0, str(ROOT / "src"))
     from meshllm.llama.processes import free_port
     from meshllm.models.tiny import tiny_model_path
@@ -110,7 +132,7 @@ def main() -> None:
         return float(m[1])
 
     try:
-        rows.append(("plain TCP copy (loopback)", [size / tcp_copy(model, tmp / f"copy{i}") / 1e6
+        rows.append(("plain TCP copy", [size / tcp_copy(model, tmp / f"copy{i}") / 1e6
                                                     for i in range(args.runs)]))  # fmt: skip
         for n_src in [int(x) for x in args.sources.split(",")]:
             speeds = [size / one_fetch(run, n_src) / 1e6 for run in range(args.runs)]
@@ -121,8 +143,8 @@ def main() -> None:
             p.wait(30)
         shutil.rmtree(tmp, ignore_errors=True)
     base = statistics.median(rows[0][1])
-    print(f"\n# this machine's loopback ({os.cpu_count()} cores), the tiny model ({size / 1e6:.0f} MB); median of "
-          f"{args.runs} runs")  # fmt: skip
+    where = os.environ.get("MESH_FETCH_LINK", "this machine's loopback")
+    print(f"\n# {where} ({os.cpu_count()} cores), the tiny model ({size / 1e6:.0f} MB); median of {args.runs} runs")
     print("| path | MB/s | ÷ plain TCP copy |")
     print("|---|---:|---:|")
     for name, speeds in rows:

@@ -588,6 +588,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         host = f" (host {mt['host']})" if mt.get("host") else ""
         out.print(f"mesh: {mt['generated']} tokens generated, {mt['prompt']} prompt tokens{host}; "
                   f"{mt.get('rate', 0):.1f} tok/s now")  # fmt: skip
+    fetch = st.get("fetch")
+    if isinstance(fetch, dict):
+        out.print(f"fetching {fetch['name']} from {fetch['sources']} peer(s): {fetch['percent']}%, "
+                  f"{fetch['mb_per_s']} MB/s")  # fmt: skip
     flight = st.get("in_flight")
     if flight:
         out.print(f"in flight here: {flight} request{'s' if flight != 1 else ''}")

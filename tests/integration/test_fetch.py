@@ -137,6 +137,20 @@ def test_a_node_without_the_file_fetches_it_from_peers_and_a_lying_one_costs_one
                    for p in a.status().get("peers", []))  # type: ignore[attr-defined]  # fmt: skip
 
     wait_for(c_is_worker, 60, "c to serve as a worker")
+    # /metrics: what c fetched from each member, and what each member sent (b nothing: --share off)
+    fetched = _metrics(c.port)
+    assert fetched.get(f'mesh_llm_fetch_bytes_total{{peer="{a.short()}"}}', 0) > 0, fetched
+    sent = _metrics(a.port)
+    assert sent.get(f'mesh_llm_share_bytes_total{{peer="{c.short()}"}}', 0) > 0, sent
+    assert not any(k.startswith("mesh_llm_share_bytes_total") for k in _metrics(b.port))
+
+
+def _metrics(port: int) -> dict[str, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in lines if ln and not ln.startswith("#")}
 
 
 def test_a_fetch_cut_by_kill_9_resumes_where_it_stopped(mesh: dict[str, object], tiny_model: Path) -> None:

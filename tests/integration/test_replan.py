@@ -204,6 +204,8 @@ def test_joins_leaves_and_deaths(tmp_path: Path, tiny_model: Path, stock_bins: B
 
         listener = threading.Thread(target=listen)
         listener.start()
+        counted = (lite.status().get("mesh_tokens") or {}).get("generated", 0)  # type: ignore[union-attr]
+        assert counted > 0
         t_kill = time.monotonic()
         host.stop(signal.SIGKILL)
         nodes.remove(host)
@@ -225,6 +227,9 @@ def test_joins_leaves_and_deaths(tmp_path: Path, tiny_model: Path, stock_bins: B
             elections = next(float(x.split()[-1]) for x in r.read().decode().splitlines()
                              if x.startswith("mesh_llm_elections_total"))  # fmt: skip
         assert elections >= 2, elections
+        # a mesh-wide figure keeps what the dead host counted (it fell to the new host's count from zero)
+        wait_for(lambda: (lite.status().get("mesh_tokens") or {}).get("host") != host.short(), 30, "the new host")  # type: ignore[union-attr]
+        assert (lite.status().get("mesh_tokens") or {}).get("generated", 0) >= counted  # type: ignore[union-attr]
         # every survivor's plan names a host, and it is a survivor (roles() maps survivors' ids only: a plan that
         # still named the killed host would fail here with a KeyError, which is the failure we want)
         new_host, _ = roles(nodes)

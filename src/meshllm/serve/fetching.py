@@ -63,6 +63,8 @@ class Sharing:
     share: bool = True  # --share off: serve nothing
     bind_host: str = "0.0.0.0"  # where the direct path's TLS listener listens (opened at the first ticket)
     sent: dict[NodeId, int] = field(default_factory=dict)  # bytes sent per peer
+    fetched: dict[NodeId, int] = field(default_factory=dict)  # bytes this node fetched from each source
+    fetching: Progress | None = None  # the fetch under way (status, the console)
     direct: DirectSource | None = None
     _direct_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _uploads: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(UPLOADS))
@@ -113,6 +115,13 @@ class Sharing:
             data = await asyncio.to_thread(_read_at, path, off, n)
         self.sent[peer] = self.sent.get(peer, 0) + n
         return data
+
+    def fetched_now(self) -> dict[NodeId, int]:
+        """Bytes fetched from each source, the fetch under way included."""
+        out = dict(self.fetched)
+        for s, n in self.fetching.fetched.items() if self.fetching else []:
+            out[s] = out.get(s, 0) + n
+        return out
 
     async def manifest(self, fp: str, path: Path) -> core.Manifest:
         """Our signed manifest of ``path`` (hashed once; kept in the state dir while the file is unchanged)."""
@@ -178,11 +187,15 @@ class Progress:
     fetched: dict[NodeId, int] = field(default_factory=dict)  # bytes per source
 
     def line(self) -> str:
+        d = self.as_dict()
+        return (f"fetching {self.name} from {self.sources} peer{'s' if self.sources != 1 else ''}: {d['percent']}%, "
+                f"{d['mb_per_s']} MB/s")  # fmt: skip
+
+    def as_dict(self) -> dict[str, object]:
         secs = max(time.monotonic() - self.started, 1e-3)
-        pct = 100 * self.done / self.size if self.size else 100
-        got = sum(self.fetched.values())
-        return (f"fetching {self.name} from {self.sources} peer{'s' if self.sources != 1 else ''}: {pct:.0f}%, "
-                f"{got / secs / 1e6:.0f} MB/s")  # fmt: skip
+        return {"name": self.name, "size": self.size, "done": self.done, "sources": self.sources,
+                "percent": int(100 * self.done / self.size) if self.size else 100,
+                "mb_per_s": round(sum(self.fetched.values()) / secs / 1e6)}  # fmt: skip
 
 
 async def ask(net: MeshNet, node: NodeId, op: str, fp: str, index: int, most: int, timeout: float) -> bytes | None:
@@ -208,10 +221,11 @@ def sources_of(net: MeshNet, fp: str, connected: bool = True) -> list[NodeId]:
             and r.model.fingerprint == fp and (r.node in net.peers or not connected)]  # fmt: skip
 
 
-async def fetch_from_peers(net: MeshNet, fp: str, dest: Path, say: Callable[[str], None] | None = None) -> Path:
+async def fetch_from_peers(net: MeshNet, fp: str, dest: Path, say: Callable[[str], None] | None = None,
+                           track: Sharing | None = None) -> Path:  # fmt: skip
     """The model with fingerprint ``fp`` from the members that have it, into ``dest`` (checked whole before it
     takes that name); ``say``: lines for the user (resuming, progress every 2 s, the end). UserError when no member
-    has it, none answers, or the sources that are left all lied."""
+    has it, none answers, or the sources that are left all lied. ``track``: where status and /metrics see it."""
     say = say or (lambda line: None)
     sources = sources_of(net, fp)
     if not sources:
@@ -245,6 +259,8 @@ async def fetch_from_peers(net: MeshNet, fp: str, dest: Path, say: Callable[[str
             shown[0] = time.monotonic()
             say(p.line())
 
+    if track is not None:
+        track.fetching = prog
     fd = os.open(part, os.O_RDWR)
     written = set(have)  # on disk (``plan.have`` has them once checked, a moment before they are written)
     try:
@@ -252,6 +268,10 @@ async def fetch_from_peers(net: MeshNet, fp: str, dest: Path, say: Callable[[str
     finally:
         os.close(fd)
         _save_have(have_file, written, m.promise())
+        if track is not None:
+            track.fetching = None
+            for s, n in prog.fetched.items():  # per source, over every fetch of this node
+                track.fetched[s] = track.fetched.get(s, 0) + n
     if not plan.done():
         why = "; ".join(f"{crypto.short(s)}: {w}" for s, w in plan.dropped.items()) or "no source left"
         raise UserError(f"could not fetch {dest.name} from the mesh ({why}); "
@@ -439,8 +459,8 @@ def file_name_for(name: str, served_as: str) -> str:
     return base if base.endswith(".gguf") else f"{base}.gguf"
 
 
-async def obtain_model(net: MeshNet, name: str, where_opt: Path | None, console: Console, wait_s: float = 30.0
-                       ) -> Path:  # fmt: skip
+async def obtain_model(net: MeshNet, name: str, where_opt: Path | None, console: Console, wait_s: float = 30.0,
+                       track: Sharing | None = None) -> Path:  # fmt: skip
     """``--model name`` that this machine lacks, once in the mesh: from the members that serve it; the hub when
     none does (``resolve`` downloads catalog and hub models)."""
     from meshllm.models.download import inside, resolve
@@ -463,15 +483,15 @@ async def obtain_model(net: MeshNet, name: str, where_opt: Path | None, console:
     n = len(sources_of(net, fp))
     console.print(f"fetching {served_as} ({size / 1e9:.2f} GB) from {n} member{'s' if n != 1 else ''} of the mesh "
                   f"into {dest}")  # fmt: skip
-    return await fetch_from_peers(net, fp, dest, lambda line: console.print(line, markup=False))
+    return await fetch_from_peers(net, fp, dest, lambda line: console.print(line, markup=False), track)
 
 
-async def obtain_and_open(net: MeshNet, name: str, o: NodeOptions, console: Console
+async def obtain_and_open(net: MeshNet, name: str, o: NodeOptions, console: Console, track: Sharing | None = None
                           ) -> tuple[ModelFiles, ModelShape]:  # fmt: skip
     """``obtain_model``, then the model opened as ``--model name`` would have opened it (served under that name)."""
     from meshllm.serve.modelfiles import open_model
 
-    path = await obtain_model(net, name, o.models_dir, console)
+    path = await obtain_model(net, name, o.models_dir, console, track=track)
     try:
         model, shape, _ = await asyncio.to_thread(open_model, Path(name), o.models_dir, o.draft, o.no_draft)
     except UserError:  # a name the models dir does not know it by (a fingerprint): by its file

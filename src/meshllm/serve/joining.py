@@ -171,7 +171,7 @@ async def adopt_model(net: MeshNet, hosting: Hosting, wanted: str | None, o: Nod
     (``wanted``: fetched from the members that have it, else the hub): our rpc-server on it, and we say in our
     record that we serve it as a worker. None: this node stays a lite client."""
     if wanted is not None:
-        found: tuple[ModelFiles, ModelShape] | None = await obtain_and_open(net, wanted, o, console)
+        found: tuple[ModelFiles, ModelShape] | None = await obtain_and_open(net, wanted, o, console, hosting.sharing)
     else:
         found = await find_mesh_model(net, o.models_dir, o.bins is not None, console)
     if found is not None:

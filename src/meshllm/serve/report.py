@@ -180,6 +180,7 @@ class Report:
             "unavailable": v.unavailable,
             "mesh_tokens": (mt._asdict() if (mt := self.mesh_tokens(now)) else None),
             "ttft_s": self._ttft(),
+            "fetch": f.fetching.as_dict() if (f := self.hosting.sharing) and f.fetching else None,
             "mesh_ttft_s": self.mesh_ttft(now),
         }  # fmt: skip
 
@@ -222,6 +223,13 @@ class Report:
         x.metric("mesh_llm_build_info", "gauge", "this node's mesh-llm version", 1, {"version": __version__})
         x.metric("mesh_llm_child_restarts_total", "counter", "llama-server deaths (each restarted, or given up on)",
                  self.hosting.crashes)  # fmt: skip
+        share = self.hosting.sharing
+        for node, n in sorted((share.fetched_now() if share else {}).items()):
+            x.metric("mesh_llm_fetch_bytes_total", "counter", "model file bytes this node fetched from each member",
+                     n, {"peer": crypto.short(node)})  # fmt: skip
+        for node, n in sorted((share.sent if share else {}).items()):
+            x.metric("mesh_llm_share_bytes_total", "counter", "model file bytes this node sent to each member that "
+                     "fetched it", n, {"peer": crypto.short(node)})  # fmt: skip
         core = self.net.core
         if core is not None:
             for r in core.alive(now):

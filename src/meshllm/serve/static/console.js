@@ -39,6 +39,8 @@ function render(st) {
   $("m-name").textContent = st.model ? st.model.source : (st.served_models || []).join(", ") || "–";
   $("m-draft").textContent = st.draft || "none";
   $("m-state").textContent = st.unavailable || stateText(st.state, st.why);  // what /health says
+  const f = st.fetch;  // this node fetching its model from the members that have it
+  if (f) $("m-state").textContent = `fetching ${f.name} from ${f.sources} peer${f.sources === 1 ? "" : "s"}: ${f.percent}%, ${f.mb_per_s} MB/s`;
   $("m-cap").textContent = gb(st.peers.reduce((s, p) => s + (p.capacity || 0), 0));
   $("m-api").textContent = st.api;
   const req = Object.entries(st.requests || {}).map(([code, n]) => `${n} × ${code}`);
