@@ -90,3 +90,31 @@ def test_a_source_that_vanishes_gives_its_chunks_back() -> None:
     plan.drop(A, "stopped answering")
     assert not plan.asked and plan.next_for(A) is None
     assert [plan.next_for(B) for _ in range(3)] == mine
+
+
+def test_the_whole_file_hash_follows_the_chunks_on_disk_in_order(tmp_path: object) -> None:
+    """The fetch hashes the file as its chunks land (in file order, whatever order they came in), not again at the
+    end; its digest exists only once every chunk went in."""
+    import asyncio
+    from pathlib import Path
+
+    from meshllm.serve.fetching import _WholeHash
+
+    m = manifest(KEYS[0])
+    path = Path(str(tmp_path)) / "part"
+    path.write_bytes(DATA)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+
+        async def run() -> None:
+            whole = _WholeHash(m, fd)
+            await whole.advance({1, 2, 3})  # chunk 0 not there yet: nothing can go in
+            assert whole.next == 0 and whole.digest() is None
+            await whole.advance({0, 1, 2, 3, 5})
+            assert whole.next == 4 and whole.digest() is None
+            await whole.advance(set(range(len(m.chunks))))
+            assert whole.digest() == m.sha256
+
+        asyncio.run(run())
+    finally:
+        os.close(fd)
