@@ -196,3 +196,22 @@ def test_mesh_llm_download_join_fetches_without_serving(mesh: dict[str, object],
     assert r.returncode == 0, r.stderr[-2000:]
     assert _sha(tmp / "d-models" / tiny_model.name) == _sha(tiny_model)
     assert "from the mesh in" in r.stderr and hub.resolves == 0, r.stderr[-2000:]
+
+
+def test_a_model_no_member_serves_comes_from_the_hub(mesh: dict[str, object], tiny_model: Path,
+                                                     hub: HubStandin) -> None:  # fmt: skip
+    """The hub is the fallback: a name no member serves (here a hub reference) is downloaded, without waiting long
+    once the mesh's models are known."""
+    from tests.fakes.hub_standin import HubFile
+
+    tmp, nodes = mesh["tmp"], mesh["nodes"]
+    assert isinstance(tmp, Path) and isinstance(nodes, list)
+    hub.files["someorg/tiny/tiny.gguf"] = HubFile(tiny_model.read_bytes())
+    before = hub.resolves
+    g = NodeProc(tmp, "g", None, "--model", "someorg/tiny/tiny.gguf", "--models-dir", str(tmp / "g-models"),
+                 "--max-vram", "0.3", "--ctx-size", "1024", "--join", str(mesh["token"]), env=mesh["env"],
+                 auto=True)  # type: ignore[arg-type]  # fmt: skip
+    nodes.append(g)
+    wait_for(lambda: (tmp / "g-models" / "tiny.gguf").exists() or "error" in g.text(), 120, "the download")
+    assert "no member serves someorg/tiny/tiny.gguf: downloading it from the hub" in g.text(), g.text()[-2000:]
+    assert hub.resolves > before and _sha(tmp / "g-models" / "tiny.gguf") == _sha(tiny_model)

@@ -479,6 +479,15 @@ def mesh_file_for(net: MeshNet, name: str) -> tuple[str, str, int] | None:
     return None
 
 
+KNOWN_GRACE_S = 3.0  # once members' models are known, how long a name none of them serves may still turn up
+
+
+def _mesh_models_known(net: MeshNet) -> bool:
+    """Whether we hold a record of another member that serves a model (gossip has brought the mesh's models)."""
+    core_ = net.core
+    return core_ is not None and any(r.model is not None and r.node != net.me for r in core_.alive(net.now))
+
+
 def file_name_for(name: str, served_as: str) -> str:
     """The file name a fetched model takes in the models dir: the catalog's, the hub reference's, else the name it
     is served under."""
@@ -504,6 +513,8 @@ async def obtain_model(net: MeshNet, name: str, where_opt: Path | None, console:
     while (found := mesh_file_for(net, name)) is None or not sources_of(net, found[0]):
         if time.monotonic() >= deadline:
             break
+        if found is None and _mesh_models_known(net):  # the mesh's models are known, and not this one
+            deadline = min(deadline, time.monotonic() + KNOWN_GRACE_S)
         await asyncio.sleep(0.25)
     if found is None:
         console.print(f"no member serves {name}: downloading it from the hub")
