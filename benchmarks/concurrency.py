@@ -18,20 +18,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from loadgen import concurrent, ids, one, pct
+from loadgen import concurrent, ids, one, pct, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _wait(pred: object, timeout: float, what: str) -> None:
-    t0 = time.monotonic()
-    while not pred():  # type: ignore[operator]
-        if time.monotonic() - t0 > timeout:
-            raise SystemExit(f"timed out waiting for {what}")
-        time.sleep(0.2)
 
 
 def main() -> None:
@@ -70,13 +61,13 @@ def main() -> None:
                                 stdout=(tmp / "host.log").open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
         lite = None
         try:
-            _wait(lambda: "ready:" in (tmp / "host.log").read_text(errors="replace"), 120, "the node")
+            wait_until(lambda: "ready:" in (tmp / "host.log").read_text(errors="replace"), 120, "the node")
             results.append(("mesh-llm, one node", measure(f"http://127.0.0.1:{api}")))
             lite = subprocess.Popen([sys.executable, "-m", "meshllm.cli", "--client", "--join-file",
                                      str(tmp / "host" / "token"), "--state-dir", str(tmp / "lite"), "--port",
                                      str(lite_api), "--bind-host", "127.0.0.1"],
                                     stdout=(tmp / "lite.log").open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
-            _wait(lambda: "API up:" in (tmp / "lite.log").read_text(errors="replace"), 60, "the lite client")
+            wait_until(lambda: "API up:" in (tmp / "lite.log").read_text(errors="replace"), 60, "the lite client")
             results.append(("mesh-llm, via a lite client", measure(f"http://127.0.0.1:{lite_api}")))
         finally:
             for p in (lite, host):

@@ -28,15 +28,9 @@ import threading
 import time
 from pathlib import Path
 
+from loadgen import wait_until
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _wait(pred: object, timeout: float, what: str) -> None:
-    t0 = time.monotonic()
-    while not pred():  # type: ignore[operator]
-        if time.monotonic() - t0 > timeout:
-            raise SystemExit(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def tcp_copy(src: Path, dest: Path) -> float:
@@ -113,18 +107,18 @@ def main() -> None:
         procs.clear()
         first = node(f"s{run}-0", "--model", str(model), "--max-vram", "1.5")  # the host: the most memory
         token_file = tmp / f"s{run}-0" / "token"
-        _wait(token_file.exists, 60, "the first source's token")
+        wait_until(token_file.exists, 60, "the first source's token")
         token = token_file.read_text().strip()
         for i in range(1, n_src):
             node(f"s{run}-{i}", "--model", str(model), "--max-vram", "1", "--join", token)
         try:
-            _wait(lambda: "ready:" in first.read_text(errors="replace"), 120, "the mesh")
+            wait_until(lambda: "ready:" in first.read_text(errors="replace"), 120, "the mesh")
         except SystemExit:
             raise SystemExit(first.read_text(errors="replace")[-1500:]) from None
         time.sleep(2)
         log = node(f"f{run}", "--model", model.stem, "--models-dir", str(tmp / f"m{run}"), "--max-vram", "0.2",
                    "--join", token)  # fmt: skip
-        _wait(lambda: re.search(r"fetched |error", log.read_text(errors="replace")), 300, "the fetch")
+        wait_until(lambda: re.search(r"fetched |error", log.read_text(errors="replace")), 300, "the fetch")
         m = re.search(r"from the mesh in ([\d.]+) s", log.read_text())
         if m is None:
             raise SystemExit(log.read_text()[-2000:])

@@ -71,3 +71,12 @@ def prefill(base: str, path: str, n: int, runs: int, seed: int) -> float:
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def wait_until(pred: object, timeout: float, what: str, every: float = 0.2) -> None:
+    """Poll ``pred`` until it holds; SystemExit naming ``what`` after ``timeout`` seconds."""
+    t0 = time.monotonic()
+    while not pred():  # type: ignore[operator]
+        if time.monotonic() - t0 > timeout:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(every)
