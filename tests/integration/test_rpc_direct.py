@@ -103,6 +103,8 @@ def test_a_split_goes_direct_with_tls_and_only_the_host_gets_through(
         # [face-2] 6: every node says the host restarts a crashed llama-server (the record said "serving" through it)
         crash = f"the host {a.short()} is loading: llama-server exited (SIGKILL); restarting it"
         assert any(r.startswith(crash) for r in said), said
+        wait_for(lambda: "llama-server serves again" in a.text(), 30, "the host to say it serves again")
+        assert a.text().count("ready: http://") == 1, a.text()  # not "ready" and the agent lines all over again
         assert text_of(complete(a.port, "/v1/completions")) == out
         assert _rpc_path(a, worker) == path
 

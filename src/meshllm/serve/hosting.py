@@ -67,6 +67,7 @@ class Hosting:
         self.server: LocalServer | None = None  # llama-server, when we host
         self.server_cfg: ServerConfig | None = None
         self.announced = False
+        self._recovering = False  # llama-server crashed and restarts with the same configuration
         self.generations = 0  # llama-server configurations started (a re-plan that changes it: +1)
         self.crashes = 0  # llama-server deaths we did not cause, over every configuration
         self.say: Callable[[str, str], None] | None = None  # a line for the terminal and the timeline (node._say)
@@ -268,7 +269,7 @@ class Hosting:
         self.crashes += 1
         # peers stop routing here and say why until it serves again (``became_ready``); before, the record said
         # "serving" through a crash loop, and the console "loading the model: 100%"
-        self.announced = False
+        self.announced, self._recovering = False, True
         self.net.update(state=NodeState.LOADING, why=f"llama-server {how}; restarting it"[:MAX_WHY])
         if self.say is not None:
             log = self.server.log_path if self.server else "llama-server.log"
@@ -432,7 +433,7 @@ class Hosting:
         old, self.server = self.server, None
         if old:
             await old.stop()
-        self.announced = False
+        self.announced, self._recovering = False, False
         self._direct_in_cfg = {}
         if cfg is None or self.bins is None:
             if old:  # we served, and serve nothing now (a plan waiting for peers): peers stop routing here
@@ -468,6 +469,11 @@ class Hosting:
             return False
         self.announced = True
         self.net.update(state=NodeState.SERVING, why="")
+        if self._recovering:  # the same configuration, back after a crash: said once, not "ready" all over again
+            self._recovering = False
+            if self.say is not None:
+                self.say("[green]llama-server serves again[/]", "ready")
+            return False
         # what loading the model cost on each worker's wire (later traffic is per-token inputs)
         self.at_load = {n: _weights_and_trips(st) for n, st in self.rpc_stats.items() if st.rpc is not None}
         return True
