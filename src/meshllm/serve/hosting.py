@@ -269,7 +269,9 @@ class Hosting:
         self.crashes += 1
         # peers stop routing here and say why until it serves again (``became_ready``); before, the record said
         # "serving" through a crash loop, and the console "loading the model: 100%"
-        self.announced, self._recovering = False, True
+        # back after a crash is "serves again" — once it had served: a first start that crashed is not ready yet
+        self._recovering = self._recovering or self.announced
+        self.announced = False
         self.net.update(state=NodeState.LOADING, why=f"llama-server {how}; restarting it"[:MAX_WHY])
         if self.say is not None:
             log = self.server.log_path if self.server else "llama-server.log"
