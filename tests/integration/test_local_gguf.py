@@ -175,6 +175,57 @@ def test_worker_without_the_same_file_is_pushed_instead(
             r.close()
 
 
+def _partial_copy(model: Path, out: Path, tensor: str) -> tuple[int, int]:
+    """``model`` as a worker that fetched only some tensors would hold it: the same bytes everywhere but a hole
+    (unwritten blocks, read back as zeros) across part of ``tensor``, clear of the 4 KiB windows the model
+    fingerprint samples. The hole's (offset, length)."""
+    hdr = read_header(model)
+    t = next(x for x in hdr.tensors if x.name == tensor)
+    step = (t.nbytes - 4096) // 15
+    lo = -(-(t.offset + step + 4096) // 4096) * 4096  # past window 1, block-aligned
+    hi = (t.offset + 2 * step) // 4096 * 4096  # before window 2
+    assert hi - lo >= 16 * 1024, (lo, hi)
+    with model.open("rb") as src, out.open("wb") as dst:
+        dst.write(src.read(lo))
+        src.seek(hi)
+        dst.seek(hi)  # past the end: the blocks between are never written
+        shutil.copyfileobj(src, dst)
+    return lo, hi - lo
+
+
+def test_a_partial_file_loads_what_it_holds_and_the_host_pushes_the_rest(
+    patched_bins: Binaries,
+    tiny_model: Path,
+    reference: tuple[str, list[WireStats], int],
+    tmp_path: Path,
+    children: list[Child],
+) -> None:
+    """[fetch] A worker whose copy has holes (it fetched only its layers) has the model's fingerprint, so the host
+    asks it to load its tensors from its file; a tensor that lies in a hole must fail to load there (patch 0009)
+    and be pushed, or the worker computes with zeros."""
+    import os
+
+    part = tmp_path / "partial.gguf"
+    lo, n = _partial_copy(tiny_model, part, "blk.1.ffn_up.weight")  # a tensor of the first worker's layers
+    with part.open("rb") as f:
+        assert os.lseek(f.fileno(), lo, os.SEEK_HOLE) == lo, "this filesystem made no hole"
+    assert model_fingerprint(part) == model_fingerprint(tiny_model)
+    relays: list[CountingRelay] = []
+    s = start_split(tmp_path, patched_bins, [Worker(patched_bins, part), Worker(patched_bins, tiny_model)],
+                    tiny_model, children, relays)  # fmt: skip
+    try:
+        assert s.load[0].commands[Cmd.SET_TENSOR_GGUF] > 0  # it was asked to load from its file
+        # the load that met the hole failed, so the host pushed (patch 0003 pushes that buffer's tensors again)
+        assert _weights_pushed(s.load[0]) >= n, _weights_pushed(s.load[0])
+        assert "a hole: a partial copy" in s.workers[0].log_path.read_text()
+        assert _weights_pushed(s.load[1]) <= 1 * MB
+        assert s.complete() == reference[0]
+    finally:
+        stop_split(s)
+        for r in relays:
+            r.close()
+
+
 @pytest.mark.parametrize("direction", ["stock-client", "stock-servers"])
 def test_stock_and_patched_interoperate(
     direction: str,
