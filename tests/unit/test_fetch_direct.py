@@ -59,3 +59,21 @@ def test_a_ticket_opens_the_direct_path_for_its_holder_only(tmp_path: Path) -> N
                                  msgpack.packb([1, 2, 3])])  # fmt: skip
 def test_a_malformed_ticket_is_no_link(raw: bytes) -> None:
     assert asyncio.run(fd.DirectLink.open("127.0.0.1", raw)) is None
+
+
+def test_a_member_sends_only_its_own_file_and_nothing_with_share_off(tmp_path: Path) -> None:
+    """What both paths serve goes through ``Sharing.chunk``: only the model file this node serves, by fingerprint,
+    only chunks that exist, and nothing at all with ``--share off``."""
+    from meshllm.proto import crypto
+    from meshllm.serve.fetching import Sharing
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"m" * 5000)
+
+    async def run(share: bool) -> list[bytes | None]:
+        s = Sharing(crypto.new_key(), tmp_path, lambda: {"fp": model}, share)
+        return [await s.chunk(PEER, "fp", 0), await s.chunk(PEER, "other", 0), await s.chunk(PEER, "fp", 1),
+                await s.chunk(PEER, "fp", True)]  # fmt: skip
+
+    assert asyncio.run(run(True)) == [b"m" * 5000, None, None, None]
+    assert asyncio.run(run(False)) == [None, None, None, None]
