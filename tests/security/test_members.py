@@ -14,6 +14,8 @@ from pathlib import Path
 from meshllm.proto import crypto
 from meshllm.proto.auth import make_proof
 from meshllm.proto.planner import GB
+from meshllm.proto.token import Link
+from meshllm.state import load_membership
 from tests.integration.meshlab import NodeProc, _free_port, split_pair, wait_for
 from tests.integration.test_mesh import _attempt, _handshake_as, _membership
 
@@ -119,9 +121,11 @@ def test_a_revoked_member_and_those_it_admitted_are_cut_off_everywhere(tmp_path:
         a_id = crypto.node_id(a.key())
         mesh_id, secret = _membership(a.state)
         for n, why in ((b, "revoked from this mesh"), (c, "whom the mesh revoked")):
-            chain = [[bytes.fromhex(f) if isinstance(f, str) else f for f in link] for link in _chain_of(n)]
+            held = load_membership(n.state)  # as the node itself reads it: a link naming provenance has 8 fields
+            assert held is not None
+            chain = held.chain
 
-            def proof(k: crypto.Ed25519PrivateKey, ch: object, chain: list[list[object]] = chain) -> object:
+            def proof(k: crypto.Ed25519PrivateKey, ch: object, chain: list[Link] = chain) -> object:
                 return make_proof(k, secret, ch, a_id, chain=chain)  # type: ignore[arg-type]
 
             ans, _ = asyncio.run(_attempt(addr, a_id, mesh_id, proof, key=n.key()))  # type: ignore[arg-type]
