@@ -224,6 +224,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         models_dir=args.models_dir,
         draft=args.draft, draft_max=args.draft_max, no_draft=args.no_draft, console_port=args.console,
         rpc_path=args.rpc_path, rpc_port=args.rpc_port, name=args.name or "", share=args.share == "on",
+        fetch_all=args.fetch == "all",
     )  # fmt: skip
     from meshllm.serve.terminal import terminal_for_node
 
@@ -583,6 +584,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     for p in st["peers"]:
         if p.get("why"):
             out.print(f"  {p['short']}: {_state_text(p['state'], p['why'])}", markup=False)
+        if isinstance(p.get("held"), list):  # fetched only its layers (--fetch layers): it never hosts
+            held = ", ".join(f"{f}-{f + n - 1}" for f, n in p["held"]) or "no layer yet"
+            out.print(f"  {p['short']}: a partial copy of the model, holding layers {held}", markup=False)
     mt, tt = st.get("mesh_tokens"), st.get("ttft_s")
     if isinstance(mt, dict):
         host = f" (host {mt['host']})" if mt.get("host") else ""
@@ -590,7 +594,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                   f"{mt.get('rate', 0):.1f} tok/s now")  # fmt: skip
     fetch = st.get("fetch")
     if isinstance(fetch, dict):
-        out.print(f"fetching {fetch['name']} from {fetch['sources']} peer(s): {fetch['percent']}%, "
+        out.print(f"fetching {fetch['name']} from {fetch['sources']} peer{'s' if fetch['sources'] != 1 else ''}: "
+                  f"{fetch['percent']}%, "
                   f"{fetch['mb_per_s']} MB/s")  # fmt: skip
     flight = st.get("in_flight")
     if flight:
@@ -678,6 +683,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--share", choices=("on", "off"), default="on",
         help="send this node's model file to members that fetch it instead of downloading it (default on)",
     )
+    p.add_argument(
+        "--fetch", choices=("layers", "all"), default="layers",
+        help="a --model this machine lacks, fetched from the mesh's members: only the layers the plan gives this "
+        "worker (default; such a node is never elected host) or the whole file",
+    )  # fmt: skip
     p.add_argument(
         "--rpc-path", choices=("auto", "tunnel"), default="auto",
         help="how a host reaches its workers' rpc-servers: auto (direct TCP + TLS 1.3 where reachable, else the QUIC "

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from meshllm.llama.gguf import model_fingerprint, read_header
+from meshllm.llama.gguf import model_fingerprint, read_header, sampled
+from meshllm.proto import crypto
 from meshllm.proto import fetch as core
 from tests.fakes.hub_standin import HubStandin
 
@@ -33,42 +34,39 @@ def _sha(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _rotted_copy(src: Path, dest: Path) -> None:
-    """``src`` copied to ``dest`` with one byte flipped in every chunk, each outside the header and the windows the
-    model fingerprint samples (so whatever chunk x sends is bad, and x's copy keeps the model's fingerprint)."""
+def _rotted_copy(src: Path, dest: Path, m: core.Manifest) -> None:
+    """``src`` copied to ``dest`` with one byte flipped in every chunk of ``m`` that has a byte outside the header
+    and the windows the model fingerprint samples (so x's copy keeps the model's fingerprint)."""
     shutil.copyfile(src, dest)
     hdr = read_header(src)
-    sampled = []  # the byte ranges the fingerprint reads (llama/gguf.py)
-    for t in hdr.tensors:
-        if t.nbytes <= 4096 * 16:
-            sampled.append((t.offset, t.offset + t.nbytes))
-        else:
-            sampled += [(o, o + 4096) for o in (t.offset + j * (t.nbytes - 4096) // 15 for j in range(16))]
-    size = dest.stat().st_size
+    taken = [(o, o + n) for t in hdr.tensors for o, n in sampled(t)]  # the byte ranges the fingerprint reads
+    flipped = 0
     with dest.open("r+b") as f:
-        for lo in range(0, size, core.CHUNK):
-            at = next((p for p in range(max(lo, hdr.data_offset) + 4096, min(lo + core.CHUNK, size), 4099)
-                       if not any(a <= p < b for a, b in sampled)), None)  # fmt: skip
-            assert at is not None, f"no byte to flip in the chunk at {lo}"
+        for lo, n in zip(m.starts, m.lengths, strict=True):
+            at = next((p for p in range(max(lo, hdr.data_offset) + 1, lo + n, 4099)
+                       if not any(a <= p < b for a, b in taken)), None)  # fmt: skip
+            if at is None:  # the header, or a chunk of small tensors sampled whole
+                continue
             f.seek(at)
             b = f.read(1)
             f.seek(at)
             f.write(bytes([b[0] ^ 0xFF]))
+            flipped += 1
+    assert flipped >= len(m.lengths) // 2, (flipped, len(m.lengths))
 
 
-def _stale_manifest(good: Path, rotted: Path, state: Path, fp: str) -> None:
+def _stale_manifest(good: Path, rotted: Path, state: Path, fp: str) -> core.Manifest:
     """x's manifest cache as it was written before the rot: the honest hashes, stamped with the file as it is now
     (its size and time unchanged by the rot), so x promises the honest chunks and sends others."""
-    whole, chunks = hashlib.sha256(), []
-    with good.open("rb") as f:
-        while block := f.read(core.CHUNK):
-            whole.update(block)
-            chunks.append(hashlib.sha256(block).hexdigest())
+    from meshllm.serve.sharing import _manifest_of
+
+    m = _manifest_of(good, fp, crypto.new_key(), state)  # the cache, as x wrote it of the good file
+    cache = state / "manifests" / f"{fp}.json"
+    d = json.loads(cache.read_text())
     st = rotted.stat()
-    (state / "manifests").mkdir(parents=True, mode=0o700)
-    (state / "manifests" / f"{fp}.json").write_text(json.dumps({
-        "stamp": [st.st_size, st.st_mtime_ns], "chunk_size": core.CHUNK, "sha256": whole.hexdigest(),
-        "chunks": chunks}))  # fmt: skip
+    d["stamp"] = [st.st_size, st.st_mtime_ns]
+    cache.write_text(json.dumps(d))
+    return m
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +93,10 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, hub: HubSta
         fp = model_fingerprint(tiny_model)
         (tmp / "x-models").mkdir()
         rotted = tmp / "x-models" / tiny_model.name
-        _rotted_copy(tiny_model, rotted)
-        assert model_fingerprint(rotted) == fp and _sha(rotted) != _sha(tiny_model)
         (tmp / "x").mkdir(mode=0o700)
+        m = _stale_manifest(tiny_model, tiny_model, tmp / "x", fp)
+        _rotted_copy(tiny_model, rotted, m)
+        assert model_fingerprint(rotted) == fp and _sha(rotted) != _sha(tiny_model)
         _stale_manifest(tiny_model, rotted, tmp / "x", fp)
         x = NodeProc(tmp, "x", rotted, "--max-vram", "0.3", "--ctx-size", "1024", "--join", token, env=env)
         nodes.append(x)
@@ -116,8 +115,8 @@ def test_a_node_without_the_file_fetches_it_from_peers_and_a_lying_one_costs_one
     tmp, nodes = mesh["tmp"], mesh["nodes"]
     assert isinstance(tmp, Path) and isinstance(nodes, list)
     models = tmp / "c-models"
-    c = NodeProc(tmp, "c", None, "--model", NAME, "--models-dir", str(models), "--max-vram", "0.3", "--ctx-size",
-                 "1024", "--join", str(mesh["token"]), env=mesh["env"], auto=True)  # type: ignore[arg-type]  # fmt: skip
+    c = NodeProc(tmp, "c", None, "--model", NAME, "--fetch", "all", "--models-dir", str(models), "--max-vram", "0.3",
+                 "--ctx-size", "1024", "--join", str(mesh["token"]), env=mesh["env"], auto=True)  # type: ignore[arg-type]  # fmt: skip
     nodes.append(c)
     wait_for(lambda: "fetched " in c.text() or "error" in c.text(), 180, "the fetch")
     got = models / tiny_model.name
@@ -157,7 +156,7 @@ def test_a_fetch_cut_by_kill_9_resumes_where_it_stopped(mesh: dict[str, object],
     tmp, nodes = mesh["tmp"], mesh["nodes"]
     assert isinstance(tmp, Path) and isinstance(nodes, list)
     models = tmp / "e-models"
-    args = ("--model", NAME, "--models-dir", str(models), "--max-vram", "0.3", "--ctx-size", "1024")
+    args = ("--model", NAME, "--fetch", "all", "--models-dir", str(models), "--max-vram", "0.3", "--ctx-size", "1024")
     e = NodeProc(tmp, "e", None, *args, "--join", str(mesh["token"]), env=mesh["env"], auto=True)  # type: ignore[arg-type]
     nodes.append(e)
     have = models / ".partial" / f"{mesh['fp']}.have"

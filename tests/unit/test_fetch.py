@@ -3,8 +3,10 @@ of whom, and a lying source caught at its first bad chunk."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
+from pathlib import Path
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -15,13 +17,14 @@ from meshllm.proto import fetch as f
 FP = "ab" * 32
 KEYS = [crypto.new_key() for _ in range(3)]
 A, B, C = (crypto.node_id(k) for k in KEYS)
+PEER = crypto.node_id(crypto.new_key())
 SIZE, CH = 10_000, 1_000
 DATA = os.urandom(SIZE)
 
 
 def manifest(key: crypto.Ed25519PrivateKey, data: bytes = DATA) -> f.Manifest:
     chunks = [hashlib.sha256(data[i : i + CH]).digest() for i in range(0, len(data), CH)]
-    return f.make_manifest(FP, len(data), hashlib.sha256(data).digest(), chunks, key, chunk_size=CH)
+    return f.make_manifest(FP, len(data), hashlib.sha256(data).digest(), f.tile(len(data), (), CH), chunks, key)
 
 
 def test_a_manifest_is_signed_by_its_source_and_checked_whole() -> None:
@@ -29,10 +32,14 @@ def test_a_manifest_is_signed_by_its_source_and_checked_whole() -> None:
     assert f.decode_manifest(m.encode(), A, FP) == m
     assert f.decode_manifest(m.encode(), B, FP) is None  # said to be from another member
     assert f.decode_manifest(m.encode(), A, "cd" * 32) is None  # for another model
-    forged = f.Manifest(FP, SIZE, m.sha256, CH, (bytes(32), *m.chunks[1:]), A, m.sig)
+    forged = f.Manifest(FP, SIZE, m.sha256, m.lengths, (bytes(32), *m.chunks[1:]), (), A, m.sig)
     assert f.decode_manifest(forged.encode(), A, FP) is None  # altered after signing
-    short = f.make_manifest(FP, SIZE, m.sha256, list(m.chunks[:-1]), KEYS[0], chunk_size=CH)
+    short = f.make_manifest(FP, SIZE, m.sha256, m.lengths, m.chunks[:-1], KEYS[0])
     assert f.decode_manifest(short.encode(), A, FP) is None  # a chunk missing for its size
+    off = f.make_manifest(FP, SIZE, m.sha256, (*m.lengths[:-1], CH - 1), m.chunks, KEYS[0])
+    assert f.decode_manifest(off.encode(), A, FP) is None  # lengths that do not tile the file
+    empty = f.make_manifest(FP, SIZE, m.sha256, (0, *m.lengths), (bytes(32), *m.chunks), KEYS[0])
+    assert f.decode_manifest(empty.encode(), A, FP) is None  # an empty chunk
     assert m.span(9) == (9000, 1000) and m.check(3, DATA[3000:4000]) and not m.check(3, DATA[3000:3999])
 
 
@@ -98,7 +105,7 @@ def test_the_whole_file_hash_follows_the_chunks_on_disk_in_order(tmp_path: objec
     import asyncio
     from pathlib import Path
 
-    from meshllm.serve.fetching import _WholeHash
+    from meshllm.serve.fetch_pull import _WholeHash
 
     m = manifest(KEYS[0])
     path = Path(str(tmp_path)) / "part"
@@ -118,3 +125,60 @@ def test_the_whole_file_hash_follows_the_chunks_on_disk_in_order(tmp_path: objec
         asyncio.run(run())
     finally:
         os.close(fd)
+
+
+def test_chunks_follow_the_file_layout_and_stay_bounded() -> None:
+    assert f.tile(100, (), 30) == (30, 30, 30, 10)
+    assert f.tile(100, (40, 0, 100, 250, 40), 30) == (30, 10, 30, 30)  # a cut at 40; the ends are no cuts
+    # header to 64; layer 0's tensors at 64 and 80; a layerless one between layer 0 and 1; layer 1 at 200
+    cuts = f.layout_cuts(64, [(80, 20, 0), (200, 50, 1), (64, 16, 0), (100, 100, None)])
+    assert cuts == [64, 100, 200]
+    assert f.tile(250, cuts, 60) == (60, 4, 36, 60, 40, 50)
+
+
+def test_the_chunks_covering_byte_ranges() -> None:
+    m = f.make_manifest(FP, 100, bytes(32), (10, 20, 30, 40), [bytes(32)] * 4, KEYS[0])
+    assert m.starts == (0, 10, 30, 60)
+    assert m.covering([(0, 10)]) == {0} and m.covering([(9, 2)]) == {0, 1} and m.covering([(30, 30)]) == {2}
+    assert m.covering([(59, 1), (99, 1), (5, 0)]) == {2, 3} and m.covering([]) == set()
+
+
+def test_a_partial_fetch_asks_only_for_the_wanted_chunks() -> None:
+    plan = f.Fetch(manifest(KEYS[0]), have={3}, want={3, 5, 7})
+    assert plan.next_for(A) == 5 and plan.arrived(A, 5, DATA[5000:6000]) and not plan.done()
+    assert plan.next_for(A) == 7 and plan.next_for(A) is None  # nothing else: only what is wanted
+    assert plan.arrived(A, 7, DATA[7000:8000]) and plan.done()
+    assert plan.fetched_bytes() == plan.wanted_bytes() == 3000
+
+
+def test_a_tensor_s_sampled_bytes_are_checked_against_the_promise() -> None:
+    w = [hashlib.sha256(b"abc").digest(), hashlib.sha256(b"xyz").digest()]
+    m = f.make_manifest(FP, SIZE, bytes(32), f.tile(SIZE, (), CH), [bytes(32)] * 10, KEYS[0], w)
+    assert f.decode_manifest(m.encode(), A, FP) == m
+    assert m.check_window(1, b"xyz") and not m.check_window(0, b"xyz") and not m.check_window(2, b"abc")
+
+
+def test_a_source_s_manifest_follows_the_gguf_layout_and_its_samples_are_the_fingerprint_s(tmp_path: Path) -> None:
+    """A source's chunks: the header alone, then a chunk wherever a layer's tensors begin (so a worker's layers are
+    whole chunks); its "windows" answer the sampled bytes of the tensors asked, in order, and nothing out of bounds."""
+    from meshllm.llama.gguf import layer_of, read_header, sampled
+    from meshllm.serve.sharing import WINDOWS_MAX, Sharing
+    from tests.gguf_files import write_gguf
+
+    model = write_gguf(tmp_path / "m.gguf", layers=3)
+    data, hdr = model.read_bytes(), read_header(model)
+    s = Sharing(KEYS[0], tmp_path, lambda: {FP: model})
+    m = asyncio.run(s.manifest(FP, model))
+    assert f.decode_manifest(m.encode(), A, FP) == m and m.size == len(data) and sum(m.lengths) == len(data)
+    assert m.span(0) == (0, hdr.data_offset)  # the header, alone
+    for layer in range(3):  # each layer's tensors begin a chunk, and no chunk holds two layers' tensors
+        first = min(t.offset for t in hdr.tensors if layer_of(t.name) == layer)
+        assert first in m.starts
+    for i, (off, n) in enumerate(zip(m.starts, m.lengths, strict=True)):
+        assert m.check(i, data[off : off + n])
+        assert len({layer_of(t.name) for t in hdr.tensors if off <= t.offset < off + n}) <= 1
+    got = asyncio.run(s.windows(PEER, FP, model, [1, 3]))
+    want = [b"".join(data[o : o + n] for o, n in sampled(hdr.tensors[t])) for t in (1, 3)]
+    assert got == b"".join(want) and m.check_window(1, want[0]) and m.check_window(3, want[1])
+    for bad in ([], [len(hdr.tensors)], [-1], [True], "1", [0] * (WINDOWS_MAX + 1)):
+        assert asyncio.run(s.windows(PEER, FP, model, bad)) is None, bad

@@ -65,15 +65,17 @@ def test_a_member_sends_only_its_own_file_and_nothing_with_share_off(tmp_path: P
     """What both paths serve goes through ``Sharing.chunk``: only the model file this node serves, by fingerprint,
     only chunks that exist, and nothing at all with ``--share off``."""
     from meshllm.proto import crypto
-    from meshllm.serve.fetching import Sharing
+    from meshllm.serve.sharing import Sharing
+    from tests.gguf_files import write_gguf
 
-    model = tmp_path / "m.gguf"
-    model.write_bytes(b"m" * 5000)
+    model = write_gguf(tmp_path / "m.gguf", layers=1)
+    data = model.read_bytes()
 
     async def run(share: bool) -> list[bytes | None]:
         s = Sharing(crypto.new_key(), tmp_path, lambda: {"fp": model}, share)
-        return [await s.chunk(PEER, "fp", 0), await s.chunk(PEER, "other", 0), await s.chunk(PEER, "fp", 1),
-                await s.chunk(PEER, "fp", True)]  # fmt: skip
+        return [await s.chunk(PEER, "fp", 0), await s.chunk(PEER, "other", 0), await s.chunk(PEER, "fp", 99),
+                await s.chunk(PEER, "fp", True), await s.chunk(PEER, "fp", -1)]  # fmt: skip
 
-    assert asyncio.run(run(True)) == [b"m" * 5000, None, None, None]
-    assert asyncio.run(run(False)) == [None, None, None, None]
+    head, *_ = asyncio.run(run(True))
+    assert asyncio.run(run(True)) == [data[: len(head or b"")], None, None, None, None] and head
+    assert asyncio.run(run(False)) == [None] * 5

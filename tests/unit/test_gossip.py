@@ -373,3 +373,28 @@ def test_a_member_that_left_is_still_one_for_its_tokens_until_revoked_or_ended()
     t.add_revocation(tok.revoke(FOUNDER, MESH, n, T))  # revoked: no longer
     assert t.scope_of(n) is None and t.chain_of(n) is None
     assert t.scope_of(b"\x01" * 32) is None  # never a member
+
+
+def test_a_partial_copy_says_which_layers_it_holds_and_is_never_elected_host() -> None:
+    """[fetch] 2: a worker that fetched only its layers names them in its record ("held"; absent: the whole file); a
+    bad list drops the record; the election passes over a partial copy however much memory it offers (a host needs
+    the whole file)."""
+    from meshllm.proto.gossip import ModelFacts, Role
+    from meshllm.proto.meshcore import _elect
+
+    t = Table(crypto.node_id(FOUNDER), MESH)
+    k, c = member()
+    n = crypto.node_id(k)
+    assert t.merge_record(rec(k, c, held=((0, 6), (9, 2))), T).changed == [n]
+    assert t.entries[n].record.held == ((0, 6), (9, 2)) and not t.entries[n].record.whole
+    assert t.merge_record(rec(k, c, seq=2, held=()), T).changed == [n]  # holds no layer yet: still partial
+    assert t.entries[n].record.held == ()
+    assert "field held" in t.merge_record(rec(k, c, seq=3, held=((0, -1),)), T).dropped[0]
+    assert t.merge_record(rec(k, c, seq=4), T).changed == [n] and t.entries[n].record.whole
+    facts = ModelFacts("ab" * 32, 1, 1, "m")
+    k2, c2 = member()
+    whole = PeerRecord(crypto.node_id(k2), 1, 1, Role.WORKER, capacity=10, model=facts, chain=tuple(c2))
+    big = PeerRecord(n, 1, 1, Role.WORKER, capacity=100, model=facts, chain=tuple(c), held=((0, 1),))
+    assert _elect([whole, big], facts.fingerprint) == whole.node
+    assert _elect([big], facts.fingerprint) is None
+    assert _elect([whole, dataclasses.replace(big, held=None)], facts.fingerprint) == n

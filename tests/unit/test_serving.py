@@ -200,3 +200,23 @@ def test_a_lite_client_gives_the_hosts_own_reason() -> None:
     assert route(None, host=None, host_says=why) == s.Busy(why)
     assert route(None, host=None) == s.Busy("no host elected yet: waiting for peers")
     assert route(None, remote=(HOST, "tiny"), remote_listener_ready=True, host_says=why) == s.Remote(HOST, "tiny")
+
+
+def test_a_split_waits_for_workers_still_fetching_their_layers() -> None:
+    """[fetch] 2: a worker with a partial copy that lacks a layer the plan gives it holds the split back (or the
+    host would push those weights over the network); one holding them, or the whole file, does not."""
+    up = {"listeners": frozenset({W1, W2}), "connected": frozenset({W1, W2})}
+    assert want(SPLIT, lacking=frozenset({W2, STRANGER}), **up) == s.NeedLayers((W2,))
+    assert want(SPLIT, lacking=frozenset({STRANGER}), **up) == s.Split((W1, W2), (6, 6, 7), own_rpc=True)
+    assert want(SPLIT, lacking=frozenset({W1})) == s.NeedTunnels((W1, W2))  # tunnels first, as before
+    held: dict[bytes, tuple[tuple[int, int], ...] | None] = {W1: None, W2: ((6, 3),)}  # W2's share: 6-11
+    assert s.lacking_layers(SPLIT, held.get) == {W2}
+    held[W2] = ((5, 2), (8, 4))  # lacks 7
+    assert s.lacking_layers(SPLIT, held.get) == {W2}
+    held[W2] = ((0, 1), (6, 2), (8, 4))
+    assert s.lacking_layers(SPLIT, held.get) == frozenset()
+    held[W1] = ()  # a partial copy with no layer yet
+    assert s.lacking_layers(SPLIT, held.get) == {W1}
+    assert s.lacking_layers(Waiting(1, 0), held.get) == frozenset() == s.lacking_layers(None, held.get)
+    assert s.as_ranges([3, 1, 2, 7, 8, 3]) == ((1, 3), (7, 2)) and s.as_ranges([]) == ()
+    assert s.covers(((1, 3), (7, 2)), 2, 2) and not s.covers(((1, 3), (7, 2)), 3, 2) and s.covers((), 5, 0)

@@ -205,13 +205,27 @@ def _hash_part(h: Any, path: Path) -> None:
             if off + nb > hdr.file_size:
                 raise UserError(f"{path}: tensor {t.name} lies outside the file")
             h.update(struct.pack("<Q", nb))
-            if nb <= WINDOW * WINDOWS:
-                f.seek(off)
-                h.update(f.read(nb))
-            else:
-                for j in range(WINDOWS):
-                    f.seek(off + j * (nb - WINDOW) // (WINDOWS - 1))
-                    h.update(f.read(WINDOW))
+            for w_off, w_len in sampled(t):
+                f.seek(w_off)
+                h.update(f.read(w_len))
+
+
+def sampled(t: TensorInfo) -> list[tuple[int, int]]:
+    """The byte ranges (absolute offset, length) of tensor ``t`` the fingerprint hashes, in order: the whole tensor
+    up to 64 KiB, else 16 windows of 4 KiB spread evenly (first and last included)."""
+    off, nb = t.offset, t.nbytes
+    if nb <= WINDOW * WINDOWS:
+        return [(off, nb)]
+    return [(off + j * (nb - WINDOW) // (WINDOWS - 1), WINDOW) for j in range(WINDOWS)]
+
+
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.")
+
+
+def layer_of(name: str) -> int | None:
+    """The repeating layer a tensor belongs to (``blk.N.…``); None for the rest (embedding, output, norms)."""
+    m = _LAYER_RE.match(name)
+    return int(m[1]) if m else None
 
 
 def model_fingerprint(first: Path) -> str:

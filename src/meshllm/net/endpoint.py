@@ -63,7 +63,7 @@ STREAM_GOSSIP = 2
 STREAM_RPC = 3
 STREAM_HTTP = 4
 STREAM_RPC_KEY = 5  # the host asks a worker for the key of its rpc-server's direct (TLS) listener
-STREAM_FETCH = 6  # a member asks for a model file's manifest or a chunk of it (serve/fetching.py)
+STREAM_FETCH = 6  # a member asks for a model file's manifest or a chunk of it (serve/sharing.py)
 STREAM_KINDS = {
     STREAM_AUTH: "auth", STREAM_GOSSIP: "gossip", STREAM_RPC: "rpc", STREAM_HTTP: "http", STREAM_RPC_KEY: "rpc-key",
     STREAM_FETCH: "fetch",

@@ -99,6 +99,7 @@ class RecordUpdate(TypedDict, total=False):
     why: str
     layers: tuple[tuple[int, int], ...]
     rate: float
+    held: tuple[tuple[int, int], ...] | None
     left: bool
 
 
@@ -132,6 +133,13 @@ class PeerRecord:
     why: str = ""  # a host that cannot serve: why ("waiting for more peers — need …"), so every node says the same
     layers: tuple[tuple[int, int], ...] = ()  # a host: each planned node's layers (first, count), as ``planned``
     rate: float = 0.0  # a host: tokens per second its llama-server generates now (running requests counted)
+    held: tuple[tuple[int, int], ...] | None = None  # a partial copy of its model: the layers it holds (first,
+    # count); None: the whole file. A partial copy is never elected host, nor a source of the model's file
+
+    @property
+    def whole(self) -> bool:
+        """Whether this node holds its model's whole file (it may host, and others may fetch from it)."""
+        return self.held is None
 
     @property
     def scope(self) -> tok.Scope:
@@ -151,6 +159,7 @@ class PeerRecord:
                 "srv": list(self.served), "prog": self.progress, "ttft": list(self.ttft),
                 "slots": list(self.slots),
                 "why": self.why, "lyr": [list(x) for x in self.layers], "rate": self.rate,
+                **({"held": [list(x) for x in self.held]} if self.held is not None else {}),
             }
         )  # fmt: skip
         return pack([body, crypto.sign(key, crypto.D_RECORD, body)])
@@ -209,11 +218,11 @@ def _why(d: dict[str, Any]) -> str:
     return v
 
 
-def _layers(d: dict[str, Any]) -> tuple[tuple[int, int], ...]:
-    v = d.get("lyr", [])  # absent from records of versions before it
+def _layers(d: dict[str, Any], key: str = "lyr") -> tuple[tuple[int, int], ...]:
+    v = d.get(key, [])  # absent from records of versions before it
     if not (isinstance(v, list) and len(v) <= 64
             and all(isinstance(x, list) and len(x) == 2 and all(_int(y) and 0 <= y < 2**16 for y in x) for x in v)):
-        raise RemoteProtocolError("record field lyr has the wrong type")  # fmt: skip
+        raise RemoteProtocolError(f"record field {key} has the wrong type")  # fmt: skip
     return tuple((x[0], x[1]) for x in v)
 
 
@@ -315,7 +324,7 @@ def record_from_wire(
         relay=_field(d, "relay", bool), reflexive=_addrs(d, "nat", 4),
         host=host, planned=_planned(d), chain=tuple(chain), left=_field(d, "left", bool), at=_field(d, "at", int),
         served=_pair(d, "srv"), ttft=_pair(d, "ttft"), progress=_progress(d), why=_why(d), slots=_slots(d),
-        layers=_layers(d), rate=_rate(d),
+        layers=_layers(d), rate=_rate(d), held=_layers(d, "held") if "held" in d else None,
     )  # fmt: skip
 
 

@@ -385,5 +385,6 @@ def _elect(recs: list[PeerRecord], fp: str) -> NodeId | None:
     hosts = [r for r in recs if r.role == Role.HOST and _may_host(r) and r.model and r.model.fingerprint == fp]
     # after a partition heals there may be two sitting hosts: every node keeps the same one
     sitting = max(hosts, key=lambda r: (r.capacity, r.node)).node if hosts else None
-    cands = [Candidate(r.node, r.capacity, r.model.fingerprint if r.model else None, r.role, r.scope) for r in recs]
+    cands = [Candidate(r.node, r.capacity, r.model.fingerprint if r.model and r.whole else None, r.role, r.scope)
+             for r in recs]  # a partial copy of the model cannot host it  # fmt: skip
     return elect(cands, fp, sitting)

@@ -9,6 +9,7 @@ decision out. Nothing here does I/O or reads a clock.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -128,7 +129,46 @@ class NeedTunnels:
     missing: tuple[NodeId, ...]
 
 
-ServerWant = Solo | Split | NeedTunnels | None  # None: run no llama-server
+@dataclass(frozen=True)
+class NeedLayers:
+    """The plan wants a split, but these workers hold a partial copy of the model and are still fetching the layers
+    the plan gives them: keep whatever runs now until they have them."""
+
+    workers: tuple[NodeId, ...]
+
+
+def lacking_layers(plan: Plan | Waiting | None, held: Callable[[NodeId], tuple[tuple[int, int], ...] | None]
+                   ) -> frozenset[NodeId]:  # fmt: skip
+    """The workers of ``plan`` whose partial copy (``held``: the layers each holds; None: the whole file) lacks a
+    layer the plan gives them."""
+    if not isinstance(plan, Plan):
+        return frozenset()
+    out = set()
+    for a in plan.workers:
+        h = held(a.node)
+        if h is not None and not covers(h, a.first, a.count):
+            out.add(a.node)
+    return frozenset(out)
+
+
+def covers(held: tuple[tuple[int, int], ...], first: int, count: int) -> bool:
+    """Whether the layer ranges ``held`` (first, count) hold every layer of [first, first + count)."""
+    have = {i for f, c in held for i in range(f, f + c)}
+    return all(i in have for i in range(first, first + count))
+
+
+def as_ranges(layers: Iterable[int]) -> tuple[tuple[int, int], ...]:
+    """Layer numbers as (first, count) ranges, in order."""
+    out: list[tuple[int, int]] = []
+    for i in sorted(set(layers)):
+        if out and out[-1][0] + out[-1][1] == i:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((i, 1))
+    return tuple(out)
+
+
+ServerWant = Solo | Split | NeedTunnels | NeedLayers | None  # None: run no llama-server
 
 
 def wanted_server(
@@ -138,10 +178,13 @@ def wanted_server(
     listeners: frozenset[NodeId],
     connected: frozenset[NodeId],
     has_accelerator: bool = False,
+    lacking: frozenset[NodeId] = frozenset(),
 ) -> ServerWant:
     """The llama-server this node should run for ``plan``. ``can_host``: we have binaries and the model file;
     ``listeners``: workers we have tunnel listeners for; ``connected``: peers with a live connection;
-    ``has_accelerator``: this node has a GPU (or other device) llama.cpp can run its layers on in-process."""
+    ``has_accelerator``: this node has a GPU (or other device) llama.cpp can run its layers on in-process;
+    ``lacking``: workers still fetching their layers (the split waits for them, or their weights would go over
+    the network)."""
     if not isinstance(plan, Plan) or plan.host != me or not can_host:
         return None
     if not plan.workers:
@@ -152,6 +195,8 @@ def wanted_server(
         return NeedTunnels(missing)
     if not all(n in connected for n in workers):
         return NeedTunnels(())  # listeners are up but a worker's connection is not (yet): wait
+    if any(n in lacking for n in workers):
+        return NeedLayers(tuple(n for n in workers if n in lacking))
     return Split(workers, tuple(plan.tensor_split), own_rpc=not has_accelerator)
 
 

@@ -30,11 +30,12 @@ from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import MAX_WHY, ModelFacts, NodeState
 from meshllm.proto.planner import BASE_CTX, Plan, Sizing, Waiting
 from meshllm.serve.api import Api, Unavailable, Upstream
-from meshllm.serve.fetching import Sharing
 from meshllm.serve.modelfiles import ModelFiles
+from meshllm.serve.sharing import Sharing
 from meshllm.serve.slotgate import SlotGate
 
 log = logging.getLogger("meshllm.hosting")
+LAYER_WAIT_S = 600.0  # how long a split waits for a worker fetching its layers before it loads without them
 
 
 class Hosting:
@@ -90,6 +91,8 @@ class Hosting:
         self.direct_failed: dict[NodeId, float] = {}  # worker -> monotonic time until which we do not retry
         self._direct_in_cfg: dict[NodeId, str] = {}  # the direct workers of the configuration being started
         self._closing: set[asyncio.Future[None]] = set()  # listeners of workers that are gone, closing
+        self._lacking_since: dict[NodeId, float] = {}  # worker -> when the split began to wait for its layers
+        self._waited_out: set[NodeId] = set()  # workers the split stopped waiting for
         self._probed_as: dict[NodeId, int] = {}  # worker -> its incarnation when we made its listener and probed
         # worker side: who holds the key our rpc-server's TLS listener accepts now
         self._key_holder: NodeId | None = None
@@ -384,8 +387,11 @@ class Hosting:
             if rec is not None and rec.incarnation != inc:
                 self.forget_worker(n)
         w = serving.wanted_server(
-            plan, me, can_host, frozenset(self.rpc_listeners), frozenset(self.net.peers), self.device is not None
+            plan, me, can_host, frozenset(self.rpc_listeners), frozenset(self.net.peers), self.device is not None,
+            self._still_fetching(plan),
         )
+        if isinstance(w, serving.NeedLayers):
+            return  # the next change (their record naming the layers held) reconfigures
         if isinstance(w, serving.NeedTunnels):
             if w.missing and (self._rpc_listener_task is None or self._rpc_listener_task.done()):
                 self._rpc_listener_task = asyncio.ensure_future(self._make_rpc_listeners(list(w.missing)))
@@ -417,6 +423,34 @@ class Hosting:
             return
         self.server_cfg = want
         self._reconfig_task = asyncio.ensure_future(self._restart_server(want, direct))
+
+    def _still_fetching(self, plan: Plan | Waiting | None) -> frozenset[NodeId]:
+        """The workers of ``plan`` still fetching their layers, that the split waits for (LAYER_WAIT_S at most:
+        then their weights come from us over the network, the stock way)."""
+        def held(n: NodeId) -> tuple[tuple[int, int], ...] | None:
+            rec = self.net.record(n)
+            return rec.held if rec is not None else None
+
+        now = time.monotonic()
+        lacking = serving.lacking_layers(plan, held)
+        for n in set(self._lacking_since) - lacking:
+            del self._lacking_since[n]
+        out = set()
+        for n in lacking:
+            if n not in self._lacking_since:
+                self._lacking_since[n] = now
+                self._say(f"the split waits for {crypto.short(n)} to fetch its layers from the mesh", "plan")
+            if now - self._lacking_since[n] < LAYER_WAIT_S:
+                out.add(n)
+            elif n not in self._waited_out:
+                self._waited_out.add(n)
+                self._say(f"[yellow]{crypto.short(n)} has not fetched its layers in {LAYER_WAIT_S:.0f} s: loading "
+                          "the split without waiting (its missing weights go over the network)[/]", "plan")  # fmt: skip
+        return frozenset(out)
+
+    def _say(self, line: str, kind: str) -> None:
+        if self.say is not None:
+            self.say(line, kind)
 
     async def _make_rpc_listeners(self, nodes: list[NodeId]) -> None:
         for n in nodes:

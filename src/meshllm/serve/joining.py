@@ -20,7 +20,7 @@ from meshllm.proto.capacity import Offer
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import ModelFacts, Role
 from meshllm.proto.planner import GB, ModelShape
-from meshllm.serve.fetching import obtain_and_open, obtain_model
+from meshllm.serve.fetching import LayerKeeper, obtain_and_open, obtain_model
 from meshllm.serve.hosting import Hosting
 from meshllm.serve.modelfiles import ModelFiles, arch_template, find_by_fingerprint
 from meshllm.serve.narration import duration
@@ -166,18 +166,24 @@ async def find_mesh_model(
 
 
 async def adopt_model(net: MeshNet, hosting: Hosting, wanted: str | None, o: NodeOptions, offer: Offer,
-                      console: Console) -> tuple[ModelFiles, ModelShape] | None:  # fmt: skip
+                      console: Console) -> tuple[ModelFiles, ModelShape, LayerKeeper | None] | None:  # fmt: skip
     """Joined without --model (the mesh's model, if this machine has a copy), or with one this machine lacks
-    (``wanted``: fetched from the members that have it, else the hub): our rpc-server on it, and we say in our
-    record that we serve it as a worker. None: this node stays a lite client."""
+    (``wanted``: fetched from the members that have it — only our layers, unless --fetch all — else the hub): our
+    rpc-server on it, and we say in our record that we serve it as a worker (and which layers a partial copy holds).
+    None: this node stays a lite client."""
+    keeper = None
     if wanted is not None:
-        found: tuple[ModelFiles, ModelShape] | None = await obtain_and_open(net, wanted, o, console, hosting.sharing)
+        model, shape, copy = await obtain_and_open(net, wanted, o, console, hosting.sharing)
+        if copy is not None:
+            keeper = LayerKeeper(copy, net, lambda line: console.print(line, markup=False), hosting.sharing)
+    elif (found := await find_mesh_model(net, o.models_dir, o.bins is not None, console)) is not None:
+        model, shape = found
     else:
-        found = await find_mesh_model(net, o.models_dir, o.bins is not None, console)
-    if found is not None:
-        await hosting.start_rpc_server(found[0], offer.use)
-        net.update(role=Role.WORKER, capacity=offer.capacity, model=found[0].facts)
-    return found
+        return None
+    await hosting.start_rpc_server(model, offer.use)
+    net.update(role=Role.WORKER, capacity=offer.capacity, model=model.facts,
+               held=keeper.copy.held() if keeper is not None else None)  # fmt: skip
+    return model, shape, keeper
 
 
 async def download_through_mesh(tokens: list[str], name: str, where: Path | None, console: Console) -> Path:

@@ -33,7 +33,7 @@ from meshllm.proto.meshcore import EventKind
 from meshllm.proto.planner import GB, ModelShape, Plan, Waiting
 from meshllm.serve import narration
 from meshllm.serve.api import Api, Unavailable
-from meshllm.serve.fetching import Sharing
+from meshllm.serve.fetching import LayerKeeper
 from meshllm.serve.hosting import Hosting
 from meshllm.serve.joining import addresses_learned, adopt_model, enter_mesh, publish_token, remember_members
 from meshllm.serve.modelfiles import ModelFiles
@@ -41,6 +41,7 @@ from meshllm.serve.options import NodeOptions, default_name, measure_offer
 from meshllm.serve.replanning import Replanner
 from meshllm.serve.report import NodeView, Report, agent_lines
 from meshllm.serve.routing import Router
+from meshllm.serve.sharing import Sharing
 from meshllm.serve.startup import start_checks
 from meshllm.serve.telemetry import watch_llama
 from meshllm.state import load_token, save_addrs
@@ -72,6 +73,7 @@ class Node:
         self.host: NodeId | None = None
         self.router: Router | None = None  # where a request goes
         self.replanner: Replanner | None = None  # the plan we follow
+        self.layers: LayerKeeper | None = None  # a partial copy of the model: its layers kept to the plan
         self.elections = 0
         self.timeline: deque[dict[str, object]] = deque(maxlen=TIMELINE)  # what the console's timeline shows
         self._api_said: NodeId | None = None  # the host our "API up" line named
@@ -104,7 +106,8 @@ class Node:
                                lambda: self.host, o.rpc_path, o.rpc_port)  # fmt: skip
         self.hosting.say = self._say
         self.hosting.sharing = Sharing(s.key, self.state, lambda: {self.facts.fingerprint: self.model.path}
-                                       if self.model and self.facts else {}, o.share, o.bind_host)  # fmt: skip
+                                       if self.model and self.facts and not self.layers else {}, o.share,
+                                       o.bind_host)  # fmt: skip
         self.router = Router(net, self.hosting, self.me, lambda: self.host, lambda: self.plan, lambda: self.facts)
         self.replanner = Replanner(net, self.hosting, o, self.me)
         return s.tokens
@@ -157,7 +160,7 @@ class Node:
                                                              lambda: self.host == self.me)))  # fmt: skip
         if self.o.auto_model or self.wanted:  # serve a model found here, fetched from peers, or downloaded
             found = await adopt_model(self.net, self.hosting, self.wanted, self.o, self.offer, self.console)
-            self.model, self.shape = found or (self.model, self.shape)
+            self.model, self.shape, self.layers = found or (self.model, self.shape, None)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
@@ -188,8 +191,6 @@ class Node:
             await self.api.start(self.api_host, self.o.port)
         except OSError as e:
             raise UserError(f"cannot listen on {self.api_host}:{self.o.port}: {e.strerror}") from None
-
-    # ---------------------------------------------------------------- requests
 
     # ---------------------------------------------------------------- mesh events
 
@@ -251,6 +252,8 @@ class Node:
         adopted = self.replanner.step(now, self.host, self.shape, self.facts) if self.replanner else None
         if adopted is not None:
             self._say(narration.plan_line(adopted, self.me), "plan")
+        if self.layers is not None:  # a partial copy: the layers the plan gives us
+            self.layers.follow(self.plan, self.me)
         hosting.reconfigure(self.plan, self.me)
         if hosting.became_ready():
             self._say_ready()

@@ -53,6 +53,7 @@ class NodeOptions:
     models_dir: Path | None = None
     name: str = ""  # --name: how people see this node (default: the hostname)
     share: bool = True  # --share: serve our model file to members that fetch it
+    fetch_all: bool = False  # --fetch all: a model fetched from the mesh comes whole (else only our layers)
 
 
 def default_name() -> str:

@@ -126,6 +126,7 @@ class Report:
                 "device": r.device, "state": str(stand.state), "why": stand.why, "incarnation": r.incarnation,
                 "liveness": core.liveness(r.node, now).value,
                 "model": r.model.fingerprint if r.model else None,
+                "held": [list(x) for x in r.held] if r.held is not None else None,  # a partial copy's layers
                 "path": "self" if r.node == v.me else (conn.path if conn else "not connected"),
                 "pinned_key": (k.hex() if (k := conn.pinned_key) else None) if conn else None,
                 "links": {crypto.short(k): v for k, v in r.links.items()}, "relay": r.relay,
