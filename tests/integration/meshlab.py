@@ -82,12 +82,12 @@ class NodeProc:
         self.log.close()
 
 
-def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> float:
+def wait_for(cond: Callable[[], bool], timeout: float, what: str, every: float = 0.1) -> float:
     t0 = time.monotonic()
     while not cond():
         if time.monotonic() - t0 > timeout:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.1)
+        time.sleep(every)
     return time.monotonic() - t0
 
 

@@ -6,6 +6,8 @@ answer is the same greedy text as the same split loaded the stock way."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -54,13 +56,25 @@ def test_a_worker_fetches_only_its_layers_and_the_split_pushes_no_weight(
                      "--ctx-size", "1024", "--join", (a.state / "token").read_text().strip(), env=env,
                      auto=True)  # fmt: skip
         nodes.append(c)
+
+        def c_partial() -> bool:  # a holds c's record: a partial copy with no layer yet (it fetches once planned)
+            return any(p.get("held") == [] for p in a.status().get("peers", []))  # type: ignore[attr-defined]
+
+        wait_for(c_partial, 60, "c's partial copy", every=0.02)
+        # c frozen before it adopts the plan (2 s after its record): the host must wait for c's layers, not load
+        # the split and push them; 4 s is short of a direct peer's death (6 s)
+        os.kill(c.proc.pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: "the split waits for" in a.text(), 4, "the host to wait for c's layers")
+            assert "ready:" not in a.text()
+        finally:
+            os.kill(c.proc.pid, signal.SIGCONT)
         wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 180, "a to serve a split with c")
         c_id = json.loads((c.state / "status.json").read_text())["node"]
         mine = _assignments(a)[0]
         assert mine["node"] == c_id, mine
         first, count = int(mine["first"]), int(mine["count"])  # type: ignore[call-overload]
-        assert "the split waits for" in a.text() and f"fetched layers {first}–{first + count - 1}" in c.text(), \
-            c.text()[-2000:]  # fmt: skip
+        assert f"fetched layers {first}–{first + count - 1}" in c.text(), c.text()[-2000:]
         # c holds a sparse copy: the header, the samples and its layers; never the whole file
         fp = model_fingerprint(tiny_model)
         part = models / ".partial" / f"{fp}.part"
@@ -95,3 +109,74 @@ def test_a_worker_fetches_only_its_layers_and_the_split_pushes_no_weight(
         for n in nodes:
             n.stop()
         hub.stop()
+
+
+def test_a_source_that_lies_about_the_sampled_bytes_is_dropped_and_the_copy_completes(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """A member that signs the honest manifest but sends other sampled bytes (its own code, not mesh-llm's: here an
+    in-process member over real QUIC) is caught at its first bad tensor and asked nothing more; the partial copy
+    completes from the honest source, with the model's fingerprint."""
+    import asyncio
+    import threading
+
+    from meshllm.net.endpoint import STREAM_FETCH
+    from meshllm.net.meshnet import MeshNet
+    from meshllm.proto import crypto
+    from meshllm.proto import token as tok
+    from meshllm.proto.gossip import ModelFacts, NodeState, Role
+    from meshllm.serve.sharing import Sharing
+
+    class Lying(Sharing):
+        async def windows(self, peer: bytes, fp: str, path: Path, which: object) -> bytes | None:
+            data = await super().windows(peer, fp, path, which)
+            return bytes([data[0] ^ 0xFF]) + data[1:] if data else data
+
+    nodes: list[NodeProc] = []
+    stop, ready = threading.Event(), threading.Event()
+    th: threading.Thread | None = None
+    try:
+        a = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.5", "--ctx-size", "1024")
+        nodes.append(a)
+        wait_for(lambda: (a.state / "token").exists() and (a.state / "status.json").exists(), 30, "a's token")
+        a_id = bytes.fromhex(json.loads((a.state / "status.json").read_text())["node"])
+        key = next(k for k in iter(crypto.new_key, None) if crypto.node_id(k) < a_id)  # sorts first: asked first
+        token = tok.parse((a.state / "token").read_text().strip())
+        fp = model_fingerprint(tiny_model)
+        facts = ModelFacts(fp, tiny_model.stat().st_size, 18, NAME)
+        state = tmp_path / "liar"
+        state.mkdir(mode=0o700)
+
+        async def liar() -> None:
+            net = MeshNet(key, None, state, bind=("127.0.0.1", 0))
+            await net.start()
+            try:
+                await net.join(token)
+                net.stream_handlers[STREAM_FETCH] = Lying(key, state, lambda: {fp: tiny_model}).on_stream
+                net.update(role=Role.WORKER, capacity=0, model=facts, state=NodeState.READY, name="liar")
+                ready.set()
+                while not stop.is_set():
+                    await asyncio.sleep(0.1)
+            finally:
+                await net.stop(leave=True)
+
+        th = threading.Thread(target=lambda: asyncio.run(liar()))
+        th.start()
+        assert ready.wait(30), "the liar did not join"
+        wait_for(lambda: any(p.get("name") == "liar" for p in a.status().get("peers", [])), 30,  # type: ignore[attr-defined]
+                 "a to know the liar")  # fmt: skip
+        models = tmp_path / "c-models"
+        c = NodeProc(tmp_path, "c", None, "--model", NAME, "--models-dir", str(models), "--max-vram", "0.3",
+                     "--ctx-size", "1024", "--join", (a.state / "token").read_text().strip(), auto=True)  # fmt: skip
+        nodes.append(c)
+        wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 180, "a to serve a split with c")
+        caught = [ln for ln in c.text().splitlines() if "sent tensor samples that are not the ones promised" in ln]
+        assert len(caught) == 1 and crypto.short(crypto.node_id(key)) in caught[0], c.text()[-3000:]
+        assert model_fingerprint(models / ".partial" / f"{fp}.part") == fp
+        assert _ask(a.port).strip()
+    finally:
+        stop.set()
+        if th is not None:
+            th.join(30)
+        for n in nodes:
+            n.stop()

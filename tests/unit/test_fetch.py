@@ -182,3 +182,13 @@ def test_a_source_s_manifest_follows_the_gguf_layout_and_its_samples_are_the_fin
     assert got == b"".join(want) and m.check_window(1, want[0]) and m.check_window(3, want[1])
     for bad in ([], [len(hdr.tensors)], [-1], [True], "1", [0] * (WINDOWS_MAX + 1)):
         assert asyncio.run(s.windows(PEER, FP, model, bad)) is None, bad
+
+
+def test_only_members_with_the_whole_file_are_sources() -> None:
+    from meshllm.proto.gossip import ModelFacts, PeerRecord
+
+    facts, other = ModelFacts(FP, 1, 1, "m"), ModelFacts("cd" * 32, 1, 1, "n")
+    recs = [PeerRecord(A, 1, 1, model=facts), PeerRecord(B, 1, 1, model=facts, held=((0, 4),)),
+            PeerRecord(C, 1, 1, model=other), PeerRecord(PEER, 1, 1, model=facts), PeerRecord(bytes(32), 1, 1)]
+    assert f.sources(recs, PEER, FP) == [A]  # not a partial copy, another model, ourselves, a node with no model
+    assert f.sources(recs, bytes(32), FP, reachable={PEER}) == [PEER]

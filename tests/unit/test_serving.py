@@ -220,3 +220,14 @@ def test_a_split_waits_for_workers_still_fetching_their_layers() -> None:
     assert s.lacking_layers(Waiting(1, 0), held.get) == frozenset() == s.lacking_layers(None, held.get)
     assert s.as_ranges([3, 1, 2, 7, 8, 3]) == ((1, 3), (7, 2)) and s.as_ranges([]) == ()
     assert s.covers(((1, 3), (7, 2)), 2, 2) and not s.covers(((1, 3), (7, 2)), 3, 2) and s.covers((), 5, 0)
+
+
+def test_the_host_waits_for_a_worker_s_layers_a_bounded_time() -> None:
+    w = s.LayerWait(limit_s=10)
+    assert w.step(frozenset({W1, W2}), 0) == ({W1, W2}, [W1, W2], [])
+    assert w.step(frozenset({W1, W2}), 5) == ({W1, W2}, [], [])
+    assert w.step(frozenset({W2}), 6) == ({W2}, [], [])  # W1 has its layers
+    assert w.step(frozenset({W2}), 10) == (frozenset(), [], [W2])  # waited long enough: said once
+    assert w.step(frozenset({W2}), 11) == (frozenset(), [], [])
+    assert w.step(frozenset({W1}), 12) == ({W1}, [W1], [])  # W1 lacks layers again (a new plan): a new wait
+    assert w.step(frozenset(), 13) == (frozenset(), [], []) and w.step(frozenset({W2}), 14) == ({W2}, [W2], [])

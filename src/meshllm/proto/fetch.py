@@ -20,7 +20,7 @@ import bisect
 import hashlib
 import itertools
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -29,6 +29,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshllm.proto import crypto
 from meshllm.proto.crypto import NodeId
+from meshllm.proto.gossip import PeerRecord
 
 D_MANIFEST = b"mesh-llm manifest v2\0"
 CHUNK = 8 << 20  # bytes per chunk at most: a 40 GB model is ~5,000 chunks, its manifest ~200 KB
@@ -154,6 +155,14 @@ def decode_manifest(raw: bytes, source: NodeId, fingerprint: str) -> Manifest | 
 def make_manifest(fingerprint: str, size: int, sha256: bytes, lengths: Iterable[int], chunk_hashes: Iterable[bytes],
                   key: Ed25519PrivateKey, windows: Iterable[bytes] = ()) -> Manifest:  # fmt: skip
     return Manifest(fingerprint, size, sha256, tuple(lengths), tuple(chunk_hashes), tuple(windows)).signed_by(key)
+
+
+def sources(records: Iterable[PeerRecord], me: NodeId, fp: str, reachable: Container[NodeId] | None = None
+            ) -> list[NodeId]:  # fmt: skip
+    """The members a fetch of the model ``fp`` may ask: those whose record says they serve it and hold its whole file
+    (a partial copy has holes: it is no source), not ourselves, and (``reachable``) those we are connected to."""
+    return [r.node for r in records if r.node != me and r.model is not None and r.model.fingerprint == fp and r.whole
+            and (reachable is None or r.node in reachable)]  # fmt: skip
 
 
 def believe(manifests: list[Manifest]) -> tuple[Manifest, list[NodeId]] | None:

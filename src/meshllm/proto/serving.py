@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 import msgpack
@@ -149,6 +149,32 @@ def lacking_layers(plan: Plan | Waiting | None, held: Callable[[NodeId], tuple[t
         if h is not None and not covers(h, a.first, a.count):
             out.add(a.node)
     return frozenset(out)
+
+
+LAYER_WAIT_S = 600.0  # how long a split waits for a worker fetching its layers before it loads without them
+
+
+@dataclass
+class LayerWait:
+    """The host's patience with workers still fetching their layers: it waits for each up to ``limit_s`` from when it
+    began to (then it loads without them: their missing weights go over the network, the stock way)."""
+
+    limit_s: float = LAYER_WAIT_S
+    since: dict[NodeId, float] = field(default_factory=dict)
+    gave_up: set[NodeId] = field(default_factory=set)
+
+    def step(self, lacking: frozenset[NodeId], now: float) -> tuple[frozenset[NodeId], list[NodeId], list[NodeId]]:
+        """(the workers to wait for now, those it begins to wait for, those it stops waiting for this time)."""
+        for n in set(self.since) - lacking:  # it has its layers, or left the plan: a later lack waits afresh
+            del self.since[n]
+            self.gave_up.discard(n)
+        began = sorted(n for n in lacking if n not in self.since)
+        for n in began:
+            self.since[n] = now
+        wait = frozenset(n for n in lacking if now - self.since[n] < self.limit_s)
+        stopped = sorted(n for n in lacking - wait if n not in self.gave_up)
+        self.gave_up.update(stopped)
+        return wait, began, stopped
 
 
 def covers(held: tuple[tuple[int, int], ...], first: int, count: int) -> bool:

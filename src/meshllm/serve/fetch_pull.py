@@ -61,8 +61,7 @@ def sources_of(net: MeshNet, fp: str, connected: bool = True) -> list[NodeId]:
     core_ = net.core
     if core_ is None:
         return []
-    return [r.node for r in core_.alive(net.now) if r.node != net.me and r.model is not None and r.whole
-            and r.model.fingerprint == fp and (r.node in net.peers or not connected)]  # fmt: skip
+    return core.sources(core_.alive(net.now), net.me, fp, set(net.peers) if connected else None)
 
 
 async def fetch_from_peers(net: MeshNet, fp: str, dest: Path, say: Callable[[str], None] | None = None,

@@ -29,13 +29,13 @@ from meshllm.proto.capacity import first_device
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import MAX_WHY, ModelFacts, NodeState
 from meshllm.proto.planner import BASE_CTX, Plan, Sizing, Waiting
+from meshllm.proto.serving import LAYER_WAIT_S
 from meshllm.serve.api import Api, Unavailable, Upstream
 from meshllm.serve.modelfiles import ModelFiles
 from meshllm.serve.sharing import Sharing
 from meshllm.serve.slotgate import SlotGate
 
 log = logging.getLogger("meshllm.hosting")
-LAYER_WAIT_S = 600.0  # how long a split waits for a worker fetching its layers before it loads without them
 
 
 class Hosting:
@@ -91,8 +91,7 @@ class Hosting:
         self.direct_failed: dict[NodeId, float] = {}  # worker -> monotonic time until which we do not retry
         self._direct_in_cfg: dict[NodeId, str] = {}  # the direct workers of the configuration being started
         self._closing: set[asyncio.Future[None]] = set()  # listeners of workers that are gone, closing
-        self._lacking_since: dict[NodeId, float] = {}  # worker -> when the split began to wait for its layers
-        self._waited_out: set[NodeId] = set()  # workers the split stopped waiting for
+        self._layer_wait = serving.LayerWait()  # workers still fetching their layers, that a split waits for
         self._probed_as: dict[NodeId, int] = {}  # worker -> its incarnation when we made its listener and probed
         # worker side: who holds the key our rpc-server's TLS listener accepts now
         self._key_holder: NodeId | None = None
@@ -431,22 +430,13 @@ class Hosting:
             rec = self.net.record(n)
             return rec.held if rec is not None else None
 
-        now = time.monotonic()
-        lacking = serving.lacking_layers(plan, held)
-        for n in set(self._lacking_since) - lacking:
-            del self._lacking_since[n]
-        out = set()
-        for n in lacking:
-            if n not in self._lacking_since:
-                self._lacking_since[n] = now
-                self._say(f"the split waits for {crypto.short(n)} to fetch its layers from the mesh", "plan")
-            if now - self._lacking_since[n] < LAYER_WAIT_S:
-                out.add(n)
-            elif n not in self._waited_out:
-                self._waited_out.add(n)
-                self._say(f"[yellow]{crypto.short(n)} has not fetched its layers in {LAYER_WAIT_S:.0f} s: loading "
-                          "the split without waiting (its missing weights go over the network)[/]", "plan")  # fmt: skip
-        return frozenset(out)
+        wait, began, stopped = self._layer_wait.step(serving.lacking_layers(plan, held), time.monotonic())
+        for n in began:
+            self._say(f"the split waits for {crypto.short(n)} to fetch its layers from the mesh", "plan")
+        for n in stopped:
+            self._say(f"[yellow]{crypto.short(n)} has not fetched its layers in {LAYER_WAIT_S:.0f} s: loading the "
+                      "split without waiting (its missing weights go over the network)[/]", "plan")  # fmt: skip
+        return wait
 
     def _say(self, line: str, kind: str) -> None:
         if self.say is not None:
