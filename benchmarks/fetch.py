@@ -11,6 +11,15 @@ tbf``; this kernel has no netem), as a LAN link would be:
                         and fingerprint checked at the end); its own "fetched … in X s" line, start of the first
                         chunk to the checked file
 Each row: the median MB/s of --runs runs, and its ratio to the plain copy.
+
+    .venv/bin/python benchmarks/fetch.py --split 4
+
+A mesh of N nodes that all start at once with ``--model org/repo/file.gguf`` and no file, the hub being a local
+stand-in (tests/fakes/hub_standin.py) that counts the bytes it sends: the founder downloads the model from it, the
+others join and fetch only the layers the plan gives them from the founder (--max-vram makes the plan split the
+tiny model N-1 ways over the workers; the host keeps the embedding and the output). Rows: each node's layers, its
+disk use (allocated blocks of its models dir) next to its layers' bytes + the header, and the hub's bytes in all
+next to the model's size.
 """
 
 from __future__ import annotations
@@ -77,7 +86,11 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--sources", default="1,2", help="members that have the file, for each mesh row")
     ap.add_argument("--link", help="run on a loopback shaped to this rate (tc's units: 1gbit), in a netns (root)")
+    ap.add_argument("--split", type=int, metavar="N", help="hub bytes and worker disk for an N-node split (N >= 2)")
     args = ap.parse_args()
+    if args.split:
+        split_from_nothing(args.split)
+        return
     if args.link:
         shaped(args)
         return
@@ -143,6 +156,88 @@ def main() -> None:
     print("|---|---:|---:|")
     for name, speeds in rows:
         print(f"| {name} | {statistics.median(speeds):.0f} | {statistics.median(speeds) / base:.2f} |")
+
+
+def split_from_nothing(n: int) -> None:
+    """``--split N``: see the module's docstring."""
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "src"))
+    from tests.fakes.hub_standin import HubFile, HubStandin
+
+    from meshllm.llama.gguf import layer_of, read_header
+    from meshllm.llama.processes import free_port
+    from meshllm.models.tiny import tiny_model_path
+
+    model = tiny_model_path()
+    hdr = read_header(model)
+    hub = HubStandin()
+    hub.files["someorg/tiny/tiny.gguf"] = HubFile(model.read_bytes())
+    hub.start()
+    tmp = Path(tempfile.mkdtemp(prefix="mesh-split-"))
+    procs: list[subprocess.Popen[bytes]] = []
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_TELEMETRY": "1"}
+    ports = [free_port() for _ in range(n)]
+
+    def node(i: int, *extra: str) -> Path:
+        log = tmp / f"n{i}.log"
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "meshllm.cli", "--state-dir", str(tmp / f"n{i}"), "--bind-host", "127.0.0.1",
+             "--port", str(ports[i]), "--ctx-size", "512", "--parallel", "1", "--model", "someorg/tiny/tiny.gguf",
+             "--models-dir", str(tmp / f"m{i}"), *extra],
+            stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env))  # fmt: skip
+        return log
+
+    def status(i: int) -> dict[str, object]:
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports[i]}/mesh/status", timeout=10) as r:
+            return json.loads(r.read())  # type: ignore[no-any-return]
+
+    try:
+        host_log = node(0, "--max-vram", "0.41")
+        wait_until((tmp / "n0" / "token").exists, 60, "the founder's token")
+        token = (tmp / "n0" / "token").read_text().strip()
+        for i in range(1, n):  # at once, as the founder downloads
+            node(i, "--max-vram", f"{0.165 / (n - 1):.3f}", "--join", token)
+
+        def serving() -> bool:
+            plan = status(0).get("plan") if "ready:" in host_log.read_text(errors="replace") else None
+            return isinstance(plan, dict) and len(plan.get("assignments", [])) == n
+
+        try:
+            wait_until(serving, 300, f"an {n}-node split")
+        except SystemExit:
+            raise SystemExit("\n".join(p.read_text(errors="replace")[-1500:] for p in tmp.glob("n*.log"))) from None
+        plan = status(0)["plan"]
+        assert isinstance(plan, dict)
+        ids = [str(status(i)["node"]) for i in range(n)]
+        rows = []
+        for i in range(n):
+            a = next(x for x in plan["assignments"] if x["node"] == ids[i])
+            layers = range(int(a["first"]), int(a["first"]) + int(a["count"]))
+            used = sum(p.stat().st_blocks * 512 for p in (tmp / f"m{i}").rglob("*") if p.is_file())
+            need = hdr.data_offset + sum(t.nbytes for t in hdr.tensors if layer_of(t.name) in layers)
+            what = "host (the whole file: it may host)" if i == 0 else "worker"
+            span = f"{layers.start}-{layers.stop - 1}" if len(layers) else "- (+ output)"
+            got = re.findall(r"fetched layers (\S+) of", (tmp / f"n{i}.log").read_text(errors="replace"))
+            rows.append((f"n{i} {what}", span + (f" (fetched {', '.join(got)})" if got else ""), used, need))
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(30)
+        hub.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    size = model.stat().st_size
+    print(f"\n# {n} nodes on this machine's loopback ({os.cpu_count()} cores), the tiny model ({size / 1e6:.1f} MB), "
+          "none with the file at start; hub = a local stand-in")  # fmt: skip
+    print("| node | layers | disk MB | its layers + header MB | ÷ |")
+    print("|---|---|---:|---:|---:|")
+    for name, span, used, need in rows:
+        ratio = f"{used / need:.3f}" if "worker" in name else "-"
+        print(f"| {name} | {span} | {used / 1e6:.1f} | {need / 1e6:.1f} | {ratio} |")
+    print(f"| hub: bytes sent in all | | {hub.sent / 1e6:.1f} | model {size / 1e6:.1f} | {hub.sent / size:.3f} |")
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ class HubStandin:
     cdn_port: int = 0
     cdn_saw_authorization: int = 0  # requests that reached the CDN carrying an Authorization header
     resolves: int = 0  # file requests (resolve) the hub answered, any file
+    sent: int = 0  # bytes of files the CDN sent, all files and requests together
 
     def start(self) -> None:
         ready = threading.Event()
@@ -175,6 +176,7 @@ class HubStandin:
             headers["Content-Range"] = f"bytes {start}-{len(body) - 1}/{len(body)}"
         resp = web.StreamResponse(status=206 if start else 200, headers=headers)
         await resp.prepare(request)
+        self.sent += len(part) if f.cut_after is None or not first else f.cut_after
         if f.cut_after is not None and first:
             await resp.write(part[: f.cut_after])
             assert request.transport is not None

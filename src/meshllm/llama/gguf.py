@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -193,18 +194,22 @@ def split_paths(first: Path) -> list[Path]:
     return [first.with_name(f"{m['prefix']}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
 
 
-def _hash_part(h: Any, path: Path) -> None:
+def _hash_part(h: Any, path: Path, samples: Callable[[int], bytes] | None = None) -> None:
+    """One part's share of the fingerprint; ``samples``: each tensor's sampled bytes (by its number in the tensor
+    table) from elsewhere than the file (a partial copy holds few of them)."""
     hdr = read_header(path)
     if hdr.data_offset > hdr.file_size:
         raise UserError(f"{path}: truncated GGUF file")
     h.update(struct.pack("<QQ", hdr.file_size, hdr.data_offset))
     with path.open("rb") as f:
         h.update(f.read(hdr.data_offset))
-        for t in hdr.tensors:
-            off, nb = t.offset, t.nbytes
-            if off + nb > hdr.file_size:
+        for i, t in enumerate(hdr.tensors):
+            if t.offset + t.nbytes > hdr.file_size:
                 raise UserError(f"{path}: tensor {t.name} lies outside the file")
-            h.update(struct.pack("<Q", nb))
+            h.update(struct.pack("<Q", t.nbytes))
+            if samples is not None:
+                h.update(samples(i))
+                continue
             for w_off, w_len in sampled(t):
                 f.seek(w_off)
                 h.update(f.read(w_len))
@@ -228,15 +233,16 @@ def layer_of(name: str) -> int | None:
     return int(m[1]) if m else None
 
 
-def model_fingerprint(first: Path) -> str:
-    """The model fingerprint (hex SHA-256) of a GGUF model, all parts included. See the module docstring."""
+def model_fingerprint(first: Path, samples: Callable[[int], bytes] | None = None) -> str:
+    """The model fingerprint (hex SHA-256) of a GGUF model, all parts included. See the module docstring.
+    ``samples`` (a one-part model): each tensor's sampled bytes, given rather than read from the file."""
     parts = split_paths(Path(first))
     h = hashlib.sha256(FP_MAGIC)
     h.update(struct.pack("<Q", len(parts)))
     for p in parts:
         if not p.is_file():
             raise UserError(f"{p}: missing part of a split model")
-        _hash_part(h, p)
+        _hash_part(h, p, samples)
     return h.hexdigest()
 
 

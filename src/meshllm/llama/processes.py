@@ -152,9 +152,11 @@ def explain_crash(returncode: int | None, log_text: str, amx: bool = False) -> s
 
 
 def rpc_server_argv(
-    bins: Binaries, port: int, *, threads: int | None = None, gguf: Path | None = None, device: str | None = None
+    bins: Binaries, port: int, *, threads: int | None = None, gguf: Path | None = None, device: str | None = None,
+    vouched: str | None = None,
 ) -> list[str]:
-    """ggml-rpc-server on loopback. ``gguf`` (patched binaries only) lets it load weights from its own file."""
+    """ggml-rpc-server on loopback. ``gguf`` (patched binaries only) lets it load weights from its own file;
+    ``vouched``: that file is a partial copy, and this the model fingerprint we checked for it (patch 0010)."""
     argv = [str(bins.rpc_server), "--host", LOOPBACK, "--port", str(port)]
     if threads:
         argv += ["--threads", str(threads)]
@@ -162,6 +164,8 @@ def rpc_server_argv(
         argv += ["--device", device]
     if gguf is not None:
         argv += ["--gguf", str(gguf)]
+        if vouched is not None:
+            argv += ["--gguf-fingerprint", vouched]
     return argv
 
 

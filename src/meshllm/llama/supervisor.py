@@ -273,10 +273,10 @@ class RpcServer(Supervised):
 
     def __init__(
         self, bins: Binaries, model: Path, log_dir: Path, device: str | None = None, keys_file: Path | None = None,
-        tls_port: int | None = None,
+        tls_port: int | None = None, vouched: str | None = None,
     ) -> None:  # fmt: skip
         def argv(port: int) -> list[str]:
-            return rpc_server_argv(bins, port, threads=default_threads(), gguf=model, device=device)
+            return rpc_server_argv(bins, port, threads=default_threads(), gguf=model, device=device, vouched=vouched)
 
         def ready(child: Child, port: int) -> None:
             wait_tcp_ready(child, port, 30.0)

@@ -220,7 +220,7 @@ async def open_partial(net: MeshNet, fp: str, where: Path, name: str, say: Calla
     m, trusted = await believed_manifest(net, fp)
     if not m.windows:
         raise UserError(f"the members serving {name} sent no tensor samples (an older mesh-llm): fetch it whole")
-    part, have_file, have = await _prepare(where, m, m.lengths[0] + len(m.windows) * (64 << 10))
+    part, have_file, have = await _prepare(where, m, m.lengths[0])
     if 0 not in have:  # the header: metadata and the tensor table
         plan = core.Fetch(m, set(have), want={0})
         fd = os.open(part, os.O_RDWR)
@@ -237,51 +237,43 @@ async def open_partial(net: MeshNet, fp: str, where: Path, name: str, say: Calla
     if len(header.tensors) != len(m.windows):
         raise UserError(f"the manifest of {name} names {len(m.windows)} tensors, its header {len(header.tensors)}")
     copy = PartialCopy(net, m, trusted, part, have_file, header, have, name)
-    await _fetch_windows(copy)
-    if await asyncio.to_thread(model_fingerprint, part) != fp:
+    samples = await _fetch_samples(copy)  # in memory: on disk they would cost a worker ~64 KiB a tensor
+    if await asyncio.to_thread(model_fingerprint, part, samples.__getitem__) != fp:
         raise UserError(f"the partial copy of {name} fetched from the mesh does not have the model's fingerprint")
     return copy
 
 
-async def _fetch_windows(copy: PartialCopy) -> None:
-    """The sampled bytes of every tensor not already here (in a chunk we hold, or checked on disk), checked one tensor
-    at a time against the manifest; a source that sends one bad tensor's bytes is asked nothing more."""
+async def _fetch_samples(copy: PartialCopy) -> dict[int, bytes]:
+    """Each tensor's bytes that the model fingerprint samples: read from the chunks we hold, fetched for the others,
+    checked one tensor at a time against the manifest; a source that sends one bad tensor's bytes is asked nothing
+    more. They prove the header and the manifest are the model's (its fingerprint); none is written to disk."""
     m, tensors = copy.manifest, copy.header.tensors
-    inside = {i for i, t in enumerate(tensors) if m.covering([(t.offset, t.nbytes)]) <= copy.have}
-
-    def on_disk(i: int) -> bool:
-        with copy.path.open("rb") as f:
-            return m.check_window(i, b"".join(os.pread(f.fileno(), n, off) for off, n in sampled(tensors[i])))
-
-    missing = [i for i in range(len(tensors)) if i not in inside and not await asyncio.to_thread(on_disk, i)]
+    out: dict[int, bytes] = {}
+    with copy.path.open("rb") as f:
+        for i, t in enumerate(tensors):
+            if m.covering([(t.offset, t.nbytes)]) <= copy.have:
+                out[i] = b"".join(os.pread(f.fileno(), n, off) for off, n in sampled(t))
+    missing = [i for i in range(len(tensors)) if i not in out]
     sources = list(copy.trusted)
-    fd = os.open(copy.path, os.O_RDWR)
-    try:
-        while missing:
-            if not sources:
-                raise UserError(f"no member sent the tensor samples of {copy.name} as promised")
-            batch, src = missing[:WINDOWS_MAX], sources[0]
-            most = sum(n for i in batch for _, n in sampled(tensors[i]))
-            raw = await ask(copy.net, src, "windows", m.fingerprint, batch, most, CHUNK_TIMEOUT_S) or b""
-            at, good = 0, len(raw) == most
-            for i in batch if good else []:
-                ranges = sampled(tensors[i])
-                n = sum(k for _, k in ranges)
-                piece = raw[at: at + n]
-                at += n
-                if not m.check_window(i, piece):
-                    good = False
-                    break
-                off = 0
-                for w_off, k in ranges:
-                    os.pwrite(fd, piece[off: off + k], w_off)
-                    off += k
-                missing.remove(i)
-            if not good:
-                log.warning("%s sent tensor samples that are not the ones promised (or none)", crypto.short(src))
-                sources.pop(0)
-    finally:
-        os.close(fd)
+    while missing:
+        if not sources:
+            raise UserError(f"no member sent the tensor samples of {copy.name} as promised")
+        batch, src = missing[:WINDOWS_MAX], sources[0]
+        most = sum(n for i in batch for _, n in sampled(tensors[i]))
+        raw = await ask(copy.net, src, "windows", m.fingerprint, batch, most, CHUNK_TIMEOUT_S) or b""
+        at, good = 0, len(raw) == most
+        for i in batch if good else []:
+            n = sum(k for _, k in sampled(tensors[i]))
+            piece, at = raw[at : at + n], at + n
+            if not m.check_window(i, piece):
+                good = False
+                break
+            out[i] = piece
+            missing.remove(i)
+        if not good:
+            log.warning("%s sent tensor samples that are not the ones promised (or none)", crypto.short(src))
+            sources.pop(0)
+    return out
 
 
 class _WholeHash:

@@ -42,20 +42,23 @@ def is_local(arg: str, where: Path | None) -> bool:
 
 
 def mesh_file_for(net: MeshNet, name: str) -> tuple[str, str, int] | None:
-    """The model a member serves under ``name`` (its name as served, a catalog name or alias of it, or its
-    fingerprint's first 12+ hex digits): (fingerprint, the name it is served under, size), or None."""
+    """The model a member serves under ``name`` (its name as served, a catalog name or alias of it, a hub reference
+    ``org/repo/file.gguf`` of the file it serves, or its fingerprint's first 12+ hex digits): (fingerprint, the name
+    it is served under, size), or None."""
     from meshllm.models import catalog
 
     core_ = net.core
     if core_ is None:
         return None
     want = catalog.find(name)
+    stem = name.rsplit("/", 1)[-1].removesuffix(".gguf") if "/" in name and name.endswith(".gguf") else None
     for r in core_.alive(net.now):
         m = r.model
         if m is None or r.node == net.me:
             continue
         same_entry = want is not None and catalog.find(m.source) is want
-        if m.source == name or same_entry or (len(name) >= 12 and m.fingerprint.startswith(name.lower())):
+        same_file = stem is not None and m.source == stem  # a hub reference: its file is served under its stem
+        if m.source == name or same_entry or same_file or (len(name) >= 12 and m.fingerprint.startswith(name.lower())):
             return m.fingerprint, m.source, m.size
     return None
 
@@ -139,7 +142,7 @@ async def obtain_and_open(net: MeshNet, name: str, o: NodeOptions, console: Cons
                                   lambda line: console.print(line, markup=False), track)  # fmt: skip
         shape = model_shape(copy.header)
         facts = ModelFacts(fingerprint=fp, size=size, n_layer=shape.n_layer, source=served_as)
-        return ModelFiles(copy.path, facts, None, arch_template(copy.header)), shape, copy
+        return ModelFiles(copy.path, facts, None, arch_template(copy.header), partial=True), shape, copy
     path = await obtain_model(net, name, o.models_dir, console, track=track)
     try:
         model, shape, _ = await asyncio.to_thread(open_model, Path(name), o.models_dir, o.draft, o.no_draft)

@@ -108,7 +108,8 @@ class Hosting:
         self.device = device
         state.save_rpc_server_key(self.state_dir, "", None)  # no key from an earlier run survives
         keys = state.rpc_server_keys(self.state_dir) if self.rpc_path == "auto" else None
-        self.rpc = RpcServer(self.bins, model.path, self.state_dir, device, keys_file=keys, tls_port=self.rpc_port)
+        self.rpc = RpcServer(self.bins, model.path, self.state_dir, device, keys_file=keys, tls_port=self.rpc_port,
+                             vouched=model.facts.fingerprint if model.partial else None)  # fmt: skip
         self.rpc.start()
         try:
             await self.rpc.wait_ready()
@@ -387,7 +388,7 @@ class Hosting:
                 self.forget_worker(n)
         w = serving.wanted_server(
             plan, me, can_host, frozenset(self.rpc_listeners), frozenset(self.net.peers), self.device is not None,
-            self._still_fetching(plan),
+            self._still_fetching(plan) if isinstance(plan, Plan) and plan.host == me else frozenset(),
         )
         if isinstance(w, serving.NeedLayers):
             return  # the next change (their record naming the layers held) reconfigures

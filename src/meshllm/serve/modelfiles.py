@@ -25,6 +25,7 @@ class ModelFiles:
     facts: ModelFacts
     draft: Path | None = None
     arch_template: str | None = None  # llama.cpp's built-in template for its architecture, when the GGUF has none
+    partial: bool = False  # a partial copy (only some layers): its rpc-server is told the fingerprint we checked
 
 
 def arch_template(hdr: GGUFHeader) -> str | None:
