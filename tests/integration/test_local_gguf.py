@@ -89,15 +89,17 @@ def _weights_pushed(stats: WireStats) -> int:
     return stats.payload[Cmd.SET_TENSOR] + stats.payload[Cmd.SET_TENSOR_HASH]
 
 
-def _rpc_fingerprint(bins: Binaries, model: Path, tmp: Path, children: list[Child]) -> str:
+def _rpc_fingerprint(bins: Binaries, model: Path, tmp: Path, children: list[Child], vouched: str | None = None) -> str:
+    """The fingerprint the server presents (the last it prints: with ``vouched``, the one it was given)."""
     port = free_port()
-    child = Child.start("rpc-fp", rpc_server_argv(bins, port, threads=1, gguf=model), tmp / f"fp-{model.name}.log")
+    child = Child.start("rpc-fp", rpc_server_argv(bins, port, threads=1, gguf=model, vouched=vouched),
+                        tmp / f"fp-{model.name}-{vouched is not None}.log")  # fmt: skip
     children.append(child)
     wait_tcp_ready(child, port)
-    m = re.search(r"fingerprint\s*:\s*([0-9a-f]{64})", child.log_path.read_text())
+    m = re.findall(r"fingerprint\s*:\s*([0-9a-f]{64})", child.log_path.read_text())
     assert m, child.log_tail()
     child.stop()
-    return m.group(1)
+    return str(m[-1])
 
 
 def test_python_fingerprint_matches_the_binary(
@@ -108,6 +110,19 @@ def test_python_fingerprint_matches_the_binary(
     other = model_fingerprint(altered_model)
     assert other != fp, "a file differing only in one tensor's data must have another fingerprint"
     assert _rpc_fingerprint(patched_bins, altered_model, tmp_path, children) == other
+    # patch 0010: a partial copy's server presents the fingerprint it is given (checked by mesh-llm); a malformed one
+    # stops it at once
+    import subprocess
+
+    from meshllm.llama.processes import rpc_server_argv
+
+    assert _rpc_fingerprint(patched_bins, altered_model, tmp_path, children, vouched=fp) == fp
+    argv = rpc_server_argv(patched_bins, 1, gguf=altered_model, vouched=fp)
+    assert argv[-2:] == ["--gguf-fingerprint", fp]
+    bad = subprocess.run([*argv[:-1], fp.upper()], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "--gguf-fingerprint: not lower-case hex" in bad.stderr, bad.stderr
+    short = subprocess.run([*argv[:-1], fp[:-1]], capture_output=True, text=True, timeout=60)
+    assert short.returncode == 1 and "needs --gguf and 64 hex digits" in short.stderr, short.stderr
 
 
 def test_local_load_sends_no_weights_and_gives_the_stock_text(
