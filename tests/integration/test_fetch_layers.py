@@ -104,6 +104,23 @@ def test_a_worker_fetches_only_its_layers_and_the_split_pushes_no_weight(
                            text=True, timeout=30)  # fmt: skip
         held = f"a partial copy of the model, holding layers {first}-{first + count - 1}"
         assert r.returncode == 0 and f"{c.short()}: {held}" in r.stdout, r.stdout
+        # c killed -9 and started again (a member now: no token): its copy is kept (checked again), no layer is
+        # fetched anew, and the split serves the same text
+        c.stop(signal.SIGKILL)
+        nodes.remove(c)
+        c2 = NodeProc(tmp_path, "c", None, "--model", NAME, "--models-dir", str(models), "--max-vram", "0.3",
+                      "--ctx-size", "1024", env=env, port=c.port, auto=True)  # fmt: skip
+        nodes.append(c2)
+        wait_for(lambda: "API up" in c2.text() or "ready" in c2.text(), 120, "c back in the split")
+
+        def answers() -> bool:
+            try:
+                return _ask(a.port) == text
+            except OSError:
+                return False
+
+        wait_for(answers, 120, "the split to answer again")
+        assert "fetched layers" not in c2.text() and "the header of" in c2.text(), c2.text()[-2000:]
     finally:
         for n in nodes:
             n.stop()
