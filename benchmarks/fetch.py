@@ -7,7 +7,8 @@ the loopback of a network namespace of its own shaped to RATE by the kernel's to
 tbf``; this kernel has no netem), as a LAN link would be:
   plain TCP copy        one socket, the kernel's sendfile on one side, recv_into + write on the other, to disk
   mesh-llm fetch        a node joining with --model NAME and no file fetches it from N members (QUIC streams,
-                        8 MiB chunks, each checked against the source's signed manifest, the whole file's SHA-256
+                        chunks of at most 8 MiB following the file's layout (--fetch all), each checked against
+                        the source's signed manifest, the whole file's SHA-256
                         and fingerprint checked at the end); its own "fetched … in X s" line, start of the first
                         chunk to the checked file
 Each row: the median MB/s of --runs runs, and its ratio to the plain copy.
@@ -129,8 +130,8 @@ def main() -> None:
         except SystemExit:
             raise SystemExit(first.read_text(errors="replace")[-1500:]) from None
         time.sleep(2)
-        log = node(f"f{run}", "--model", model.stem, "--models-dir", str(tmp / f"m{run}"), "--max-vram", "0.2",
-                   "--join", token)  # fmt: skip
+        log = node(f"f{run}", "--model", model.stem, "--fetch", "all", "--models-dir", str(tmp / f"m{run}"),
+                   "--max-vram", "0.2", "--join", token)  # fmt: skip
         wait_until(lambda: re.search(r"fetched |error", log.read_text(errors="replace")), 300, "the fetch")
         m = re.search(r"from the mesh in ([\d.]+) s", log.read_text())
         if m is None:
