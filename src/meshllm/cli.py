@@ -551,7 +551,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     plan = st.get("plan") or {}
     # a lite client elects no host of its own: the host is whoever says so
     host = st.get("host") or next((p["node"] for p in st["peers"] if p["role"] == "host"), "") or ""
-    out.print(f"node {st['node'][:8]} ({st['role']}) in mesh {st['mesh'][:8]} — host {host[:8] or 'none'}")
+    models = [m for m in st.get("models") or [] if isinstance(m, dict)]
+    if len(models) > 1:  # [fleet] each model has its own host
+        host = ", ".join(f"{str(m['host'] or 'none')[:8]} ({m['name']})" for m in models)
+        out.print(f"node {st['node'][:8]} ({st['role']}) in mesh {st['mesh'][:8]} — hosts {host}", soft_wrap=True)
+    else:
+        out.print(f"node {st['node'][:8]} ({st['role']}) in mesh {st['mesh'][:8]} — host {host[:8] or 'none'}")
     served = ", ".join(st.get("served_models") or []) or "none yet"
     out.print(f"model: {served} — API {st.get('api', '?')}", soft_wrap=True)
     why = st.get("unavailable")
@@ -565,7 +570,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                           ("layers", "left"), ("path", "left"), ("RTT ms", "right")):  # fmt: skip
         t.add_column(name, justify=justify, overflow="fold", no_wrap=name not in ("path", "state"),  # type: ignore[arg-type]
                      min_width=21 if name == "path" else None)  # fmt: skip
-    for p in st["peers"]:
+    order = {m["fingerprint"]: i for i, m in enumerate(models)}  # the table grouped by model, lite clients last
+    for p in sorted(st["peers"], key=lambda p: order.get(p.get("model"), len(order))):
         layers = p.get("layers")
         span = f"{layers[0]}-{layers[1]}" if layers else ""
         if isinstance(plan, dict) and p["node"] == plan.get("host"):
@@ -581,6 +587,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{p['rtt_ms']:.1f}" if p.get("rtt_ms") is not None else "-",
         )  # fmt: skip
     out.print(t)
+    if len(models) > 1:
+        for m in models:
+            nodes = ", ".join(str(n)[:8] for n in m["nodes"])
+            out.print(f"  {m['name']}: host {str(m['host'] or 'none')[:8]} {m['state']}; nodes {nodes}", markup=False)
     for p in st["peers"]:
         if p.get("why"):
             out.print(f"  {p['short']}: {_state_text(p['state'], p['why'])}", markup=False)

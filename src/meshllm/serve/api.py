@@ -247,6 +247,7 @@ class Api:
         self.metrics = metrics
         self.counters = Counters()
         self.models = models
+        self.model_info: Callable[[str], dict[str, object] | None] | None = None  # a model's host and nodes
         self.status = status
         self.api_key = api_key
         self.requests: dict[int, int] = {}
@@ -333,7 +334,9 @@ class Api:
         return _json(503, {"status": "unavailable", "reason": reason})
 
     def _model(self, name: str) -> dict[str, object]:
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "mesh-llm"}
+        info = self.model_info(name) if self.model_info is not None else None
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "mesh-llm",
+                **({"meshllm": info} if info else {})}  # fmt: skip
 
     async def list_models(self, request: web.Request) -> web.Response:
         return _json(200, {"object": "list", "data": [self._model(m) for m in self.models()]})

@@ -81,7 +81,7 @@ class Hosting:
         self._rpc_tunnels: dict[NodeId, set[asyncio.Task[None]]] = {}  # worker side: per dialling host
         self.door: Api | None = None  # where peers' requests for our model go (open_door)
         self.door_port = 0
-        self._listener_task: asyncio.Future[TunnelListener] | None = None
+        self._listener_tasks: dict[NodeId, asyncio.Future[TunnelListener]] = {}  # per host: its HTTP listener
         self._rpc_listener_task: asyncio.Future[None] | None = None
         self._reconfig_task: asyncio.Future[None] | None = None
         # the direct RPC path (host side): worker -> "ip:port" of its TLS listener, when probed reachable
@@ -374,8 +374,9 @@ class Hosting:
 
     def open_http_listener(self, host: NodeId) -> None:
         """In the background: a local port whose connections tunnel to ``host``'s llama-server."""
-        if host not in self.http_listeners and (self._listener_task is None or self._listener_task.done()):
-            self._listener_task = asyncio.ensure_future(self._http_listener(host))
+        task = self._listener_tasks.get(host)
+        if host not in self.http_listeners and (task is None or task.done()):
+            self._listener_tasks[host] = asyncio.ensure_future(self._http_listener(host))
 
     # ---------------------------------------------------------------- llama-server
 

@@ -76,7 +76,7 @@ class Node:
         self.layers: LayerKeeper | None = None  # a partial copy of the model: its layers kept to the plan
         self.elections = 0
         self.timeline: deque[dict[str, object]] = deque(maxlen=TIMELINE)  # what the console's timeline shows
-        self._api_said: NodeId | None = None  # the host our "API up" line named
+        self._api_said: set[NodeId] = set()  # the hosts our "API up" lines named
         self._routed: NodeId | None = None  # the host this node last routed to (elections counts changes)
         self._stop = asyncio.Event()
         self._members: dict[NodeId, list[str]] = {}  # the members last saved for a restart
@@ -257,12 +257,13 @@ class Node:
         hosting.reconfigure(self.plan, self.me)
         if hosting.became_ready():
             self._say_ready()
-        remote = self.router.serving_host(None) if self.router else None
-        if remote is not None:
-            hosting.open_http_listener(remote)  # ready before the first request
-            if remote != self._api_said and remote != self.me and remote in hosting.http_listeners:
-                self._api_said = remote  # workers and lite clients say their API is up too (once per host)
-                self._say(narration.api_line(self.api_host, self.o.port, self._record(remote), self.me), "ready")
+        hosts = self.router.serving_hosts() if self.router else []  # every model's host, ourselves left out
+        self._api_said &= set(hosts)  # a host that stopped serving is named again once it serves
+        for h in hosts:
+            hosting.open_http_listener(h)  # ready before the first request
+            if h not in self._api_said and h in hosting.http_listeners:
+                self._api_said.add(h)  # workers and lite clients say their API is up too (once per host)
+                self._say(narration.api_line(self.api_host, self.o.port, self._record(h), self.me), "ready")
         if self.report is not None:
             self.report.save(self._view(), now, self.state)
         self._members = remember_members(net, self.state, now, self._members, self.o.token_ttl_s)

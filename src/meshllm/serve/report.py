@@ -5,13 +5,14 @@ console), the Prometheus text of ``/metrics``, and the agent launch lines. Reads
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
 from meshllm import __version__
 from meshllm.net.meshnet import MeshNet
-from meshllm.proto import crypto, standing
+from meshllm.proto import crypto, fleet, standing
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import ModelFacts, PeerRecord
 from meshllm.proto.planner import Plan, Waiting
@@ -55,6 +56,32 @@ class Report:
         self._saved = ""
         self._tokens = standing.Tally(2)  # every host's (generated, prompt): mesh-wide, kept when a host dies
         self._firsts = standing.Tally(2)  # every node's (requests, summed ms to the first token)
+        if api is not None:  # /v1/models names each model's host and nodes
+            api.model_info = self.model_info
+
+    def models(self, now: float) -> list[dict[str, object]]:
+        """Each model the mesh serves: its name, fingerprint, host (our election's) and the nodes that hold it."""
+        core = self.net.core
+        if core is None:
+            return []
+        out: list[dict[str, object]] = []
+        for g in fleet.model_groups(core.alive(now), lambda r: core.host_of(r, now)):
+            host = g.host
+            stand = self.standing(host, now) if host is not None else None
+            out.append({"name": g.name, "fingerprint": g.fingerprint, "host": host.node.hex() if host else None,
+                        "nodes": [n.hex() for n in g.nodes], "state": str(stand.state) if stand else "waiting",
+                        "why": stand.why if stand else "no host elected yet"})  # fmt: skip
+        return out
+
+    def model_info(self, name: str) -> dict[str, object] | None:
+        """What /v1/models adds to the model ``name``: its host and nodes (short ids), its fingerprint."""
+        m = next((m for m in self.models(time.monotonic()) if m["name"] == name), None)
+        if m is None:
+            return None
+        host, nodes = m["host"], m["nodes"]
+        assert isinstance(nodes, list)
+        return {"fingerprint": m["fingerprint"], "host": str(host)[:8] if host else None,
+                "nodes": [str(n)[:8] for n in nodes], "state": m["state"]}  # fmt: skip
 
     def save(self, v: NodeView, now: float, state_dir: Path) -> None:
         """The status into the state dir's status.json, when it changed (``mesh-llm status`` reads it)."""
@@ -115,7 +142,6 @@ class Report:
         assert self.net.core is not None
         core = self.net.core
         peers = []
-        host_rec = core.host_record(now)
         for r in core.alive(now):
             conn = self.net.peers.get(r.node)
             stand = self.standing(r, now)
@@ -133,7 +159,7 @@ class Report:
                 "rtt_ms": core.rtt_ms.get(r.node),
                 "tunnel": self.hosting.tunnel_counts(r.node),
                 "rpc_path": self.hosting.rpc_path_of(r.node) or None,  # host: how llama-server reaches it
-                "layers": layers_of(v.plan, r.node, host_rec),
+                "layers": layers_of(v.plan if _same_model(r, v.model) else None, r.node, core.host_of(r, now)),
                 "planned_bytes": planned_bytes(v.plan, r.node),  # of its capacity, what the plan puts on it
             })  # fmt: skip
         p = v.plan
@@ -166,6 +192,7 @@ class Report:
             "llama_starts": self.hosting.generations + (srv.restarts if (srv := self.hosting.server) else 0),
             "draft": v.draft,
             "served_models": v.served,
+            "models": self.models(now),
             "agents": [{"label": a, "copy": b} for a, b in agent_commands(v.served[0], self.port, self.slots(now)[3],
                                                                           self.keyed)] if v.served else [],
             "slots": dict(zip(("busy", "total", "queued", "ctx"), self.slots(now), strict=True)),
@@ -261,6 +288,10 @@ def planned_bytes(plan: Plan | Waiting | None, node: NodeId) -> int | None:
     if isinstance(plan, Plan):
         return next((a.bytes for a in plan.assignments if a.node == node), None)
     return None
+
+
+def _same_model(r: PeerRecord, mine: ModelFacts | None) -> bool:
+    return r.model is not None and mine is not None and r.model.fingerprint == mine.fingerprint
 
 
 def layers_of(plan: Plan | Waiting | None, node: NodeId, host: PeerRecord | None = None) -> list[int] | None:

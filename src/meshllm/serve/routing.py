@@ -27,6 +27,11 @@ class Router:
     def models(self) -> list[str]:
         return self.net.core.served_models(time.monotonic()) if self.net.core else []
 
+    def serving_hosts(self) -> list[NodeId]:
+        """The host of every model the mesh serves, as our election picks them (ourselves left out)."""
+        hosts = [self.serving_host(m) for m in self.models()]
+        return sorted({h for h in hosts if h is not None and h != self.me})
+
     def serving_host(self, model: str | None) -> NodeId | None:
         core = self.net.core
         return core.serving_host(model, time.monotonic()) if core else None

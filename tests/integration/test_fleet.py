@@ -1,0 +1,103 @@
+"""[fleet] 1: two models in one mesh of three nodes — a hosts the tiny model, b a copy of it with other weights (one
+tensor replaced, as a fine-tune would be: another fingerprint, another name), c is a lite client. Each model has its
+own host; every node lists both with their hosts and nodes, answers each under its own name, and names the models
+there are for one it does not serve; ``mesh-llm status`` groups the nodes by model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from meshllm.llama.gguf import read_header
+
+from .meshlab import NodeProc, wait_for
+
+
+def _other_model(tiny: Path, out: Path) -> Path:
+    hdr = read_header(tiny)
+    by_name = {t.name: t for t in hdr.tensors}
+    dst, src = by_name["blk.12.ffn_up.weight"], by_name["blk.3.ffn_up.weight"]
+    shutil.copyfile(tiny, out)
+    with out.open("r+b") as f:
+        f.seek(src.offset)
+        data = f.read(src.nbytes)
+        f.seek(dst.offset)
+        f.write(data)
+    return out
+
+
+def _get(port: int, path: str) -> dict[str, object]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as r:
+        return json.loads(r.read())  # type: ignore[no-any-return]
+
+
+def _complete(port: int, model: str) -> tuple[int, dict[str, object]]:
+    body = {"model": model, "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_two_models_each_answer_under_their_own_name_from_every_node(tmp_path: Path, tiny_model: Path) -> None:
+    other = _other_model(tiny_model, tmp_path / "other-270m.gguf")
+    x, y = tiny_model.stem, other.stem
+    nodes: list[NodeProc] = []
+    try:
+        a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024")
+        nodes.append(a)
+        wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
+        token = (a.state / "token").read_text().strip()
+        b = NodeProc(tmp_path, "b", other, "--ctx-size", "1024", "--join", token)
+        c = NodeProc(tmp_path, "c", None, "--client", "--join", token)
+        nodes += [b, c]
+        ids = {}
+
+        def both_listed() -> bool:
+            try:
+                got = {m["id"]: m for n in (a, b, c) for m in _get(n.port, "/v1/models")["data"]  # type: ignore[attr-defined]
+                       if m.get("meshllm", {}).get("state") == "serving"}  # fmt: skip
+            except OSError:
+                return False
+            ids.update(got)
+            return {x, y} <= set(got)
+
+        wait_for(both_listed, 120, "both models served")
+        # the lite client's tunnels to both hosts open as they come up (not at a first request): it says so
+        wait_for(lambda: f"model {x}, served by host {a.short()}" in c.text() and
+                 f"model {y}, served by host {b.short()}" in c.text(), 15, "c's API lines for both models")  # fmt: skip
+        assert ids[x]["meshllm"]["host"] == a.short() and ids[x]["meshllm"]["nodes"] == [a.short()]
+        assert ids[y]["meshllm"]["host"] == b.short() and ids[y]["meshllm"]["nodes"] == [b.short()]
+        texts: dict[str, set[str]] = {x: set(), y: set()}
+        for n in (a, b, c):
+            assert [m["id"] for m in _get(n.port, "/v1/models")["data"]] == sorted([x, y])  # type: ignore[index]
+            for model in (x, y):  # a tunnel to the other model's host opens as it comes up: a 503 says so meanwhile
+                wait_for(lambda n=n, model=model: _complete(n.port, model)[0] == 200, 15,  # type: ignore[misc]
+                         f"{n.short()} to answer {model}")  # fmt: skip
+                code, out = _complete(n.port, model)
+                assert code == 200 and out["model"] == model, (n.short(), model, out)
+                texts[model].add(out["choices"][0]["text"])  # type: ignore[index]
+            code, out = _complete(n.port, "nosuch")
+            assert code == 404 and out["error"]["code"] == "model_not_found", out  # type: ignore[index]
+            assert f"served: {x}, {y}" in out["error"]["message"]  # type: ignore[index]
+        assert len(texts[x]) == len(texts[y]) == 1 and texts[x] != texts[y], texts  # each its own model, everywhere
+        r = subprocess.run([sys.executable, "-m", "meshllm.cli", "status", "--port", str(c.port)], capture_output=True,
+                           text=True, timeout=30)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert f"hosts {a.short()} ({x}), {b.short()} ({y})" in r.stdout, r.stdout
+        assert f"  {x}: host {a.short()} serving; nodes {a.short()}" in r.stdout, r.stdout
+        assert f"  {y}: host {b.short()} serving; nodes {b.short()}" in r.stdout, r.stdout
+        # each host's layers, as its own model's host says (they were another model's host's, or none)
+        peers = {p["short"]: p for p in _get(c.port, "/mesh/status")["peers"]}  # type: ignore[attr-defined]
+        assert peers[a.short()]["layers"] == [0, 17] and peers[b.short()]["layers"] == [0, 17], peers
+    finally:
+        for n in nodes:
+            n.stop()
