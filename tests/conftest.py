@@ -7,6 +7,8 @@ them fails with the command to run rather than skipping, so a broken build can n
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -80,3 +82,24 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         if not any(allowed in reason for allowed in ALLOWED_SKIPS_IN_CI):
             rep.outcome = "failed"
             rep.longrepr = f"skipped under CI=true, which runs everything (tests/conftest.py): {reason}"
+
+
+@pytest.fixture
+def browser() -> Iterator[object]:
+    webdriver = pytest.importorskip("selenium.webdriver")
+    if not (shutil.which("chromium") and shutil.which("chromedriver")):
+        pytest.skip("Debian's chromium and chromium-driver are not installed (scripts/setup test installs them)")
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    opts = Options()
+    opts.binary_location = shutil.which("chromium") or ""
+    profile = tempfile.mkdtemp(prefix="mesh-llm-chromium-")
+    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+              "--disable-background-networking", "--disable-component-update", "--disable-sync",
+              "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--window-size=1200,900"):  # fmt: skip
+        opts.add_argument(a)
+    drv = webdriver.Chrome(options=opts, service=Service(shutil.which("chromedriver") or ""))
+    yield drv
+    drv.quit()
+    shutil.rmtree(profile, ignore_errors=True)

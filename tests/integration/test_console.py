@@ -5,43 +5,17 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import signal
 import socket
-import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from meshllm.llama.processes import free_port
 
 from .meshlab import NodeProc, wait_for
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
-
-
-@pytest.fixture
-def browser() -> Iterator[object]:
-    webdriver = pytest.importorskip("selenium.webdriver")
-    if not (shutil.which("chromium") and shutil.which("chromedriver")):
-        pytest.skip("Debian's chromium and chromium-driver are not installed (scripts/setup test installs them)")
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
-
-    opts = Options()
-    opts.binary_location = shutil.which("chromium") or ""
-    profile = tempfile.mkdtemp(prefix="mesh-llm-chromium-")
-    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-              "--disable-background-networking", "--disable-component-update", "--disable-sync",
-              "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--window-size=1200,900"):  # fmt: skip
-        opts.add_argument(a)
-    drv = webdriver.Chrome(options=opts, service=Service(shutil.which("chromedriver") or ""))
-    yield drv
-    drv.quit()
-    shutil.rmtree(profile, ignore_errors=True)
 
 
 def test_console_shows_the_mesh_and_chats(tmp_path: Path, tiny_model: Path, browser: object) -> None:

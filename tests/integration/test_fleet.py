@@ -16,6 +16,7 @@ from pathlib import Path
 from meshllm.llama.gguf import read_header
 
 from .meshlab import NodeProc, wait_for
+from .meshlab import _free_port as free_port
 
 
 def _other_model(tiny: Path, out: Path) -> Path:
@@ -47,7 +48,8 @@ def _complete(port: int, model: str) -> tuple[int, dict[str, object]]:
         return e.code, json.loads(e.read())
 
 
-def test_two_models_each_answer_under_their_own_name_from_every_node(tmp_path: Path, tiny_model: Path) -> None:
+def test_two_models_each_answer_under_their_own_name_from_every_node(tmp_path: Path, tiny_model: Path,
+                                                                    browser: object) -> None:  # fmt: skip
     other = _other_model(tiny_model, tmp_path / "other-270m.gguf")
     x, y = tiny_model.stem, other.stem
     nodes: list[NodeProc] = []
@@ -57,7 +59,8 @@ def test_two_models_each_answer_under_their_own_name_from_every_node(tmp_path: P
         wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
         token = (a.state / "token").read_text().strip()
         b = NodeProc(tmp_path, "b", other, "--ctx-size", "1024", "--join", token)
-        c = NodeProc(tmp_path, "c", None, "--client", "--join", token)
+        cport = free_port()
+        c = NodeProc(tmp_path, "c", None, "--client", "--join", token, "--console", str(cport))
         nodes += [b, c]
         ids = {}
 
@@ -95,6 +98,15 @@ def test_two_models_each_answer_under_their_own_name_from_every_node(tmp_path: P
         assert f"hosts {a.short()} ({x}), {b.short()} ({y})" in r.stdout, r.stdout
         assert f"  {x}: host {a.short()} serving; nodes {a.short()}" in r.stdout, r.stdout
         assert f"  {y}: host {b.short()} serving; nodes {b.short()}" in r.stdout, r.stdout
+        # the lite client's console lists both models, each with its host and nodes, and each node's model
+        browser.get(f"http://127.0.0.1:{cport}/")  # type: ignore[attr-defined]
+        text = lambda: browser.execute_script("return document.getElementById('m-models').innerText")  # type: ignore[attr-defined]  # noqa: E731
+        wait_for(lambda: f"{x}: host {a.short()} serving · nodes {a.short()}" in text(), 20, "the console's models")
+        assert f"{y}: host {b.short()} serving · nodes {b.short()}" in text(), text()
+        segs = browser.execute_script(  # type: ignore[attr-defined]
+            "return Array.from(document.querySelectorAll('.seg')).map(e => [e.dataset.node, e.innerText])")
+        segs = dict(segs)
+        assert f"host · {x}" in segs[a.short()] and f"host · {y}" in segs[b.short()], segs
         # each host's layers, as its own model's host says (they were another model's host's, or none)
         peers = {p["short"]: p for p in _get(c.port, "/mesh/status")["peers"]}  # type: ignore[attr-defined]
         assert peers[a.short()]["layers"] == [0, 17] and peers[b.short()]["layers"] == [0, 17], peers

@@ -6,7 +6,7 @@ const gb = (b) => (b / 1e9).toFixed(1) + " GB";
 // where a node stands, as every node computes it (proto/standing.py): "serving", "loading: 43%", "standby: ..."
 const stateText = (state, why) => (!why ? state : why.split(" ")[0] === state.split(" ")[0] ? why : `${state}: ${why}`);
 
-function segment(p) {
+function segment(p, models) {
   const d = document.createElement("div");
   // the colour says what it does: host, worker of the running plan, standby (not in it), lite client
   const kind = p.role === "client" ? "client" : p.role === "host" ? "host" : p.state === "standby" ? "standby" : "worker";
@@ -19,7 +19,9 @@ function segment(p) {
   const path = (p.path === "self" ? "this node" : p.path) + (p.rpc_path ? `; RPC ${p.rpc_path}` : "");
   const rtt = p.rtt_ms != null ? ` · ${p.rtt_ms.toFixed(1)} ms` : "";
   d.innerHTML = `<div class="id"></div><div class="sub state"></div><div class="sub"></div><div class="sub"></div>`;
-  d.children[0].textContent = `${p.name || p.short} · ${kind}`;
+  // several models in the mesh: each node says which one it holds
+  const model = models.length > 1 && p.model ? (models.find((m) => m.fingerprint === p.model) || {}).name : "";
+  d.children[0].textContent = `${p.name || p.short} · ${kind}` + (model ? ` · ${model}` : "");
   d.children[1].textContent = stateText(p.state, p.why);
   const dev = p.device && p.capacity ? ` (${p.device})` : "";
   const used = p.planned_bytes ? `${gb(p.planned_bytes)} of ` : "";  // what the plan puts there, of what it offers
@@ -35,8 +37,12 @@ function render(st) {
   // a stable order: the host first, then by node id (a rejoin must not reshuffle the bar)
   const rank = (p) => (p.role === "host" ? "0" : "1") + p.node;
   const peers = [...st.peers].sort((x, y) => (rank(x) < rank(y) ? -1 : 1));
-  cluster.replaceChildren(...peers.map((p) => segment(p)));
+  const models = st.models || [];
+  cluster.replaceChildren(...peers.map((p) => segment(p, models)));
   $("m-name").textContent = st.model ? st.model.source : (st.served_models || []).join(", ") || "–";
+  // every model the mesh serves: its host (each model has its own election) and the nodes that hold it
+  $("m-models").textContent = models.map((m) => `${m.name}: host ${m.host ? m.host.slice(0, 8) : "none"} ` +
+    `${m.state} · nodes ${m.nodes.map((n) => n.slice(0, 8)).join(", ")}`).join("  |  ") || "–";
   $("m-draft").textContent = st.draft || "none";
   $("m-state").textContent = st.unavailable || stateText(st.state, st.why);  // what /health says
   const f = st.fetch;  // this node fetching its model from the members that have it
