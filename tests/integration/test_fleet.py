@@ -5,6 +5,7 @@ there are for one it does not serve; ``mesh-llm status`` groups the nodes by mod
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import subprocess
@@ -110,6 +111,80 @@ def test_two_models_each_answer_under_their_own_name_from_every_node(tmp_path: P
         # each host's layers, as its own model's host says (they were another model's host's, or none)
         peers = {p["short"]: p for p in _get(c.port, "/mesh/status")["peers"]}  # type: ignore[attr-defined]
         assert peers[a.short()]["layers"] == [0, 17] and peers[b.short()]["layers"] == [0, 17], peers
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def _stream(port: int, body: dict[str, object], events: list[bytes], on_event: object = None) -> None:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=180) as r:
+        for line in r:
+            if line.startswith(b"data: "):
+                events.append(line.strip())
+                if callable(on_event):
+                    on_event(len(events))
+
+
+def _text(events: list[bytes]) -> str:
+    return "".join(json.loads(e[6:])["choices"][0].get("text") or "" for e in events if e.startswith(b"data: {"))
+
+
+def test_a_streamed_answer_survives_its_host_s_kill_9(tmp_path: Path, tiny_model: Path) -> None:
+    """[fleet] 4: a and b hold the model whole (one hosts, the other stands by), c is a lite client. A greedy answer
+    streamed through c whose host is killed -9 mid-way goes on once b hosts: one stream, no error event, and the
+    text of the uninterrupted answer."""
+    import signal
+    import threading
+    import time
+
+    nodes: list[NodeProc] = []
+    try:
+        a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024")
+        nodes.append(a)
+        wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
+        token = (a.state / "token").read_text().strip()
+        b = NodeProc(tmp_path, "b", tiny_model, "--ctx-size", "1024", "--join", token)
+        c = NodeProc(tmp_path, "c", None, "--client", "--join", token)
+        nodes += [b, c]
+
+        def answers() -> bool:
+            try:
+                return _complete(c.port, tiny_model.stem)[0] == 200
+            except OSError:
+                return False
+
+        wait_for(answers, 120, "c to answer")
+        body = {"model": tiny_model.stem, "prompt": "Count from 1 to 100, separated by commas: 1, 2,",
+                "max_tokens": 160, "temperature": 0, "stream": True}  # fmt: skip
+        ref: list[bytes] = []
+        _stream(c.port, body, ref)
+        assert ref[-1] == b"data: [DONE]" and len(_text(ref)) > 100, ref[-3:]
+        host = next(n for n in (a, b) if any(p["role"] == "host" and p["path"] == "self"
+                                            for p in n.status()["peers"]))  # type: ignore[attr-defined]  # fmt: skip
+        events: list[bytes] = []
+        stamps: list[float] = []
+        kill = threading.Event()
+
+        def on_event(n: int) -> None:
+            stamps.append(time.monotonic())
+            if n == 20:
+                kill.set()
+
+        th = threading.Thread(target=_stream, args=(c.port, body, events, on_event))
+        th.start()
+        assert kill.wait(60), "the stream did not start"
+        host.stop(signal.SIGKILL)
+        nodes.remove(host)
+        th.join(180)
+        assert not th.is_alive(), "the stream hung"
+        assert not any(b'"error"' in e for e in events), events[-3:]
+        assert events[-1] == b"data: [DONE]", events[-3:]
+        assert _text(events) == _text(ref), (_text(events), _text(ref))
+        stall = max(y - x for x, y in itertools.pairwise(stamps))
+        print(f"\nhost kill -9 mid-stream: the client's longest wait between events {stall:.1f} s; same text")
+        assert "continuing on" in c.text(), c.text()[-2000:]
     finally:
         for n in nodes:
             n.stop()

@@ -175,8 +175,9 @@ def test_joins_leaves_and_deaths(tmp_path: Path, tiny_model: Path, stock_bins: B
         t_kill = time.monotonic()
         worker.stop(signal.SIGKILL)
         nodes.remove(worker)
-        assert ended.wait(60), "the stream hung after its worker died"
-        assert b"error" in events[-1] or events[-1].startswith(b"closed"), events[-1]
+        assert ended.wait(90), "the stream hung after its worker died"
+        # [fleet] 4: it goes on once the mesh has re-planned (it ended with an error event before): one stream
+        assert events[-1] == b"data: [DONE]\n" and not any(b'"error"' in e for e in events), events[-3:]
         took = until_answered(nodes, t_kill, 90)
         print(f"\nworker kill -9 -> every node answering: {took:.1f} s")
         _, alive = psutil.wait_procs(doomed, timeout=10)

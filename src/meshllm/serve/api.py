@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from meshllm.proto import resume
 from meshllm.serve import gate, webguard
 from meshllm.serve.metrics import CONTENT_TYPE, Counters
 from meshllm.serve.slotgate import QueueFull, SlotGate
@@ -27,6 +28,7 @@ from meshllm.serve.slotgate import QueueFull, SlotGate
 log = logging.getLogger("meshllm.api")
 
 RETRY_WAIT_S = 60.0  # how long a failed request waits for the mesh to serve again before its one retry
+RESUMES = 2  # how many times a streamed answer cut mid-way is continued on the next model server
 BODY_S = 30.0  # a request's body must arrive within this long of its head
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade", "te", "trailer"}
 
@@ -59,6 +61,8 @@ class _TokenTally:
         self.tokens = 0
         self.tps = 0.0
         self.decode_s = 0.0
+        self.text: list[str] = []  # the generated text, piece by piece (SSE)
+        self.finished = False  # an event said why the answer ended (its finish_reason)
 
     def feed(self, chunk: bytes) -> None:
         if not self.sse:
@@ -80,6 +84,8 @@ class _TokenTally:
             piece = (ch.get("delta") or {}).get("content") or ch.get("text")
             if piece:
                 self.tokens += 1
+                self.text.append(str(piece))
+            self.finished = self.finished or bool(ch.get("finish_reason"))
         t = ev.get("timings")
         if isinstance(t, dict) and t.get("predicted_per_second"):
             self.tps = float(t["predicted_per_second"])
@@ -219,6 +225,40 @@ def upstream_error(status: int, body: bytes) -> web.Response:
     code = err.get("code")
     return _error(status, msg, str(err.get("type") or "invalid_request_error"),
                   code=code if isinstance(code, str) else None, param=field.group(1) if field else None)
+
+
+def _without_role_only(events: bytes) -> bytes:
+    """SSE events less a chat's opening event that carries only the assistant's role (a continued answer's second
+    opening: the client already had one)."""
+    keep = []
+    for ev in events.split(b"\n\n"):
+        if ev.startswith(b"data: {") and b'"role":"assistant"' in ev:
+            try:
+                ch = (json.loads(ev[6:]).get("choices") or [{}])[0]
+            except (ValueError, AttributeError, IndexError):
+                ch = {}
+            delta = ch.get("delta") or {}
+            if not delta.get("content") and not ch.get("finish_reason") and not delta.get("tool_calls"):
+                continue
+        keep.append(ev)
+    return b"\n\n".join(keep)
+
+
+def _replayed(events: bytes, replay: resume.Replay) -> bytes:
+    """SSE events of an answer generated again, as ``replay`` lets them through."""
+    out = []
+    for ev in events.split(b"\n\n"):
+        if ev.startswith(b"data: {"):
+            try:
+                obj = json.loads(ev[6:])
+            except ValueError:
+                continue
+            kept = replay.event(obj) if isinstance(obj, dict) else None
+            if kept is not None:
+                out.append(b"data: " + json.dumps(kept, separators=(",", ":")).encode() + b"\n\n")
+        elif ev.strip():
+            out.append(ev + b"\n\n")
+    return b"".join(out)
 
 
 def _openai_ids(body: bytes) -> bytes:
@@ -420,6 +460,69 @@ class Api:
         reason = again.reason if isinstance(again, Unavailable) else f"the model server failed: {result}"
         return _error(503, reason, "unavailable", headers={"Retry-After": "5"}, code="model_unavailable")
 
+    async def _resume(self, request: web.Request, path: str, resp: web.StreamResponse, body: bytes,
+                      sent: _TokenTally) -> bool:  # fmt: skip
+        """A streamed answer whose model server failed mid-way, continued where it was cut on whatever serves the
+        model once the mesh has re-planned (``proto/resume.py``); False when it cannot be (then the stream ends with
+        an error event)."""
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            return False
+        model = parsed.get("model") if isinstance(parsed.get("model"), str) else None
+        for _ in range(RESUMES):
+            text = "".join(sent.text)
+            more = resume.continuation(path, parsed, text, sent.tokens)
+            if more is None or sent.finished:
+                return False
+            up = await self._wait_for_upstream(model)
+            if not isinstance(up, Upstream):
+                return False
+            log.warning("%s cut after %d tokens: continuing on %s", path, sent.tokens, up.base_url)
+            # the answer again from its start, less what the client has (the uninterrupted text); where it comes
+            # out otherwise, the prompt extended by the text instead
+            replay = resume.Replay(text, chat=path == resume.CHAT)
+            done = await self._stream_more(request, path, resp, up, parsed, sent, replay)
+            if done is None:
+                log.warning("%s: the answer came out otherwise on %s; continuing its prompt", path, up.base_url)
+                done = await self._stream_more(request, path, resp, up, more, sent, None)
+            if done:
+                return True
+        return False
+
+    async def _stream_more(self, request: web.Request, path: str, resp: web.StreamResponse, up: Upstream,
+                           body: dict[str, object], sent: _TokenTally, replay: resume.Replay | None
+                           ) -> bool | None:  # fmt: skip
+        """The continuation's events into the client's stream (a chat's new opening event, the assistant's role
+        alone, left out; with ``replay``, what the client has); True once it ended whole, None when the replay
+        came out otherwise (nothing of it was sent)."""
+        assert self._session is not None
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {up.key}"} if up.key else {})}
+        try:
+            # no slot taken here: the request still holds the one it had (our own llama-server that crashed and came
+            # back has the same gate: a second hold by the same request could wait for itself)
+            async with self._session.post(up.base_url + path, data=json.dumps(body), headers=headers) as r:
+                if r.status != 200 or "event-stream" not in r.headers.get("Content-Type", ""):
+                    return False
+                held = b""
+                async for chunk in r.content.iter_any():
+                    held += chunk
+                    cut = held.rfind(b"\n\n")
+                    if cut < 0:
+                        continue
+                    events, held = held[: cut + 2], held[cut + 2 :]
+                    events = _without_role_only(events) if replay is None else _replayed(events, replay)
+                    if replay is not None and replay.diverged:
+                        return None
+                    if events:
+                        await resp.write(_openai_ids(events) if path == "/v1/completions" else events)
+                        sent.feed(events)
+                await resp.write_eof()
+                return True
+        except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
+            log.warning("continuing %s on %s failed: %s", path, up.base_url, e)
+            return False
+
     def _source(self, request: web.Request) -> str:
         """Who asks, for the fair share of slots: the peer node a door connection bridges, else the client's
         address."""
@@ -465,6 +568,7 @@ class Api:
             headers["Authorization"] = f"Bearer {up.key}"
         url = up.base_url + path  # one of ENDPOINTS, as matched: never the client's query or spelling
         resp: web.StreamResponse | None = None
+        sent: _TokenTally | None = None  # a stream: what of it reached the client (whole events)
         t0 = time.monotonic()
         try:
             async with self._session.request(request.method, url, data=body or None, headers=headers) as r:
@@ -478,6 +582,7 @@ class Api:
                 await resp.prepare(request)
                 sse = "event-stream" in r.headers.get("Content-Type", "")
                 tally = _TokenTally(sse)
+                sent = _TokenTally(True) if sse else None
                 timed = path in REQUIRED and r.status == 200  # completions and chats: their latency counts
                 first_token: float | None = None
                 held = b""  # an event's first part: sent once it is whole, so a cut never leaves half an event
@@ -496,6 +601,8 @@ class Api:
                             chunk, held = held[:end], held[end:]
                         if chunk:
                             await resp.write(_openai_ids(chunk) if fix_id else chunk)
+                            if sent is not None:
+                                sent.feed(chunk)
                     if held:
                         await resp.write(_openai_ids(held) if fix_id else held)
                     await resp.write_eof()
@@ -514,6 +621,8 @@ class Api:
             log.warning("upstream %s failed: %s", up.base_url, e)
             if resp is None or not resp.prepared:
                 return e.__class__.__name__
+            if sent is not None and await self._resume(request, path, resp, body, sent):
+                return resp  # continued on whatever serves the model now: one stream, no error
             # already streaming: end it with an error event rather than a hang or a silent cut
             try:
                 if "event-stream" in resp.headers.get("Content-Type", ""):
