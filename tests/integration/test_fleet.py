@@ -117,7 +117,8 @@ def test_two_models_each_answer_under_their_own_name_from_every_node(tmp_path: P
 
 
 def _stream(port: int, body: dict[str, object], events: list[bytes], on_event: object = None) -> None:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})  # fmt: skip
     with urllib.request.urlopen(req, timeout=180) as r:
         for line in r:
@@ -128,13 +129,16 @@ def _stream(port: int, body: dict[str, object], events: list[bytes], on_event: o
 
 
 def _text(events: list[bytes]) -> str:
-    return "".join(json.loads(e[6:])["choices"][0].get("text") or "" for e in events if e.startswith(b"data: {"))
+    def piece(ch: dict[str, object]) -> str:
+        return str(ch.get("text") or (ch.get("delta") or {}).get("content") or "")  # type: ignore[attr-defined]
+
+    return "".join(piece(json.loads(e[6:])["choices"][0]) for e in events if e.startswith(b"data: {"))
 
 
 def test_a_streamed_answer_survives_its_host_s_kill_9(tmp_path: Path, tiny_model: Path) -> None:
-    """[fleet] 4: a and b hold the model whole (one hosts, the other stands by), c is a lite client. A greedy answer
-    streamed through c whose host is killed -9 mid-way goes on once b hosts: one stream, no error event, and the
-    text of the uninterrupted answer."""
+    """[fleet] 4: a, b and d hold the model whole (one hosts, the others stand by), c is a lite client. A greedy
+    answer streamed through c whose host is killed -9 mid-way goes on once another hosts: one stream, no error
+    event, and the text of the uninterrupted answer — a completion, then a chat (its host killed in turn)."""
     import signal
     import threading
     import time
@@ -146,8 +150,9 @@ def test_a_streamed_answer_survives_its_host_s_kill_9(tmp_path: Path, tiny_model
         wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
         token = (a.state / "token").read_text().strip()
         b = NodeProc(tmp_path, "b", tiny_model, "--ctx-size", "1024", "--join", token)
+        d = NodeProc(tmp_path, "d", tiny_model, "--ctx-size", "1024", "--join", token)
         c = NodeProc(tmp_path, "c", None, "--client", "--join", token)
-        nodes += [b, c]
+        nodes += [b, d, c]
 
         def answers() -> bool:
             try:
@@ -156,34 +161,41 @@ def test_a_streamed_answer_survives_its_host_s_kill_9(tmp_path: Path, tiny_model
                 return False
 
         wait_for(answers, 120, "c to answer")
-        body = {"model": tiny_model.stem, "prompt": "Count from 1 to 100, separated by commas: 1, 2,",
+        completion = {"model": tiny_model.stem, "prompt": "Count from 1 to 100, separated by commas: 1, 2,",
+                      "max_tokens": 160, "temperature": 0, "stream": True}  # fmt: skip
+        chat = {"model": tiny_model.stem, "messages": [{"role": "user", "content": "Count from 1 to 60 in words."}],
                 "max_tokens": 160, "temperature": 0, "stream": True}  # fmt: skip
-        ref: list[bytes] = []
-        _stream(c.port, body, ref)
-        assert ref[-1] == b"data: [DONE]" and len(_text(ref)) > 100, ref[-3:]
-        host = next(n for n in (a, b) if any(p["role"] == "host" and p["path"] == "self"
-                                            for p in n.status()["peers"]))  # type: ignore[attr-defined]  # fmt: skip
-        events: list[bytes] = []
-        stamps: list[float] = []
-        kill = threading.Event()
+        refs: list[list[bytes]] = [[], []]
+        for body, ref in zip((completion, chat), refs, strict=True):
+            _stream(c.port, body, ref)
+            assert ref[-1] == b"data: [DONE]" and len(_text(ref)) > 100, ref[-3:]
+        for body, ref in zip((completion, chat), refs, strict=True):
+            host = next(n for n in nodes if n is not c and any(p["role"] == "host" and p["path"] == "self"
+                                                                for p in n.status()["peers"]))  # type: ignore[attr-defined]  # fmt: skip
+            events: list[bytes] = []
+            stamps: list[float] = []
+            kill = threading.Event()
 
-        def on_event(n: int) -> None:
-            stamps.append(time.monotonic())
-            if n == 20:
-                kill.set()
+            def on_event(n: int, stamps: list[float] = stamps, kill: threading.Event = kill) -> None:
+                stamps.append(time.monotonic())
+                if n == 20:
+                    kill.set()
 
-        th = threading.Thread(target=_stream, args=(c.port, body, events, on_event))
-        th.start()
-        assert kill.wait(60), "the stream did not start"
-        host.stop(signal.SIGKILL)
-        nodes.remove(host)
-        th.join(180)
-        assert not th.is_alive(), "the stream hung"
-        assert not any(b'"error"' in e for e in events), events[-3:]
-        assert events[-1] == b"data: [DONE]", events[-3:]
-        assert _text(events) == _text(ref), (_text(events), _text(ref))
-        stall = max(y - x for x, y in itertools.pairwise(stamps))
-        print(f"\nhost kill -9 mid-stream: the client's longest wait between events {stall:.1f} s; same text")
+            th = threading.Thread(target=_stream, args=(c.port, body, events, on_event))
+            th.start()
+            assert kill.wait(60), "the stream did not start"
+            host.stop(signal.SIGKILL)
+            nodes.remove(host)
+            th.join(180)
+            assert not th.is_alive(), "the stream hung"
+            assert not any(b'"error"' in e for e in events), events[-3:]
+            assert events[-1] == b"data: [DONE]", events[-3:]
+            assert _text(events) == _text(ref), (_text(events), _text(ref))
+            stall = max(y - x for x, y in itertools.pairwise(stamps))
+            kind = "chat" if "messages" in body else "completion"
+            print(f"\nhost kill -9 mid-stream ({kind}): the client's longest wait between events {stall:.1f} s; "
+                  "the uninterrupted text")  # fmt: skip
+            wait_for(answers, 120, "c to answer again")
         assert "continuing on" in c.text(), c.text()[-2000:]
     finally:
         for n in nodes:
