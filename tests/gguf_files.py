@@ -1,8 +1,10 @@
-"""Small GGUF files for unit tests, written with the ``gguf`` package: a "llama" model of ``layers`` layers, each of
-two f32 tensors, and a token embedding and an output norm outside the layers."""
+"""GGUF files for tests: small ones written with the ``gguf`` package (a "llama" model of ``layers`` layers, each of
+two f32 tensors, and a token embedding and an output norm outside the layers), and a runnable model with other
+weights made from the tiny one."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -28,3 +30,21 @@ def write_gguf(path: Path, layers: int = 4, floats: int = 40_000, seed: int = 0)
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def altered_copy(model: Path, out: Path) -> Path:
+    """``model`` with one tensor's data replaced by another's of the same type and shape (``blk.12.ffn_up.weight``
+    by ``blk.3.ffn_up.weight``): the same names, shapes and metadata, other weights, as a fine-tune would be — another
+    fingerprint, still a model that runs."""
+    from meshllm.llama.gguf import read_header
+
+    by_name = {t.name: t for t in read_header(model).tensors}
+    dst, src = by_name["blk.12.ffn_up.weight"], by_name["blk.3.ffn_up.weight"]
+    assert (dst.ggml_type, dst.shape, dst.nbytes) == (src.ggml_type, src.shape, src.nbytes)
+    shutil.copyfile(model, out)
+    with out.open("r+b") as f:
+        f.seek(src.offset)
+        data = f.read(src.nbytes)
+        f.seek(dst.offset)
+        f.write(data)
+    return out

@@ -7,30 +7,16 @@ from __future__ import annotations
 
 import itertools
 import json
-import shutil
 import subprocess
 import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-from meshllm.llama.gguf import read_header
+from tests.gguf_files import altered_copy
 
 from .meshlab import NodeProc, wait_for
 from .meshlab import _free_port as free_port
-
-
-def _other_model(tiny: Path, out: Path) -> Path:
-    hdr = read_header(tiny)
-    by_name = {t.name: t for t in hdr.tensors}
-    dst, src = by_name["blk.12.ffn_up.weight"], by_name["blk.3.ffn_up.weight"]
-    shutil.copyfile(tiny, out)
-    with out.open("r+b") as f:
-        f.seek(src.offset)
-        data = f.read(src.nbytes)
-        f.seek(dst.offset)
-        f.write(data)
-    return out
 
 
 def _get(port: int, path: str) -> dict[str, object]:
@@ -51,7 +37,7 @@ def _complete(port: int, model: str) -> tuple[int, dict[str, object]]:
 
 def test_two_models_each_answer_under_their_own_name_from_every_node(tmp_path: Path, tiny_model: Path,
                                                                     browser: object) -> None:  # fmt: skip
-    other = _other_model(tiny_model, tmp_path / "other-270m.gguf")
+    other = altered_copy(tiny_model, tmp_path / "other-270m.gguf")
     x, y = tiny_model.stem, other.stem
     nodes: list[NodeProc] = []
     try:

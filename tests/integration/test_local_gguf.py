@@ -26,6 +26,7 @@ from meshllm.llama.rpcwire import (
     WireStats,
     pack_rpc_tensor,
 )
+from tests.gguf_files import altered_copy
 
 from .splitlab import Split, Worker, start_split, stop_split
 
@@ -69,20 +70,8 @@ def reference(
 
 @pytest.fixture(scope="module")
 def altered_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The test model with one tensor's data replaced by another tensor's of the same type and shape: same
-    names, shapes and metadata, different weights (as a fine-tune would be)."""
-    hdr = read_header(tiny_model)
-    by_name = {t.name: t for t in hdr.tensors}
-    dst, src = by_name["blk.12.ffn_up.weight"], by_name["blk.3.ffn_up.weight"]
-    assert (dst.ggml_type, dst.shape, dst.nbytes) == (src.ggml_type, src.shape, src.nbytes)
-    out = tmp_path_factory.mktemp("altered") / "gemma-3-270m-altered.gguf"
-    shutil.copyfile(tiny_model, out)
-    with out.open("r+b") as f:
-        f.seek(src.offset)
-        data = f.read(src.nbytes)
-        f.seek(dst.offset)
-        f.write(data)
-    return out
+    """The test model with other weights (tests/gguf_files.py)."""
+    return altered_copy(tiny_model, tmp_path_factory.mktemp("altered") / "gemma-3-270m-altered.gguf")
 
 
 def _weights_pushed(stats: WireStats) -> int:
