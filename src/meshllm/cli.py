@@ -198,7 +198,13 @@ def cmd_node(args: argparse.Namespace) -> int:
         raise UserError("--client needs --join TOKEN (or --join-file / MESH_LLM_JOIN) the first time")
     if args.client and args.model is not None:
         raise UserError("--client serves no model: drop --model, or drop --client to serve it")
-    if not args.client and args.model is None and not tokens:
+    auto_fetch = args.model == Path("auto")  # the model that needs this node most, fetched from the mesh
+    if auto_fetch and not tokens and not _member(args.state_dir):
+        raise UserError("--model auto serves a model of the mesh it joins: give --join TOKEN too")
+    if auto_fetch and args.client:
+        raise UserError("--client serves no model: drop --model auto, or drop --client")
+    args.model = None if auto_fetch else args.model
+    if not args.client and args.model is None and not tokens and not auto_fetch:
         raise UserError("give --model PATH (or --join TOKEN to serve the mesh's model, or --client)")
     auto = not args.client and args.model is None
     api_key = args.api_key or os.environ.get("MESH_LLM_API_KEY") or None
@@ -224,7 +230,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         models_dir=args.models_dir,
         draft=args.draft, draft_max=args.draft_max, no_draft=args.no_draft, console_port=args.console,
         rpc_path=args.rpc_path, rpc_port=args.rpc_port, name=args.name or "", share=args.share == "on",
-        fetch_all=args.fetch == "all",
+        fetch_all=args.fetch == "all", auto_fetch=auto_fetch,
     )  # fmt: skip
     from meshllm.serve.terminal import terminal_for_node
 
@@ -640,7 +646,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", type=Path, metavar="MODEL",
         help="a GGUF file (first part of a split model), a catalog name (`mesh-llm download` lists them, e.g. "
-        "gemma3-270m, 32b), a Hugging Face org/repo/file.gguf, or an https:// URL",
+        "gemma3-270m, 32b), a Hugging Face org/repo/file.gguf, an https:// URL, or auto (with --join: the mesh's "
+        "model that needs this node most, fetched from its members)",
     )  # fmt: skip
     p.add_argument("--client", action="store_true", help="lite client: no model, no GPU")
     p.add_argument("--join", type=nonempty, action="append", metavar="TOKEN", help="invite token (repeatable)")

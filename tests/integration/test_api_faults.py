@@ -130,13 +130,46 @@ async def test_a_retry_that_finds_nobody_serving_says_why(monkeypatch: pytest.Mo
         dead.close()
 
 
-async def test_a_stream_cut_mid_way_ends_with_an_error_event(llama: Upstream) -> None:
+def _events(body: bytes) -> list[str]:
+    return [line[6:] for line in body.decode().splitlines() if line.startswith("data: ")]
+
+
+def _text(events: list[str]) -> str:
+    return "".join(json.loads(e)["choices"][0].get("text") or "" for e in events if e.startswith("{"))
+
+
+async def test_a_stream_cut_mid_way_goes_on_where_it_was_cut(llama: Upstream) -> None:
+    """[fleet] 4: the model server's connection drops after a few events; the answer goes on in the same stream on
+    whatever serves the model next (here the same llama-server, directly): the uninterrupted text, no error."""
+    a, url = await _api(Routes(llama))
+    try:
+        _, _, whole = await asyncio.wait_for(_post(url, {**BODY, "max_tokens": 120, "stream": True}), 120)
+    finally:
+        await a.stop()
     proxy, proxy_url = await _cutting_proxy(llama.base_url, cut_after=1500)  # the headers and a few events
     routes = Routes(Upstream("tiny", proxy_url, llama.key), llama)
     a, url = await _api(routes)
     try:
-        status, _, body = await asyncio.wait_for(_post(url, {**BODY, "max_tokens": 200, "stream": True}), 60)
-        events = [line[6:] for line in body.decode().splitlines() if line.startswith("data: ")]
+        status, _, body = await asyncio.wait_for(_post(url, {**BODY, "max_tokens": 120, "stream": True}), 120)
+        events = _events(body)
+        assert status == 200 and events[-1] == "[DONE]" and not any('"error"' in e for e in events), events[-3:]
+        assert _text(events) == _text(_events(whole)) and len(_text(events)) > 60
+        assert routes.calls >= 2, "it went on where the first upstream failed"
+    finally:
+        await a.stop()
+        proxy.close()
+
+
+async def test_a_stream_that_cannot_go_on_ends_with_an_error_event(llama: Upstream) -> None:
+    """A prompt of token ids cannot be continued: the stream ends with an error event (never a hang), and the
+    request is not sent again."""
+    proxy, proxy_url = await _cutting_proxy(llama.base_url, cut_after=1500)  # the headers and a few events
+    routes = Routes(Upstream("tiny", proxy_url, llama.key), llama)
+    a, url = await _api(routes)
+    try:
+        body_in = {**BODY, "prompt": [2, 9259, 3324, 496, 990], "max_tokens": 200, "stream": True}
+        status, _, body = await asyncio.wait_for(_post(url, body_in), 60)
+        events = _events(body)
         assert status == 200 and len(events) >= 2, body
         assert json.loads(events[0])["choices"], events[0]  # real tokens came first
         assert json.loads(events[-1])["error"]["type"] == "upstream_error", events[-1]

@@ -186,3 +186,30 @@ def test_a_streamed_answer_survives_its_host_s_kill_9(tmp_path: Path, tiny_model
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_a_node_with_model_auto_joins_the_model_that_needs_it_most(tmp_path: Path, tiny_model: Path) -> None:
+    """[fleet] 2: a holds a model with too little memory for it alone (its plan waits for peers); b serves the tiny
+    model alone (its name sorts first). A node started with ``--model auto`` and an empty models dir joins the model
+    that waits — fetching its layers from a — and that model's split serves."""
+    other = altered_copy(tiny_model, tmp_path / "other-270m.gguf")
+    nodes: list[NodeProc] = []
+    try:
+        a = NodeProc(tmp_path, "a", other, "--ctx-size", "1024", "--max-vram", "0.5")
+        nodes.append(a)
+        wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
+        token = (a.state / "token").read_text().strip()
+        b = NodeProc(tmp_path, "b", tiny_model, "--ctx-size", "1024", "--join", token)
+        nodes.append(b)
+        wait_for(lambda: "waiting for more peers" in a.text() and "ready:" in b.text(), 60, "a waiting, b serving")
+        d = NodeProc(tmp_path, "d", None, "--model", "auto", "--models-dir", str(tmp_path / "d-models"),
+                     "--max-vram", "0.3", "--ctx-size", "1024", "--join", token, auto=True)  # fmt: skip
+        nodes.append(d)
+        wait_for(lambda: "ready:" in a.text(), 120, "the waiting model's split to serve")
+        assert f"the model that needs this node most is {other.stem}" in d.text(), d.text()[-2000:]
+        assert "fetched layers" in d.text() and not (tmp_path / "d-models" / other.name).exists()
+        for n in (a, b, d):
+            assert _complete(n.port, tiny_model.stem)[0] == 200 and _complete(n.port, other.stem)[0] == 200
+    finally:
+        for n in nodes:
+            n.stop()

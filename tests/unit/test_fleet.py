@@ -22,3 +22,19 @@ def test_each_model_has_its_nodes_and_its_own_host() -> None:
     # no host yet (or one of another model): None, the nodes in id order
     none = model_groups(recs[:2], lambda r: recs[2])
     assert none[0].host is None and none[0].nodes == (N[0], N[1])
+
+
+def test_a_node_without_a_model_joins_the_one_that_needs_it_most() -> None:
+    from dataclasses import replace
+
+    from meshllm.proto.fleet import ModelGroup, neediest
+
+    h = PeerRecord(N[0], 1, 1, Role.HOST, model=X)
+    calm, busy = ModelGroup("a", "1", h, (N[0],)), ModelGroup("b", "2", replace(h, slots=(4, 4, 0, 0)), (N[1],))
+    queued = ModelGroup("c", "3", replace(h, slots=(1, 4, 2, 0)), (N[2],))
+    waiting = ModelGroup("d", "4", replace(h, why="waiting for more peers — need 9.0 GB, have 4.0 GB"), (N[3],))
+    hostless = ModelGroup("e", "5", None, (N[4],))
+    assert neediest([calm, busy, queued, waiting, hostless]) == waiting  # memory first
+    assert neediest([calm, busy, queued, hostless]) == queued  # then requests waiting for a slot
+    assert neediest([calm, busy]) == busy and neediest([busy, replace(busy, name="a")]).name == "a"  # type: ignore[union-attr]
+    assert neediest([hostless]) is None and neediest([]) is None

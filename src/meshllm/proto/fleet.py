@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import PeerRecord, Role
+from meshllm.proto.planner import WAITING
 
 
 @dataclass(frozen=True)
@@ -37,3 +38,16 @@ def model_groups(records: Iterable[PeerRecord], host_of: Callable[[PeerRecord], 
         nodes = tuple(sorted((r.node for r in recs), key=lambda n: (host is None or n != host.node, n)))
         out.append(ModelGroup(first.model.source, fp, host, nodes))
     return sorted(out, key=lambda g: (g.name, g.fingerprint))
+
+
+def neediest(groups: Iterable[ModelGroup]) -> ModelGroup | None:
+    """The model a node that joins without one should serve (``--model auto``): one whose host waits for memory
+    first, then the busiest (requests waiting for a slot, then slots busy), then by name. Only models with a host
+    (a model nobody may host takes no worker)."""
+    def need(g: ModelGroup) -> tuple[bool, int, int, str]:
+        assert g.host is not None
+        busy, _, queued, _ = g.host.slots
+        return (not g.host.why.startswith(WAITING), -queued, -busy, g.name)
+
+    hosted = [g for g in groups if g.host is not None]
+    return min(hosted, key=need) if hosted else None

@@ -126,6 +126,9 @@ def device_of_unit(split: tuple[int, ...], unit: int, n_layer: int) -> int:
     return len(split) - 1
 
 
+WAITING = "waiting for more peers"  # how a plan that cannot place the model begins its message (and a host's why)
+
+
 @dataclass(frozen=True)
 class Waiting:
     need: int
@@ -134,8 +137,8 @@ class Waiting:
 
     def message(self) -> str:
         if self.why:
-            return f"waiting for more peers — {self.why}"
-        return f"waiting for more peers — need {self.need / GB:.1f} GB, have {self.have / GB:.1f} GB"
+            return f"{WAITING} — {self.why}"
+        return f"{WAITING} — need {self.need / GB:.1f} GB, have {self.have / GB:.1f} GB"
 
 
 def host_fixed_bytes(shape: ModelShape, ctx: int) -> int:

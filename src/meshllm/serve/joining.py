@@ -14,7 +14,7 @@ from meshllm.errors import MeshError, UserError
 from meshllm.llama.gguf import model_shape, read_header
 from meshllm.net.meshnet import MeshNet
 from meshllm.paths import models_dir
-from meshllm.proto import crypto
+from meshllm.proto import crypto, fleet
 from meshllm.proto import token as tok
 from meshllm.proto.capacity import Offer
 from meshllm.proto.crypto import NodeId
@@ -127,20 +127,20 @@ def addresses_learned(net: MeshNet, state: Path, addrs: list[str], ttl_s: float,
 
 
 def mesh_model(net: MeshNet, now: float) -> ModelFacts | None:
-    """The model the mesh serves (its host's first), from the live records."""
+    """The model a node joining without one serves: the one that needs it most (``proto/fleet.neediest``: waiting
+    for memory, then the busiest), from the live records."""
     core = net.core
     if core is None:
         return None
-    recs = [r for r in core.table.alive(now) if r.model is not None and r.role != Role.CLIENT]
-    recs.sort(key=lambda r: (r.role != Role.HOST, r.node))
-    return recs[0].model if recs else None
+    g = fleet.neediest(fleet.model_groups(core.table.alive(now), lambda r: core.host_of(r, now)))
+    return g.host.model if g is not None and g.host is not None else None
 
 
-async def find_mesh_model(
-    net: MeshNet, where_opt: Path | None, can_serve: bool, console: Console
-) -> tuple[ModelFiles, ModelShape] | None:
-    """Joined without --model: the mesh's model on this machine, by fingerprint (any file name), or None with a
-    line saying why this node stays a lite client (``can_serve``: we have llama.cpp binaries)."""
+async def find_mesh_model(net: MeshNet, where_opt: Path | None, can_serve: bool, fetch: bool,
+                          console: Console) -> tuple[ModelFacts, Path | None] | None:  # fmt: skip
+    """Joined without --model (or with --model auto: ``fetch``): the model that needs this node most and its copy
+    on this machine, by fingerprint (any file name; None: none here, to fetch), or None with a line saying why this
+    node stays a lite client (``can_serve``: we have llama.cpp binaries)."""
     facts = None
     for _ in range(40):
         if (facts := mesh_model(net, time.monotonic())) is not None:
@@ -151,35 +151,43 @@ async def find_mesh_model(
         return None
     where = models_dir(where_opt)
     found = await asyncio.to_thread(find_by_fingerprint, where, facts.fingerprint, facts.size)
-    if found is None:
+    if found is None and not fetch:
         console.print(
             f"[yellow]no copy of {facts.source} ({facts.size / GB:.2f} GB, fingerprint {facts.fingerprint[:12]}) in "
-            f"{where}: staying a lite client (start it with --model NAME to fetch it from the members that have it)[/]"
+            f"{where}: staying a lite client (start it with --model auto, or --model NAME, to fetch it from the "
+            "members that have it)[/]"
         )
         return None
     if not can_serve:
         console.print("[yellow]found the model but no llama.cpp binaries: staying a lite client[/]")
         return None
-    console.print(f"found the mesh's model {facts.source} as {found} (same fingerprint): joining as a worker")
-    hdr = read_header(found)
-    return ModelFiles(found, facts, arch_template=arch_template(hdr)), model_shape(hdr)
+    if found is not None:
+        console.print(f"found the mesh's model {facts.source} as {found} (same fingerprint): joining as a worker")
+    else:
+        console.print(f"--model auto: the model that needs this node most is {facts.source}: fetching it")
+    return facts, found
 
 
 async def adopt_model(net: MeshNet, hosting: Hosting, wanted: str | None, o: NodeOptions, offer: Offer,
                       console: Console) -> tuple[ModelFiles, ModelShape, LayerKeeper | None] | None:  # fmt: skip
-    """Joined without --model (the mesh's model, if this machine has a copy), or with one this machine lacks
-    (``wanted``: fetched from the members that have it — only our layers, unless --fetch all — else the hub): our
+    """Joined without --model (the model that needs us most, if this machine has a copy; with --model auto, fetched
+    if not), or with one this machine lacks (``wanted``: fetched from the members that have it — only our layers,
+    unless --fetch all — else the hub): our
     rpc-server on it, and we say in our record that we serve it as a worker (and which layers a partial copy holds).
     None: this node stays a lite client."""
     keeper = None
-    if wanted is not None:
-        model, shape, copy = await obtain_and_open(net, wanted, o, console, hosting.sharing)
+    found = await find_mesh_model(net, o.models_dir, o.bins is not None, o.auto_fetch, console) if not wanted else None
+    if wanted is None and found is None:
+        return None
+    if found is not None and found[1] is not None:  # a copy here
+        hdr = read_header(found[1])
+        model, shape = ModelFiles(found[1], found[0], arch_template=arch_template(hdr)), model_shape(hdr)
+    else:  # fetched (its layers) from the members that serve it; --model auto: the model that needs us most
+        name = wanted or found[0].fingerprint if found is not None else wanted
+        assert name is not None
+        model, shape, copy = await obtain_and_open(net, name, o, console, hosting.sharing)
         if copy is not None:
             keeper = LayerKeeper(copy, net, lambda line: console.print(line, markup=False), hosting.sharing)
-    elif (found := await find_mesh_model(net, o.models_dir, o.bins is not None, console)) is not None:
-        model, shape = found
-    else:
-        return None
     await hosting.start_rpc_server(model, offer.use)
     net.update(role=Role.WORKER, capacity=offer.capacity, model=model.facts,
                held=keeper.copy.held() if keeper is not None else None)  # fmt: skip

@@ -54,6 +54,7 @@ class NodeOptions:
     name: str = ""  # --name: how people see this node (default: the hostname)
     share: bool = True  # --share: serve our model file to members that fetch it
     fetch_all: bool = False  # --fetch all: a model fetched from the mesh comes whole (else only our layers)
+    auto_fetch: bool = False  # --model auto: serve the model that needs this node most, fetched if not here
 
 
 def default_name() -> str:
