@@ -19,6 +19,14 @@ from .meshlab import NodeProc, wait_for
 from .meshlab import _free_port as free_port
 
 
+def _founder(tmp: Path, model: Path, nodes: list[NodeProc], *args: str) -> tuple[NodeProc, str]:
+    """Node a founds the mesh with ``model`` (it goes into ``nodes``); its invite token."""
+    a = NodeProc(tmp, "a", model, "--ctx-size", "1024", *args)
+    nodes.append(a)
+    wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
+    return a, (a.state / "token").read_text().strip()
+
+
 def _get(port: int, path: str) -> dict[str, object]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as r:
         return json.loads(r.read())  # type: ignore[no-any-return]
@@ -41,10 +49,7 @@ def test_two_models_each_answer_under_their_own_name_from_every_node(tmp_path: P
     x, y = tiny_model.stem, other.stem
     nodes: list[NodeProc] = []
     try:
-        a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024")
-        nodes.append(a)
-        wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
-        token = (a.state / "token").read_text().strip()
+        a, token = _founder(tmp_path, tiny_model, nodes)
         b = NodeProc(tmp_path, "b", other, "--ctx-size", "1024", "--join", token)
         cport = free_port()
         c = NodeProc(tmp_path, "c", None, "--client", "--join", token, "--console", str(cport))
@@ -131,10 +136,7 @@ def test_a_streamed_answer_survives_its_host_s_kill_9(tmp_path: Path, tiny_model
 
     nodes: list[NodeProc] = []
     try:
-        a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024")
-        nodes.append(a)
-        wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
-        token = (a.state / "token").read_text().strip()
+        _, token = _founder(tmp_path, tiny_model, nodes)
         b = NodeProc(tmp_path, "b", tiny_model, "--ctx-size", "1024", "--join", token)
         d = NodeProc(tmp_path, "d", tiny_model, "--ctx-size", "1024", "--join", token)
         c = NodeProc(tmp_path, "c", None, "--client", "--join", token)
@@ -195,10 +197,7 @@ def test_a_node_with_model_auto_joins_the_model_that_needs_it_most(tmp_path: Pat
     other = altered_copy(tiny_model, tmp_path / "other-270m.gguf")
     nodes: list[NodeProc] = []
     try:
-        a = NodeProc(tmp_path, "a", other, "--ctx-size", "1024", "--max-vram", "0.5")
-        nodes.append(a)
-        wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
-        token = (a.state / "token").read_text().strip()
+        a, token = _founder(tmp_path, other, nodes, "--max-vram", "0.5")
         b = NodeProc(tmp_path, "b", tiny_model, "--ctx-size", "1024", "--join", token)
         nodes.append(b)
         wait_for(lambda: "waiting for more peers" in a.text() and "ready:" in b.text(), 60, "a waiting, b serving")

@@ -21,7 +21,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgpack
@@ -161,9 +161,9 @@ async def _run(net: MeshNet, trusted: list[NodeId], plan: core.Fetch, fd: int, p
 
 @dataclass
 class PartialCopy:
-    """A worker's copy of the model that holds only some layers: ``.partial/<fingerprint>.part`` with the header, the
-    bytes the model fingerprint samples of every tensor, and the chunks of the layers fetched so far, each checked
-    against the manifest its sources agree on. Its fingerprint is the model's; the rpc-server loads from it."""
+    """A worker's copy of the model that holds only some layers: ``.partial/<fingerprint>.part`` with the header and
+    the chunks of the layers fetched so far, each checked against the manifest its sources agree on (whose
+    fingerprint was checked when it opened). The rpc-server loads from it."""
 
     net: MeshNet
     manifest: core.Manifest
@@ -173,15 +173,21 @@ class PartialCopy:
     header: GGUFHeader
     have: set[int]  # chunks on disk, checked
     name: str  # the model's name, for people
+    by_layer: dict[int, set[int]] = field(default_factory=dict)  # each layer's chunks (from the header, once)
+
+    def __post_init__(self) -> None:
+        for i in range(model_shape(self.header).n_layer):
+            self.by_layer[i] = self.manifest.covering((t.offset, t.nbytes) for t in self.header.tensors
+                                                      if layer_of(t.name) == i)  # fmt: skip
 
     def chunks_of(self, layers: set[int]) -> set[int]:
         """The chunks holding the tensors of ``layers``."""
-        return self.manifest.covering((t.offset, t.nbytes) for t in self.header.tensors
-                                      if layer_of(t.name) in layers)  # fmt: skip
+        return set().union(*(self.by_layer.get(i, set()) for i in layers))
 
     def held(self) -> tuple[tuple[int, int], ...]:
-        """The layers whose every chunk is here, as (first, count) ranges (what our record says)."""
-        return as_ranges(i for i in range(model_shape(self.header).n_layer) if self.chunks_of({i}) <= self.have)
+        """The layers whose every chunk is here, as (first, count) ranges (what our record says; asked at every
+        change of the mesh)."""
+        return as_ranges(i for i, chunks in self.by_layer.items() if chunks <= self.have)
 
     async def fetch_layers(self, layers: set[int], say: Callable[[str], None], track: Sharing | None) -> None:
         """The chunks of ``layers`` this copy lacks, from the trusted sources (UserError: they all failed)."""
