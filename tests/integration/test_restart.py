@@ -70,7 +70,9 @@ def test_a_restarted_worker_client_and_founder_rejoin_with_their_plain_command(t
         nodes.append(b)
         took = wait_for(lambda: _sees(b, a) and _sees(a, b), 30, "the worker to rejoin")
         assert took <= REJOIN_S, f"the worker rejoined in {took:.1f} s"
-        assert "rejoined the mesh via" in b.text() and "new mesh" not in b.text(), b.text()
+        # the line follows the dial's answer, which may come a moment after a's own connection to b (CI saw it)
+        wait_for(lambda: "rejoined the mesh via" in b.text(), 10, "b's rejoin line")
+        assert "new mesh" not in b.text(), b.text()
         # [face-2] 6: the host reaches it directly again (its rpc-server listens on a new port): it stayed on the
         # tunnel, the direct path blamed for a peer that had died
         wait_for(lambda: _ask(c) == 200 and _rpc_path(a, b).startswith("direct "), 120,
