@@ -593,10 +593,13 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{p['rtt_ms']:.1f}" if p.get("rtt_ms") is not None else "-",
         )  # fmt: skip
     out.print(t)
-    if len(models) > 1:
+    if len(models) > 1 or any(m.get("replicas") for m in models):
         for m in models:
             nodes = ", ".join(str(n)[:8] for n in m["nodes"])
-            out.print(f"  {m['name']}: host {str(m['host'] or 'none')[:8]} {m['state']}; nodes {nodes}", markup=False)
+            reps = ", ".join(str(n)[:8] for n in m.get("replicas") or [])
+            reps = f"; replicas {reps}" if reps else ""  # [fleet] hosts of it beside the elected one
+            out.print(f"  {m['name']}: host {str(m['host'] or 'none')[:8]} {m['state']}{reps}; nodes {nodes}",
+                      markup=False)  # fmt: skip
     for p in st["peers"]:
         if p.get("why"):
             out.print(f"  {p['short']}: {_state_text(p['state'], p['why'])}", markup=False)

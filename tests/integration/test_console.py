@@ -47,7 +47,10 @@ def test_console_shows_the_mesh_and_chats(tmp_path: Path, tiny_model: Path, brow
         assert "layers 0–17" in segs()[a_short] and "host" in segs()[a_short]
         used = next(p["planned_bytes"] for p in a.status()["peers"] if p["short"] == a_short)  # type: ignore[attr-defined, index]
         assert f"{used / 1e9:.1f} GB of " in segs()[a_short], segs()  # [face] memory planned of offered
-        assert "standby" in segs()[b_short]
+        # [fleet] b holds the whole model too: a replica beside the host, its own layers, listed with the model
+        wait_for(lambda: "replica" in segs()[b_short], 30, "b as a replica")
+        assert "layers 0–17" in segs()[b_short], segs()
+        wait_for(lambda: f"replicas {b_short}" in drv.find_element(By.ID, "m-models").text, 10, "the model's replicas")  # type: ignore[attr-defined]
         assert "gemma" in drv.find_element(By.ID, "m-name").text  # type: ignore[attr-defined]
         assert "pi --provider mesh" in drv.find_element(By.ID, "agents").text  # type: ignore[attr-defined]
         # [face] what a copy button copies is the command alone (it used to copy "goose: ..." with the label)

@@ -126,10 +126,16 @@ def _text(events: list[bytes]) -> str:
     return "".join(piece(json.loads(e[6:])["choices"][0]) for e in events if e.startswith(b"data: {"))
 
 
+def _slots_busy(n: NodeProc) -> int:
+    """How many of ``n``'s own llama-server's slots are busy, as its record says (once a second)."""
+    me = next(p for p in _get(n.port, "/mesh/status")["peers"] if p["path"] == "self")  # type: ignore[attr-defined]
+    return int((me.get("slots") or [0])[0])
+
+
 def test_a_streamed_answer_survives_its_host_s_kill_9(tmp_path: Path, tiny_model: Path) -> None:
-    """[fleet] 4: a, b and d hold the model whole (one hosts, the others stand by), c is a lite client. A greedy
-    answer streamed through c whose host is killed -9 mid-way goes on once another hosts: one stream, no error
-    event, and the text of the uninterrupted answer — a completion, then a chat (its host killed in turn)."""
+    """[fleet] 4: a, b and d hold the model whole (one hosts, the others serve replicas: [fleet] 3), c is a lite
+    client. A greedy answer streamed through c whose host is killed -9 mid-way goes on at another: one stream, no
+    error event, and the text of the uninterrupted answer — a completion, then a chat (its host killed in turn)."""
     import signal
     import threading
     import time
@@ -158,11 +164,10 @@ def test_a_streamed_answer_survives_its_host_s_kill_9(tmp_path: Path, tiny_model
             _stream(c.port, body, ref)
             assert ref[-1] == b"data: [DONE]" and len(_text(ref)) > 100, ref[-3:]
         for body, ref in zip((completion, chat), refs, strict=True):
-            host = next(n for n in nodes if n is not c and any(p["role"] == "host" and p["path"] == "self"
-                                                                for p in n.status()["peers"]))  # type: ignore[attr-defined]  # fmt: skip
             events: list[bytes] = []
             stamps: list[float] = []
             kill = threading.Event()
+            wait_for(lambda: not any(_slots_busy(n) for n in nodes if n is not c), 10, "every host idle again")
 
             def on_event(n: int, stamps: list[float] = stamps, kill: threading.Event = kill) -> None:
                 stamps.append(time.monotonic())
@@ -172,6 +177,9 @@ def test_a_streamed_answer_survives_its_host_s_kill_9(tmp_path: Path, tiny_model
             th = threading.Thread(target=_stream, args=(c.port, body, events, on_event))
             th.start()
             assert kill.wait(60), "the stream did not start"
+            hosts = [n for n in nodes if n is not c]  # the one whose llama-server runs the stream
+            wait_for(lambda hosts=hosts: len([n for n in hosts if _slots_busy(n)]) == 1, 10, "the stream's host")  # type: ignore[misc]
+            host = next(n for n in hosts if _slots_busy(n))
             host.stop(signal.SIGKILL)
             nodes.remove(host)
             th.join(180)

@@ -54,3 +54,18 @@ def test_max_vram_caps_both() -> None:
 def test_a_nearly_full_gpu_offers_nothing_rather_than_less_than_zero() -> None:
     full = [Device("CUDA0", "busy", 8192 * MiB, 100 * MiB)]
     assert offer(full, 64 * GB, None).capacity == 0
+
+
+def test_llama_threads_follow_the_cpus_this_process_may_use() -> None:
+    """[fleet] a node pinned to one CPU (taskset, a cpuset) runs llama.cpp with one thread, not one per CPU of the
+    machine (two threads on one CPU wait for each other)."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from meshllm.llama.supervisor import default_threads; print(default_threads())"
+    pinned = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)  # fmt: skip
+    free = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(pinned.stdout) == 1
+    assert int(free.stdout) == len(os.sched_getaffinity(0))

@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
-from meshllm.proto.fleet import model_groups
-from meshllm.proto.gossip import ModelFacts, PeerRecord, Role
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from meshllm.proto import crypto
+from meshllm.proto import token as tok
+from meshllm.proto.crypto import NodeId
+from meshllm.proto.fleet import AVOID_S, Spread, model_groups, replica_wanted
+from meshllm.proto.gossip import ModelFacts, NodeState, PeerRecord, Role
+from meshllm.proto.meshcore import MeshCore
 
 X, Y = ModelFacts("aa" * 32, 1, 18, "x"), ModelFacts("bb" * 32, 1, 18, "y")
 N = [bytes([i]) * 32 for i in range(6)]
@@ -38,3 +48,113 @@ def test_a_node_without_a_model_joins_the_one_that_needs_it_most() -> None:
     assert neediest([calm, busy, queued, hostless]) == queued  # then requests waiting for a slot
     assert neediest([calm, busy]) == busy and neediest([busy, replace(busy, name="a")]).name == "a"  # type: ignore[union-attr]
     assert neediest([hostless]) is None and neediest([]) is None
+
+
+# ------------------------------------------------------------------------------------------------ replicas
+
+
+@dataclass
+class Mesh:
+    """A founder's core (a lite client's view) and members' keys, ids and admission chains."""
+
+    core: MeshCore
+    now: float
+    keys: list[Ed25519PrivateKey]
+    ids: list[NodeId]
+    chains: list[tuple[tok.Link, ...]]
+
+
+def _members(n: int, scope: tok.Scope = tok.Scope.HOST, last: tok.Scope | None = None) -> Mesh:
+    """``last``: the last member's scope, when another."""
+    founder = crypto.new_key()
+    now = time.time()
+    chain = tok.found(founder, now)
+    core = MeshCore(key=founder, mesh_id=chain[0][0], chain=chain, incarnation=1, now=now)
+    keys = [crypto.new_key() for _ in range(n)]
+    ids = [crypto.node_id(k) for k in keys]
+    scopes = [scope] * (n - 1) + [last or scope]
+    chains = [tuple(tok.admit(founder, chain, i, now, s)) for i, s in zip(ids, scopes, strict=True)]
+    return Mesh(core, now, keys, ids, chains)
+
+
+def test_a_whole_copy_the_host_s_plan_leaves_out_serves_a_replica() -> None:
+    m = _members(3)
+    ids, chains = m.ids, m.chains
+    host = PeerRecord(ids[0], 1, 1, Role.HOST, model=X, chain=chains[0], planned=(ids[0], ids[1]))
+    me = PeerRecord(ids[2], 1, 1, Role.WORKER, model=X, chain=chains[2])
+    assert replica_wanted(me, host, fits_alone=True)
+    assert replica_wanted(replace(me, role=Role.HOST, replica=True), host, fits_alone=True)  # stays one
+    assert not replica_wanted(me, host, fits_alone=False)  # the model does not fit its memory alone
+    assert not replica_wanted(me, replace(host, planned=(ids[0], ids[2])), fits_alone=True)  # the plan uses it
+    assert not replica_wanted(me, replace(host, planned=()), fits_alone=True)  # a plan that waits for memory
+    assert not replica_wanted(me, replace(host, role=Role.WORKER), fits_alone=True)  # elected, not hosting yet
+    assert not replica_wanted(me, None, fits_alone=True)
+    assert not replica_wanted(replace(me, held=((0, 18),)), host, fits_alone=True)  # a partial copy
+    assert not replica_wanted(replace(me, model=Y), host, fits_alone=True)  # another model
+    worker_scoped = replace(me, chain=_members(1, tok.Scope.WORKER).chains[0])
+    assert not replica_wanted(worker_scoped, host, fits_alone=True)  # may not host: never a replica
+
+
+def test_requests_spread_by_load_per_slot_and_avoid_a_host_that_just_failed() -> None:
+    a = PeerRecord(N[1], 1, 1, Role.HOST, model=X, slots=(0, 4, 0, 512))
+    b = PeerRecord(N[2], 1, 1, Role.HOST, model=X, slots=(0, 4, 0, 512), replica=True)
+    s = Spread()
+    assert s.pick([], 0.0) is None
+    picked = []
+    for _ in range(4):  # gossip says both idle: what this node sent and has not seen answered decides
+        h = s.pick([a, b], 0.0)
+        assert h is not None
+        s.begin(h.node)
+        picked.append(h.node)
+    assert sorted(picked) == [N[1], N[1], N[2], N[2]], picked
+    for n in picked:
+        s.end(n)
+    assert not s.in_flight
+    busy_a = PeerRecord(N[1], 1, 2, Role.HOST, model=X, slots=(3, 4, 2, 512))  # others' requests, from gossip
+    assert s.pick([busy_a, b], 0.0) == b
+    big = PeerRecord(N[3], 1, 1, Role.HOST, model=X, slots=(4, 16, 0, 512), replica=True)  # per slot: less loaded
+    assert s.pick([busy_a, b, big], 0.0) == b and s.pick([busy_a, big], 0.0) == big
+    small = PeerRecord(N[4], 1, 1, Role.HOST, model=X, slots=(2, 2, 0, 512), replica=True)
+    assert s.pick([small, big], 0.0) == big  # 4 of 16 slots busy is less loaded than 2 of 2
+    s.fail(N[1], 10.0)  # its request failed: the others get requests while they serve
+    assert s.pick([a, b], 11.0) == b
+    assert s.pick([a], 11.0) == a  # ... but it is the only one: it is tried again
+    assert s.pick([a, b], 10.0 + AVOID_S + 1) == a and N[1] not in s.failed  # forgotten after AVOID_S
+
+
+def test_a_replica_is_never_the_sitting_host_and_is_routed_to_only_beside_the_elected_one() -> None:
+    m = _members(4, last=tok.Scope.WORKER)
+    core, now = m.core, m.now
+    host, rep, _, liar = m.ids
+
+    def put(i: int, seq: int, **kw: Any) -> None:
+        r = PeerRecord(m.ids[i], 1, seq, model=X, chain=m.chains[i], state=NodeState.SERVING, **kw)
+        core.table.merge_record(r.to_wire(m.keys[i]), now)
+        core.on_connected(m.ids[i], now)
+
+    # the replica's capacity is the largest: as a sitting host it would take the election from the host
+    put(0, 1, role=Role.HOST, capacity=10, planned=(host,))
+    put(1, 1, role=Role.HOST, capacity=12, replica=True)
+    put(2, 1, role=Role.WORKER, capacity=1)
+    got = core.hosts_for("x", now)
+    elected = core.host_of(core.table.entries[host].record, now)
+    assert elected is not None and elected.node == host
+    assert [r.node for r in got] == [host, rep] and core.serving_host("x", now) == host
+    assert core.hosts_for(None, now) == got and core.hosts_for("y", now) == []
+    # a replica record the host's plan uses is stale (it is a worker there now): no request goes to it
+    put(0, 2, role=Role.HOST, capacity=10, planned=(host, rep))
+    assert [r.node for r in core.hosts_for("x", now)] == [host]
+    assert model_groups(core.alive(now), lambda r: core.host_of(r, now))[0].replicas == ()
+    # a record claiming to be a replica without saying it serves, or of a partial copy, gets nothing
+    put(0, 3, role=Role.HOST, capacity=10, planned=(host,))
+    put(1, 2, role=Role.HOST, capacity=12, replica=True, held=((0, 18),))
+    assert [r.node for r in core.hosts_for("x", now)] == [host]
+    groups = model_groups(core.alive(now), lambda r: core.host_of(r, now))
+    assert groups[0].replicas == () and groups[0].nodes[0] == host
+    put(1, 3, role=Role.HOST, capacity=12, replica=True)
+    groups = model_groups(core.alive(now), lambda r: core.host_of(r, now))
+    assert groups[0].replicas == (rep,) and groups[0].nodes[:2] == (host, rep)
+    # a worker-scoped member that says it serves a replica (with any capacity) is none, and gets no request
+    put(3, 1, role=Role.HOST, capacity=99, replica=True)
+    assert model_groups(core.alive(now), lambda r: core.host_of(r, now))[0].replicas == (rep,)
+    assert liar not in [r.node for r in core.hosts_for("x", now)]

@@ -398,3 +398,13 @@ def test_a_partial_copy_says_which_layers_it_holds_and_is_never_elected_host() -
     assert _elect([whole, big], facts.fingerprint) == whole.node
     assert _elect([big], facts.fingerprint) is None
     assert _elect([whole, dataclasses.replace(big, held=None)], facts.fingerprint) == n
+
+
+def test_a_replica_says_so_in_its_record() -> None:
+    """[fleet] 3: a host beside the elected one says it is a replica ("rep"; absent: not one)."""
+    t = Table(crypto.node_id(FOUNDER), MESH)
+    k, c = member()
+    n = crypto.node_id(k)
+    assert t.merge_record(rec(k, c, role="host", replica=True), T).changed == [n]
+    assert t.entries[n].record.replica
+    assert t.merge_record(rec(k, c, seq=2, role="host"), T).changed == [n] and not t.entries[n].record.replica

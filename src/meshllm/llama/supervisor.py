@@ -51,7 +51,12 @@ class ChildState(StrEnum):
 
 
 def default_threads() -> int:
-    return max(1, os.cpu_count() or 1)
+    """The CPUs this process may run on (a cpuset, ``taskset``, a container's limit), not the machine's count: one
+    thread per CPU it cannot use only waits for the others."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity on this platform
+        return max(1, os.cpu_count() or 1)
 
 
 class Supervised:

@@ -4,12 +4,16 @@ status`` and the console group the mesh by these."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import PeerRecord, Role
 from meshllm.proto.planner import WAITING
+from meshllm.proto.token import Scope
+
+AVOID_S = 15.0  # a host whose request just failed gets none while another serves, for this long (or until it is back)
 
 
 @dataclass(frozen=True)
@@ -17,7 +21,8 @@ class ModelGroup:
     name: str  # the name the model is served under (its host's, else the first holder's)
     fingerprint: str
     host: PeerRecord | None  # its host as this node's election picks it (None: none yet)
-    nodes: tuple[NodeId, ...]  # the live nodes that hold it (whole or a partial copy), its host first
+    nodes: tuple[NodeId, ...]  # the live nodes that hold it (whole or a partial copy), its host first, then replicas
+    replicas: tuple[NodeId, ...] = ()  # hosts of it beside its elected one (``replica_wanted``), by id
 
 
 def model_groups(records: Iterable[PeerRecord], host_of: Callable[[PeerRecord], PeerRecord | None]
@@ -35,8 +40,11 @@ def model_groups(records: Iterable[PeerRecord], host_of: Callable[[PeerRecord], 
         host = host if host is not None and host.model is not None and host.model.fingerprint == fp else None
         first = host or recs[0]
         assert first.model is not None
-        nodes = tuple(sorted((r.node for r in recs), key=lambda n: (host is None or n != host.node, n)))
-        out.append(ModelGroup(first.model.source, fp, host, nodes))
+        used = set(host.planned) if host is not None else set()
+        reps = tuple(r.node for r in recs if r.replica and r.role == Role.HOST and r.whole and r.scope >= Scope.HOST
+                     and r.node not in used and (host is None or r.node != host.node))  # fmt: skip
+        nodes = tuple(sorted((r.node for r in recs), key=lambda n: (host is None or n != host.node, n not in reps, n)))
+        out.append(ModelGroup(first.model.source, fp, host, nodes, reps))
     return sorted(out, key=lambda g: (g.name, g.fingerprint))
 
 
@@ -51,3 +59,53 @@ def neediest(groups: Iterable[ModelGroup]) -> ModelGroup | None:
 
     hosted = [g for g in groups if g.host is not None]
     return min(hosted, key=need) if hosted else None
+
+
+# ------------------------------------------------------------------------------------------------ replicas
+
+
+def replica_wanted(me: PeerRecord, host: PeerRecord | None, fits_alone: bool) -> bool:
+    """Whether ``me`` serves a replica of its model beside ``host`` (the elected host of that model, as our election
+    picks it): it holds the whole model and may host, its memory holds the model alone (``fits_alone``), and the host
+    runs a plan that does not use it. A host whose plan waits for memory names no nodes: then every node stays
+    available to it (a replica never takes memory the model itself still needs)."""
+    return (host is not None and me.whole and me.role != Role.CLIENT
+            and me.scope >= Scope.HOST and host.role == Role.HOST and bool(host.planned)
+            and me.node not in host.planned and me.model is not None and host.model is not None
+            and me.model.fingerprint == host.model.fingerprint and fits_alone)  # fmt: skip
+
+
+@dataclass
+class Spread:
+    """Where this node sends each request among the hosts of a model (its elected host and its replicas): the one
+    with the least load per slot, by what gossip says it runs and queues and what this node has sent it and not
+    yet seen answered (gossip lags a second: 16 requests at once would otherwise all go to one host). A host whose
+    request failed lately gets none while another serves (``AVOID_S``)."""
+
+    in_flight: Counter[NodeId] = field(default_factory=Counter)
+    failed: dict[NodeId, float] = field(default_factory=dict)
+
+    def begin(self, node: NodeId) -> None:
+        self.in_flight[node] += 1
+
+    def end(self, node: NodeId) -> None:
+        self.in_flight[node] -= 1
+        if self.in_flight[node] <= 0:
+            del self.in_flight[node]
+
+    def fail(self, node: NodeId, now: float) -> None:
+        self.failed[node] = now
+
+    def pick(self, hosts: Sequence[PeerRecord], now: float) -> PeerRecord | None:
+        """One of ``hosts`` (records of hosts that serve; ours among them when our own llama-server does)."""
+        for n, t in list(self.failed.items()):
+            if now - t > AVOID_S:
+                del self.failed[n]
+        fine = [h for h in hosts if h.node not in self.failed] or list(hosts)
+
+        def load(h: PeerRecord) -> tuple[float, int, NodeId]:
+            busy, total, queued, _ = h.slots
+            mine = self.in_flight[h.node]
+            return max(busy + queued, mine) / max(1, total), mine, h.node
+
+        return min(fine, key=load) if fine else None

@@ -100,6 +100,7 @@ class RecordUpdate(TypedDict, total=False):
     layers: tuple[tuple[int, int], ...]
     rate: float
     held: tuple[tuple[int, int], ...] | None
+    replica: bool
     left: bool
 
 
@@ -135,6 +136,8 @@ class PeerRecord:
     rate: float = 0.0  # a host: tokens per second its llama-server generates now (running requests counted)
     held: tuple[tuple[int, int], ...] | None = None  # a partial copy of its model: the layers it holds (first,
     # count); None: the whole file. A partial copy is never elected host, nor a source of the model's file
+    replica: bool = False  # a host of its model beside the elected one ([fleet]: a node its plan does not use, which
+    # holds the whole model alone); never the sitting host of an election
 
     @property
     def whole(self) -> bool:
@@ -160,6 +163,7 @@ class PeerRecord:
                 "slots": list(self.slots),
                 "why": self.why, "lyr": [list(x) for x in self.layers], "rate": self.rate,
                 **({"held": [list(x) for x in self.held]} if self.held is not None else {}),
+                **({"rep": True} if self.replica else {}),
             }
         )  # fmt: skip
         return pack([body, crypto.sign(key, crypto.D_RECORD, body)])
@@ -325,6 +329,7 @@ def record_from_wire(
         host=host, planned=_planned(d), chain=tuple(chain), left=_field(d, "left", bool), at=_field(d, "at", int),
         served=_pair(d, "srv"), ttft=_pair(d, "ttft"), progress=_progress(d), why=_why(d), slots=_slots(d),
         layers=_layers(d), rate=_rate(d), held=_layers(d, "held") if "held" in d else None,
+        replica=d.get("rep") is True,
     )  # fmt: skip
 
 

@@ -334,6 +334,25 @@ class MeshCore:
                 return rec.node
         return None
 
+    def hosts_for(self, model: str | None, now: float) -> list[PeerRecord]:
+        """Every peer a request for ``model`` (any when None) may go to ([fleet]): the host our election picks and
+        the replicas beside it — host-scoped records marked ``replica``, holding the whole model, that the elected
+        host's plan does not use — each once it says it serves and we are connected to it; this node left out. The
+        elected host first; the first model (by fingerprint) that has any."""
+        recs = self.alive(now)
+        mine = self.record.model.fingerprint if self.record.model else None
+        fps = sorted({r.model.fingerprint for r in recs if r.model is not None and _may_host(r)
+                      and (model is None or r.model.source == model)})  # fmt: skip
+        for fp in fps:
+            host = self._election.current if fp == mine and self._election.current is not None else _elect(recs, fp)
+            used = next((set(r.planned) for r in recs if r.node == host), set())
+            out = [r for r in recs if r.node in self.peers and r.role == Role.HOST and r.state == NodeState.SERVING
+                   and _may_host(r) and r.whole and r.model is not None and r.model.fingerprint == fp
+                   and (r.node == host or (r.replica and r.node not in used))]  # fmt: skip
+            if out:
+                return sorted(out, key=lambda r: (r.node != host, r.node))
+        return []
+
     def served_models(self, now: float) -> list[str]:
         """The names the mesh serves models under: those of nodes that may host them (a client- or worker-scoped
         member's record adds no name)."""
@@ -382,8 +401,9 @@ def _may_host(r: PeerRecord) -> bool:
 
 def _elect(recs: list[PeerRecord], fp: str) -> NodeId | None:
     """The host of model ``fp`` by the election every node runs over the same records (proto/election.py)."""
-    hosts = [r for r in recs if r.role == Role.HOST and _may_host(r) and r.model and r.model.fingerprint == fp]
-    # after a partition heals there may be two sitting hosts: every node keeps the same one
+    hosts = [r for r in recs if r.role == Role.HOST and not r.replica and _may_host(r) and r.model
+             and r.model.fingerprint == fp]  # fmt: skip
+    # after a partition heals there may be two sitting hosts: every node keeps the same one (a replica sits nowhere)
     sitting = max(hosts, key=lambda r: (r.capacity, r.node)).node if hosts else None
     cands = [Candidate(r.node, r.capacity, r.model.fingerprint if r.model and r.whole else None, r.role, r.scope)
              for r in recs]  # a partial copy of the model cannot host it  # fmt: skip

@@ -21,6 +21,7 @@ import aiohttp
 from aiohttp import web
 
 from meshllm.proto import resume
+from meshllm.proto.fleet import Spread
 from meshllm.serve import gate, webguard
 from meshllm.serve.metrics import CONTENT_TYPE, Counters
 from meshllm.serve.slotgate import QueueFull, SlotGate
@@ -41,6 +42,8 @@ class Upstream:
     base_url: str
     key: str | None = None  # llama-server's own key (a local one); None: the upstream takes none (a host's door)
     slots: SlotGate | None = None  # our own llama-server's slots: completions wait there for one (None: another node's)
+    node: bytes = b""  # the node that serves it (a replica or the elected host: ``spread`` counts its requests)
+    spread: Spread | None = None
 
 
 @dataclass(frozen=True)
@@ -536,6 +539,8 @@ class Api:
         """``_forward`` once the request has its slots on our own llama-server (another node's: that node's door
         holds them); 429 with Retry-After when every slot is busy and the queue is full."""
         self.in_flight += 1
+        if up.spread is not None:
+            up.spread.begin(up.node)
         try:
             if up.slots is None or not weight:
                 return await self._forward(request, path, up, body)
@@ -548,6 +553,8 @@ class Api:
                           headers={"Retry-After": str(e.retry_after_s)}, code="rate_limit_exceeded")  # fmt: skip
         finally:
             self.in_flight -= 1
+            if up.spread is not None:
+                up.spread.end(up.node)
 
     async def _wait_for_upstream(self, model: str | None) -> Upstream | Unavailable | None:
         deadline = asyncio.get_running_loop().time() + RETRY_WAIT_S
@@ -619,6 +626,8 @@ class Api:
                 return resp
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
             log.warning("upstream %s failed: %s", up.base_url, e)
+            if up.spread is not None:  # its requests go to another host of the model while one serves
+                up.spread.fail(up.node, time.monotonic())
             if resp is None or not resp.prepared:
                 return e.__class__.__name__
             if sent is not None and await self._resume(request, path, resp, body, sent):

@@ -327,13 +327,14 @@ class Hosting:
 
     def upstream(
         self, model: str | None, served: list[str], facts: ModelFacts | None, remote: tuple[NodeId, str] | None,
-        plan: Plan | Waiting | None, host: NodeId | None, me: NodeId, host_says: str = "",
+        plan: Plan | Waiting | None, host: NodeId | None, me: NodeId, host_says: str = "", here: bool = True,
     ) -> Upstream | Unavailable | None:  # fmt: skip
         """Where the API sends a request for ``model`` (see ``serving.route``): our llama-server, a tunnel listener
-        to the serving host (opened in the background on first need), or a 503 with the reason."""
+        to the serving host (opened in the background on first need), or a 503 with the reason. ``here``: False when
+        the request goes to ``remote`` although our own llama-server serves the model too (a replica less busy)."""
         srv = self.server
         local = None
-        if srv is not None and facts is not None:
+        if srv is not None and facts is not None and here:
             p = srv.load_progress() if srv.state == ChildState.LOADING and not srv.reason else -1
             local = serving.LocalServing(facts.source, srv.state, srv.reason or (f"loading the model: {p}%" if p >= 0
                                                                                  else ""))  # fmt: skip

@@ -44,7 +44,11 @@ def event_line(
     return None
 
 
-def plan_line(p: Plan | Waiting, me: NodeId) -> str:
+def plan_line(p: Plan | Waiting, me: NodeId, elected: NodeId | None = None) -> str:
+    """The plan this node follows: ``elected`` its model's elected host (another than the plan's: a replica)."""
+    if isinstance(p, Plan) and p.host == me and elected not in (None, me):
+        size = sum(a.bytes for a in p.assignments) / GB
+        return f"[bold]replica:[/] this node serves the whole model ({size:.2f} GB) beside host {name(elected, me)}"
     if isinstance(p, Waiting):
         hint = "" if p.why else " — to add one: `mesh-llm token` here, then `mesh-llm --model MODEL --join TOKEN` there"
         return f"[yellow]{p.message()}[/]{hint}"

@@ -125,7 +125,7 @@ class Node:
 
     async def _serve(self, tokens: list[tok.Token]) -> None:
         """Start every part, then serve until told to stop."""
-        assert self.net is not None and self.hosting is not None and self.router is not None
+        assert self.net is not None and self.hosting is not None and self.router is not None and self.replanner
         self._tasks.append(asyncio.ensure_future(self._events()))
         await self._start_api()
         await self.hosting.open_door(self.router.models, self.o.max_tokens)
@@ -157,7 +157,7 @@ class Node:
                 f"http://127.0.0.1:{self.o.port}/v1", self.o.api_key, self.console, self.o.max_tokens,
             )  # fmt: skip
         self._tasks.append(asyncio.ensure_future(watch_llama(self.net, self.hosting, self.api,
-                                                             lambda: self.host == self.me)))  # fmt: skip
+                                                             self.replanner.hosts)))  # fmt: skip
         if self.o.auto_model or self.wanted:  # serve a model found here, fetched from peers, or downloaded
             found = await adopt_model(self.net, self.hosting, self.wanted, self.o, self.offer, self.console)
             self.model, self.shape, self.layers = found or (self.model, self.shape, None)
@@ -247,11 +247,9 @@ class Node:
         if host != self.host:
             self.host = host
             hosting.drop_stale_tunnels(host)
-            if not self.o.client and self.facts is not None:
-                net.update(role=Role.HOST if host == self.me else Role.WORKER)
         adopted = self.replanner.step(now, self.host, self.shape, self.facts) if self.replanner else None
         if adopted is not None:
-            self._say(narration.plan_line(adopted, self.me), "plan")
+            self._say(narration.plan_line(adopted, self.me, self.host), "plan")
         if self.layers is not None:  # a partial copy: the layers the plan gives us
             self.layers.follow(self.plan, self.me)
         hosting.reconfigure(self.plan, self.me)

@@ -1,16 +1,17 @@
 """The plan this node follows: sized from the live records (``proto/planner.size``: layers, slots, context),
 adopted once it has held for ``PLAN_DEBOUNCE_S`` (joins come in bursts and a new plan costs a model load; at once
 when a planned node is gone). The host gossips the plan it runs, so every node keeps its nodes first and every node
-shows its layers."""
+shows its layers. A node the elected host's plan leaves out, which holds the whole model alone, serves a replica of
+it: its own plan, alone (``proto/fleet.replica_wanted``)."""
 
 from __future__ import annotations
 
 from meshllm.net.meshnet import MeshNet
-from meshllm.proto import serving
+from meshllm.proto import fleet, serving
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.debounce import Debouncer
-from meshllm.proto.gossip import MAX_WHY, ModelFacts
-from meshllm.proto.planner import ModelShape, Plan, Sizing, Waiting, plan_broken, size, slots_for
+from meshllm.proto.gossip import MAX_WHY, ModelFacts, Role
+from meshllm.proto.planner import ModelShape, Plan, Sizing, Slot, Waiting, plan_broken, size, slots_for
 from meshllm.serve.hosting import Hosting
 from meshllm.serve.options import NodeOptions
 
@@ -23,19 +24,41 @@ class Replanner:
         self.plan: Plan | Waiting | None = None
         self._debounce = Debouncer[tuple[Plan | Waiting, Sizing]](PLAN_DEBOUNCE_S, first_at_once=True)
 
-    def step(self, now: float, host: NodeId | None, shape: ModelShape | None,
+    def hosts(self) -> bool:
+        """Whether this node runs llama-server for its plan: the elected host, or a replica beside it."""
+        return isinstance(self.plan, Plan) and self.plan.host == self.me
+
+    def step(self, now: float, elected: NodeId | None, shape: ModelShape | None,
              facts: ModelFacts | None) -> Plan | Waiting | None:  # fmt: skip
         """The plan newly adopted now (None: none, or the same as before)."""
         core = self.net.core
-        if core is None or host is None or shape is None or facts is None:
+        if core is None or facts is None:
             return None
-        slots = slots_for(core.alive(now), host, facts.fingerprint)
-        if slots is None:
+        o, me = self.o, core.record
+        host_rec = core.record if elected == self.me else self.net.record(elected) if elected else None
+
+        def sized_for(host: Slot, others: list[Slot], prefer: set[NodeId]) -> tuple[Plan | Waiting, Sizing]:
+            assert shape is not None
+            return size(shape, host, others, o.parallel, o.ctx_size, o.tuning.cache_type, split=o.tensor_split,
+                        prefer=prefer)  # fmt: skip
+
+        alone = sized_for(Slot(self.me, me.capacity, shares=me.shares), [], set()) if shape else None
+        replica = (alone is not None and o.tensor_split is None
+                   and fleet.replica_wanted(me, host_rec, isinstance(alone[0], Plan)))  # fmt: skip
+        host = self.me if replica else elected
+        role = Role.HOST if host == self.me else Role.WORKER
+        if me.role != Role.CLIENT and (me.role, me.replica) != (role, replica):
+            self.net.update(role=role, replica=replica)
+        if host is None or shape is None:
             return None
-        host_rec = core.record if host == self.me else self.net.record(host)
-        prefer = serving.keep_first(self.me, host, self.plan, host_rec.planned if host_rec else ())
-        o = self.o
-        sized = size(shape, *slots, o.parallel, o.ctx_size, o.tuning.cache_type, split=o.tensor_split, prefer=prefer)
+        if replica and alone is not None:
+            sized = alone
+        else:
+            slots = slots_for(core.alive(now), host, facts.fingerprint)
+            if slots is None:
+                return None
+            sized = sized_for(*slots, serving.keep_first(self.me, host, self.plan, host_rec.planned if host_rec
+                                                         else ()))  # fmt: skip
         alive = {r.node for r in core.alive(now)}
         got = self._debounce.propose(sized, now, urgent=plan_broken(self.plan, alive))
         if got is None or (got[0] == self.plan and got[1] == self.hosting.sizing):

@@ -14,7 +14,7 @@ from meshllm import __version__
 from meshllm.net.meshnet import MeshNet
 from meshllm.proto import crypto, fleet, standing
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.gossip import ModelFacts, PeerRecord
+from meshllm.proto.gossip import ModelFacts, PeerRecord, Role
 from meshllm.proto.planner import Plan, Waiting
 from meshllm.serve.api import Api
 from meshllm.serve.hosting import Hosting
@@ -69,7 +69,8 @@ class Report:
             host = g.host
             stand = self.standing(host, now) if host is not None else None
             out.append({"name": g.name, "fingerprint": g.fingerprint, "host": host.node.hex() if host else None,
-                        "nodes": [n.hex() for n in g.nodes], "state": str(stand.state) if stand else "waiting",
+                        "nodes": [n.hex() for n in g.nodes], "replicas": [n.hex() for n in g.replicas],
+                        "state": str(stand.state) if stand else "waiting",
                         "why": stand.why if stand else "no host elected yet"})  # fmt: skip
         return out
 
@@ -78,10 +79,11 @@ class Report:
         m = next((m for m in self.models(time.monotonic()) if m["name"] == name), None)
         if m is None:
             return None
-        host, nodes = m["host"], m["nodes"]
-        assert isinstance(nodes, list)
+        host, nodes, reps = m["host"], m["nodes"], m["replicas"]
+        assert isinstance(nodes, list) and isinstance(reps, list)
         return {"fingerprint": m["fingerprint"], "host": str(host)[:8] if host else None,
-                "nodes": [str(n)[:8] for n in nodes], "state": m["state"]}  # fmt: skip
+                "replicas": [str(n)[:8] for n in reps], "nodes": [str(n)[:8] for n in nodes],
+                "state": m["state"]}  # fmt: skip
 
     def save(self, v: NodeView, now: float, state_dir: Path) -> None:
         """The status into the state dir's status.json, when it changed (``mesh-llm status`` reads it)."""
@@ -112,10 +114,23 @@ class Report:
         return {"count": n, "avg": round(total_ms / n / 1000, 3)} if n else None
 
     def slots(self, now: float) -> tuple[int, int, int, int]:
-        """The serving host's slots, as it gossips them: busy, in all, requests waiting, each one's context."""
+        """The slots of the model this node routes to, as its hosts gossip them (the elected one and its replicas,
+        summed): busy, in all, requests waiting; the elected host's context per slot."""
         core = self.net.core
-        host = next((r for r in core.alive(now) if r.role == "host"), None) if core is not None else None
-        return host.slots if host is not None else (0, 0, 0, 0)
+        host = core.host_record(now) if core is not None else None
+        if core is None or host is None:
+            return (0, 0, 0, 0)
+        hosts = self._hosts_of(host, now)
+        return (sum(h.slots[0] for h in hosts), sum(h.slots[1] for h in hosts), sum(h.slots[2] for h in hosts),
+                host.slots[3])  # fmt: skip
+
+    def _hosts_of(self, host: PeerRecord, now: float) -> list[PeerRecord]:
+        """``host`` and the replicas of its model ([fleet])."""
+        core = self.net.core
+        assert core is not None
+        fp = host.model.fingerprint if host.model else None
+        return [host] + [r for r in core.alive(now) if r.replica and r.role == Role.HOST and r.node != host.node
+                         and r.model is not None and r.model.fingerprint == fp]  # fmt: skip
 
     def mesh_tokens(self, now: float) -> MeshTokens | None:
         """What the hosts say their llama-servers did, for every node's requests (every completion runs on a host),
@@ -129,7 +144,8 @@ class Report:
         if host is None and not generated:
             return None
         short = crypto.short(host.node) if host else ""
-        return MeshTokens(short, generated, prompt, host.progress if host else -1, host.rate if host else 0.0)
+        rate = sum(h.rate for h in self._hosts_of(host, now)) if host else 0.0  # replicas generate too
+        return MeshTokens(short, generated, prompt, host.progress if host else -1, rate)
 
     def standing(self, r: PeerRecord, now: float) -> standing.Standing:
         """Where ``r``'s node stands, as every node computes it (``proto/standing.py``)."""
@@ -146,20 +162,24 @@ class Report:
             conn = self.net.peers.get(r.node)
             stand = self.standing(r, now)
             peers.append({
-                "node": r.node.hex(), "short": crypto.short(r.node), "name": r.name, "role": r.role,
+                "node": r.node.hex(), "short": crypto.short(r.node), "name": r.name,
+                "role": "replica" if r.replica and r.role == Role.HOST else r.role,
                 "scope": str(r.scope),
                 "capacity": r.capacity,
                 "device": r.device, "state": str(stand.state), "why": stand.why, "incarnation": r.incarnation,
                 "liveness": core.liveness(r.node, now).value,
                 "model": r.model.fingerprint if r.model else None,
                 "held": [list(x) for x in r.held] if r.held is not None else None,  # a partial copy's layers
+                # a host (a replica too): its llama-server's slots busy, in all, requests waiting
+                "slots": list(r.slots[:3]) if r.role == Role.HOST else None,
                 "path": "self" if r.node == v.me else (conn.path if conn else "not connected"),
                 "pinned_key": (k.hex() if (k := conn.pinned_key) else None) if conn else None,
                 "links": {crypto.short(k): v for k, v in r.links.items()}, "relay": r.relay,
                 "rtt_ms": core.rtt_ms.get(r.node),
                 "tunnel": self.hosting.tunnel_counts(r.node),
                 "rpc_path": self.hosting.rpc_path_of(r.node) or None,  # host: how llama-server reaches it
-                "layers": layers_of(v.plan if _same_model(r, v.model) else None, r.node, core.host_of(r, now)),
+                "layers": layers_of(v.plan if _same_model(r, v.model) else None, r.node,
+                                    r if r.replica else core.host_of(r, now)),  # a replica: its own plan's
                 "planned_bytes": planned_bytes(v.plan, r.node),  # of its capacity, what the plan puts on it
             })  # fmt: skip
         p = v.plan
@@ -196,7 +216,8 @@ class Report:
             "agents": [{"label": a, "copy": b} for a, b in agent_commands(v.served[0], self.port, self.slots(now)[3],
                                                                           self.keyed)] if v.served else [],
             "slots": dict(zip(("busy", "total", "queued", "ctx"), self.slots(now), strict=True)),
-            "node": v.me.hex(), "mesh": core.mesh_id.hex(), "role": core.record.role,
+            "node": v.me.hex(), "mesh": core.mesh_id.hex(),
+            "role": "replica" if core.record.replica else core.record.role,
             "host": v.host.hex() if v.host else None, "peers": peers, "plan": plan_obj,
             "reach": {
                 "addrs": self.net.all_addrs, "public": self.net.nat.public, "relay_server": ep.relay_server,

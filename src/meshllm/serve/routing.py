@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
+from meshllm.llama.supervisor import ChildState
 from meshllm.net.meshnet import MeshNet
 from meshllm.proto import crypto, standing
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.gossip import ModelFacts
+from meshllm.proto.fleet import Spread
+from meshllm.proto.gossip import ModelFacts, PeerRecord
 from meshllm.proto.planner import Plan, Waiting
 from meshllm.serve.api import Unavailable, Upstream
 from meshllm.serve.hosting import Hosting
@@ -23,27 +26,33 @@ class Router:
         """``host``, ``plan``, ``facts``: the node's elected host, its plan and its model, now."""
         self.net, self.hosting, self.me = net, hosting, me
         self.host, self.plan, self.facts = host, plan, facts
+        self.spread = Spread()  # which of a model's hosts (elected, replicas) each request goes to
 
     def models(self) -> list[str]:
         return self.net.core.served_models(time.monotonic()) if self.net.core else []
 
     def serving_hosts(self) -> list[NodeId]:
-        """The host of every model the mesh serves, as our election picks them (ourselves left out)."""
-        hosts = [self.serving_host(m) for m in self.models()]
-        return sorted({h for h in hosts if h is not None and h != self.me})
+        """Every host of every model the mesh serves — the one our election picks and its replicas (ourselves left
+        out): the tunnels a request may take."""
+        core, now = self.net.core, time.monotonic()
+        return sorted({r.node for m in self.models() for r in core.hosts_for(m, now)}) if core else []
 
-    def serving_host(self, model: str | None) -> NodeId | None:
-        core = self.net.core
-        return core.serving_host(model, time.monotonic()) if core else None
+    def _here(self, model: str | None) -> list[PeerRecord]:
+        """Our own record, when our llama-server serves ``model`` (its load as gossip carries it)."""
+        srv, facts, core = self.hosting.server, self.facts(), self.net.core
+        if core is None or srv is None or srv.state != ChildState.SERVING or facts is None:
+            return []
+        return [core.record] if model in (None, facts.source) else []
 
     def route(self, model: str | None) -> Upstream | Unavailable | None:
-        remote = self.serving_host(model)
-        core = self.net.core
-        rec = (core.record if remote == self.me else self.net.record(remote)) if remote and core else None
-        name = rec.model.source if rec and rec.model else "?"
-        served = (remote, name) if remote else None
-        return self.hosting.upstream(model, self.models(), self.facts(), served, self.plan(), self.host(), self.me,
-                                     self.host_says())  # fmt: skip
+        core, now = self.net.core, time.monotonic()
+        chosen = self.spread.pick((core.hosts_for(model, now) if core else []) + self._here(model), now)
+        remote = chosen if chosen is not None and chosen.node != self.me else None
+        served = (remote.node, remote.model.source if remote.model else "?") if remote else None
+        up = self.hosting.upstream(model, self.models(), self.facts(), served, self.plan(), self.host(), self.me,
+                                   self.host_says(), here=remote is None)  # fmt: skip
+        return replace(up, node=remote.node if remote else self.me, spread=self.spread) if isinstance(up, Upstream) \
+            else up
 
     def host_says(self) -> str:
         """Why the host this node routes to (its own election's, never a self-claim) cannot serve, from its record

@@ -21,7 +21,8 @@ from meshllm.serve.hosting import Hosting
 
 
 async def watch_llama(net: MeshNet, hosting: Hosting, api: Api | None, hosting_now: Callable[[], bool]) -> None:
-    """Forever, once a second; ``hosting_now``: whether this node is the elected host."""
+    """Forever, once a second; ``hosting_now``: whether this node runs llama-server for its plan (the elected host,
+    or a replica)."""
     assert net.core is not None
     base, last, sent, progress, asked = (0, 0), (0, 0), (0, 0), -1, 0
     meter = RateMeter()

@@ -8,8 +8,10 @@ const stateText = (state, why) => (!why ? state : why.split(" ")[0] === state.sp
 
 function segment(p, models) {
   const d = document.createElement("div");
-  // the colour says what it does: host, worker of the running plan, standby (not in it), lite client
-  const kind = p.role === "client" ? "client" : p.role === "host" ? "host" : p.state === "standby" ? "standby" : "worker";
+  // the colour says what it does: host (a replica too: it serves the whole model), worker of the running plan,
+  // standby (not in it), lite client
+  const kind = p.role === "client" ? "client" : p.role === "host" || p.role === "replica" ? "host"
+    : p.state === "standby" ? "standby" : "worker";
   const suspect = p.liveness === "suspect" || p.state === "unreachable";  // silent: maybe gone (dead at 10 s)
   d.className = "seg " + kind + (suspect ? " suspect" : "");
   d.dataset.node = p.short;
@@ -21,7 +23,8 @@ function segment(p, models) {
   d.innerHTML = `<div class="id"></div><div class="sub state"></div><div class="sub"></div><div class="sub"></div>`;
   // several models in the mesh: each node says which one it holds
   const model = models.length > 1 && p.model ? (models.find((m) => m.fingerprint === p.model) || {}).name : "";
-  d.children[0].textContent = `${p.name || p.short} · ${kind}` + (model ? ` · ${model}` : "");
+  const label = p.role === "replica" ? "replica" : kind;  // a replica: a host of the model beside the elected one
+  d.children[0].textContent = `${p.name || p.short} · ${label}` + (model ? ` · ${model}` : "");
   d.children[1].textContent = stateText(p.state, p.why);
   const dev = p.device && p.capacity ? ` (${p.device})` : "";
   const used = p.planned_bytes ? `${gb(p.planned_bytes)} of ` : "";  // what the plan puts there, of what it offers
@@ -35,14 +38,16 @@ function render(st) {
   $("mesh").textContent = `node ${st.node.slice(0, 8)} in mesh ${st.mesh.slice(0, 8)}`;
   const cluster = $("cluster");
   // a stable order: the host first, then by node id (a rejoin must not reshuffle the bar)
-  const rank = (p) => (p.role === "host" ? "0" : "1") + p.node;
+  const rank = (p) => (p.role === "host" ? "0" : p.role === "replica" ? "1" : "2") + p.node;
   const peers = [...st.peers].sort((x, y) => (rank(x) < rank(y) ? -1 : 1));
   const models = st.models || [];
   cluster.replaceChildren(...peers.map((p) => segment(p, models)));
   $("m-name").textContent = st.model ? st.model.source : (st.served_models || []).join(", ") || "–";
   // every model the mesh serves: its host (each model has its own election) and the nodes that hold it
+  // and its replicas: hosts of it beside the elected one, each serving the whole model
+  const reps = (m) => (m.replicas || []).length ? ` · replicas ${m.replicas.map((n) => n.slice(0, 8)).join(", ")}` : "";
   $("m-models").textContent = models.map((m) => `${m.name}: host ${m.host ? m.host.slice(0, 8) : "none"} ` +
-    `${m.state} · nodes ${m.nodes.map((n) => n.slice(0, 8)).join(", ")}`).join("  |  ") || "–";
+    `${m.state}${reps(m)} · nodes ${m.nodes.map((n) => n.slice(0, 8)).join(", ")}`).join("  |  ") || "–";
   $("m-draft").textContent = st.draft || "none";
   $("m-state").textContent = st.unavailable || stateText(st.state, st.why);  // what /health says
   const f = st.fetch;  // this node fetching its model from the members that have it

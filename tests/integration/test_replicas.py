@@ -1,0 +1,108 @@
+"""[fleet] 3: replicas. a founds the mesh with the tiny model, b joins with a whole copy of it, c is a lite client.
+The elected host (the same capacity: the higher id) needs itself alone, so the other serves a replica beside it:
+every node lists both hosts of the model, requests go to both, and a streamed answer whose host is killed -9 mid-way
+goes on at the other — one stream, no error, the text of the uninterrupted answer — with no model load on the way
+(the survivor already serves)."""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .meshlab import NodeProc, wait_for
+from .test_fleet import _complete, _founder, _get, _slots_busy, _stream, _text
+
+DONE = "prompt eval time"  # llama-server's timing line: one per request it ran
+
+
+def _models(port: int) -> dict[str, dict[str, object]]:
+    try:
+        return {m["id"]: m.get("meshllm", {}) for m in _get(port, "/v1/models")["data"]}  # type: ignore[attr-defined]
+    except OSError:
+        return {}
+
+
+def test_a_whole_copy_beside_the_host_serves_a_replica(tmp_path: Path, tiny_model: Path) -> None:
+    name = tiny_model.stem
+    nodes: list[NodeProc] = []
+    try:
+        a, token = _founder(tmp_path, tiny_model, nodes)
+        b = NodeProc(tmp_path, "b", tiny_model, "--ctx-size", "1024", "--join", token)
+        c = NodeProc(tmp_path, "c", None, "--client", "--join", token)
+        nodes += [b, c]
+        # every node, the lite client too, lists the model with its host and its replica
+        wait_for(lambda: (b.state / "key").exists(), 30, "b's key")
+        host, rep = (a, b) if a.short() > b.short() else (b, a)
+        wait_for(lambda: all(_models(n.port).get(name, {}).get("replicas") == [rep.short()] and
+                             _models(n.port)[name]["state"] == "serving" for n in (a, b, c)), 120,
+                 "a replica listed everywhere")  # fmt: skip
+        for n in (a, b, c):
+            m = _models(n.port)[name]
+            assert m["host"] == host.short() and m["nodes"] == [host.short(), rep.short()], m
+        assert "replica: this node serves the whole model" in rep.text(), rep.text()[-2000:]
+        wait_for(lambda: "ready:" in rep.text(), 60, "the replica's llama-server")
+        out = subprocess.run([sys.executable, "-m", "meshllm.cli", "status", "--state-dir", str(c.state)],
+                             capture_output=True, text=True, timeout=30, env={"COLUMNS": "120"})  # fmt: skip
+        assert f"replicas {rep.short()}" in out.stdout, out.stdout + out.stderr
+
+        # requests through the lite client go to both (by load: 8 at once never all to one)
+        wait_for(lambda: _complete(c.port, name)[0] == 200, 30, "c to answer")
+        before = [n.text_of("llama-server.log").count(DONE) for n in (a, b)]
+        with ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(lambda _: _complete(c.port, name)[0], range(8)))
+        assert codes == [200] * 8
+        ran = [n.text_of("llama-server.log").count(DONE) - k for n, k in zip((a, b), before, strict=True)]
+        assert min(ran) >= 2 and sum(ran) == 8, ran
+        print(f"\n8 requests at once through a lite client: {ran[0]} ran on the host, {ran[1]} on the replica")
+
+        # a host killed -9 mid-stream: the answer goes on at the other one, which loads nothing
+        body = {"model": name, "prompt": "Count from 1 to 100, separated by commas: 1, 2,", "max_tokens": 300,
+                "temperature": 0, "stream": True}  # fmt: skip
+        ref: list[bytes] = []
+        _stream(c.port, body, ref)
+        assert ref[-1] == b"data: [DONE]" and len(_text(ref)) > 100, ref[-3:]
+        counts = [n.text_of("llama-server.log").count(DONE) for n in (a, b)]
+        wait_for(lambda: not any(_slots_busy(n) for n in (a, b)), 10, "both idle again (records say so each second)")
+        events: list[bytes] = []
+        stamps: list[float] = []
+        started = threading.Event()
+
+        def on_event(k: int) -> None:
+            stamps.append(time.monotonic())
+            if k == 20:
+                started.set()
+
+        th = threading.Thread(target=_stream, args=(c.port, body, events, on_event))
+        th.start()
+        assert started.wait(60), "the stream did not start"
+        # the one running it: its llama-server has a slot busy, as its own record says (once a second)
+        wait_for(lambda: len([n for n in (a, b) if _slots_busy(n)]) == 1, 10, "one host with the stream")
+        victim = next(n for n in (a, b) if _slots_busy(n))
+        other = b if victim is a else a
+        victim.stop(signal.SIGKILL)
+        nodes.remove(victim)
+        th.join(180)
+        assert not th.is_alive(), "the stream hung"
+        assert not any(b'"error"' in e for e in events), events[-3:]
+        assert events[-1] == b"data: [DONE]", events[-3:]
+        assert _text(events) == _text(ref), (_text(events), _text(ref))
+        assert other.text_of("llama-server.log").count(DONE) > counts[(a, b).index(other)]
+        assert "continuing on" in c.text(), c.text()[-2000:]
+        stall = max(y - x for x, y in itertools.pairwise(stamps))
+        role = "the elected host" if victim is host else "the replica"
+        print(f"{role} killed -9 mid-stream: the client's longest wait between events {stall:.1f} s; "
+              "the uninterrupted text")  # fmt: skip
+        # the survivor is the model's only host now, and its llama-server was never restarted
+        wait_for(lambda: _models(c.port).get(name, {}).get("host") == other.short(), 30, "the survivor as the host")
+        assert _models(c.port)[name]["replicas"] == []
+        assert other.text().count("ready:") == 1 and "llama-server exited" not in other.text(), other.text()[-2000:]
+        assert _complete(c.port, name)[0] == 200
+    finally:
+        for n in nodes:
+            n.stop()
