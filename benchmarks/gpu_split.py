@@ -4,9 +4,11 @@ On a GPU machine with no network (the lent device), after ``benchmarks/gpu_pack.
 
     python3 benchmarks/gpu_split.py --carry gpuc [--tokens 128] [--runs 3] [--cap 3.5] [--work /tmp/gpu-bench]
     python3 benchmarks/gpu_split.py --carry gpuc --load [--parallel 8] [--slot-ctx 9216] [--clients 1,4,8,16]
+    python3 benchmarks/gpu_split.py --carry gpuc --replicas [--parallel 16] [--slot-ctx 2048] [--clients 16]
 
 (--prepare builds and makes the model only, so a second call on the still-warm machine has the whole 10 minutes.)
 --load is [team]'s table: many clients at once and long prompts, every setup with the same slots and context.
+--replicas is [fleet]'s: many clients on one model served by one GPU node and by two (the second a replica).
 
 It installs the carried wheels (into WORK/site), builds the patched binaries with mesh-llm's own build (CUDA,
 self-tested) from the carried source, builds llama-quantize in the same tree, writes a random-weight F16 GGUF of the
@@ -180,6 +182,10 @@ def main() -> None:
     ap.add_argument("--auto", action="store_true",
                     help="instead: the mesh's default sizes (--parallel auto --ctx-size auto), alone on one GPU and "
                          "split over two capped ones: what it picks, that it loads, 8 clients' aggregate")
+    ap.add_argument("--replicas", action="store_true",
+                    help="instead: --clients at once on one mesh node (GPU 0) and on two that each hold the model "
+                         "(GPU 0, GPU 1: the second serves a replica), next to llama-server on one GPU and two "
+                         "llama-servers with the clients split between them")
     ap.add_argument("--prepare", action="store_true", help="only build the binaries and make the model, then stop")
     args = ap.parse_args()
     work: Path = args.work
@@ -213,8 +219,9 @@ def main() -> None:
 
     # the mesh: one node per (GPUs, --max-vram) in ``spec``; the first makes the mesh, the others join
     def run_mesh(name: str, rpc_path: str, spec: list[tuple[str, float | None]], extra: tuple[str, ...] = (),
-                 measure: Any = None) -> tuple[Any, dict[str, object]]:  # fmt: skip
-        """``measure(base_url)``: what to measure at the host's API (default: single-stream decode tok/s)."""
+                 measure: Any = None, everyone: bool = False) -> tuple[Any, dict[str, object]]:  # fmt: skip
+        """``measure(base_url)``: what to measure at the host's API (default: single-stream decode tok/s);
+        ``everyone``: once every node's llama-server serves (replicas), at the first node's API."""
         nodes, ports = [], [free_port() for _ in spec]
         state = work / f"mesh-{name}"
         shutil.rmtree(state, ignore_errors=True)
@@ -233,10 +240,12 @@ def main() -> None:
                 while i == 0 and not (state / "n0" / "token").is_file():
                     time.sleep(0.5)
             deadline = time.monotonic() + 600
-            while not any("ready:" in t.read_text() for t in texts):
+            while not (all if everyone else any)("ready:" in t.read_text() for t in texts):
                 assert time.monotonic() < deadline and all(n.alive() for n in nodes), "the mesh never served"
                 time.sleep(1)
-            host = next(i for i, t in enumerate(texts) if "ready:" in t.read_text())
+            if everyone:
+                time.sleep(3)  # the replicas' records reach the first node, its tunnels open
+            host = 0 if everyone else next(i for i, t in enumerate(texts) if "ready:" in t.read_text())
             with urllib.request.urlopen(f"http://127.0.0.1:{ports[host]}/mesh/status", timeout=30) as r:
                 st = json.loads(r.read())
             for t in texts:
@@ -278,6 +287,9 @@ def main() -> None:
         return
     if args.load:
         load(run_mesh, server, rpc_server, args)
+        return
+    if args.replicas:
+        replicas(run_mesh, server, args)
         return
     if args.auto:
         auto(run_mesh, args)
@@ -378,6 +390,42 @@ def load(run_mesh: Any, server: Any, rpc_server: Any, args: Any) -> None:
     for name, r in results:
         a, b2 = r["p2k"], r["p8k"]
         print(f"| {name} | {a:.0f} | {a / base['p2k']:.2f} | {b2:.0f} | {b2 / base['p8k']:.2f} |")  # type: ignore[operator]
+
+
+def replicas(run_mesh: Any, server: Any, args: Any) -> None:
+    """[fleet] 3 and 5: --clients streams of --tokens greedy tokens at once, every server with --parallel slots of
+    --slot-ctx tokens: one mesh node on GPU 0, then two (GPU 0 and GPU 1, each holding the whole model: the second
+    serves a replica) asked at the first node's API; stock: llama-server on GPU 0, and two llama-servers (GPU 0,
+    GPU 1) with the clients split between them (clients that share themselves out: the best two servers give)."""
+    n, p, ctx = int(args.clients.split(",")[-1]), args.parallel, args.slot_ctx
+
+    def measure(base: str | list[str], path: str) -> tuple[float, list[float]]:
+        for b in [base] if isinstance(base, str) else base:
+            one(b, path, ids(32, 1), 8)  # warm-up
+        return concurrent(base, path, n, args.tokens, args.runs, seed=11)
+
+    rows: list[tuple[str, tuple[float, list[float]]]] = []
+    extra = ("--parallel", str(p), "--ctx-size", str(ctx))
+    got, _ = run_mesh("rep-1", "auto", [("0", None)], extra, measure)
+    rows.append(("mesh-llm, 1 node (GPU 0)", got))
+    got, st = run_mesh("rep-2", "auto", [("0", None), ("1", None)], extra, measure, everyone=True)
+    model = (st.get("models") or [{}])[0]  # type: ignore[index]
+    print(f"two nodes: host {str(model.get('host'))[:8]}, replicas {[str(r)[:8] for r in model.get('replicas', [])]}")
+    rows.append(("mesh-llm, 2 nodes: host + replica (GPU 0, GPU 1)", got))
+    rows.append(("llama-server, 1 GPU", server("rep-one", "0", [], [], (), measure, ctx, p)))
+
+    def both(base: str, path: str) -> tuple[float, list[float]]:  # a second llama-server on GPU 1 beside it
+        return server("rep-two-b", "1", [], [], (), lambda b2, p2: measure([base, b2], p2), ctx, p)  # type: ignore[no-any-return]
+
+    rows.append(("2 llama-servers (GPU 0, GPU 1), clients split between them",
+                 server("rep-two-a", "0", [], [], (), both, ctx, p)))  # fmt: skip
+    one_ = dict(rows)
+    print(f"\n# {n} clients x {args.tokens} greedy tokens, every server --parallel {p} x {ctx} tokens; aggregate: "
+          f"median of {args.runs} runs; TTFT over every request of those runs")
+    print("| setup | aggregate tok/s | ÷ its one-GPU row | TTFT p50 s | TTFT p95 s |\n|---|---:|---:|---:|---:|")
+    for name, (agg, tt) in rows:
+        b = one_["mesh-llm, 1 node (GPU 0)" if name.startswith("mesh") else "llama-server, 1 GPU"][0]
+        print(f"| {name} | {agg:.1f} | {agg / b:.2f} | {pct(tt, 0.5):.3f} | {pct(tt, 0.95):.3f} |")
 
 
 def auto(run_mesh: Any, args: Any) -> None:

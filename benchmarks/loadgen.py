@@ -40,16 +40,19 @@ def one(base: str, path: str, prompt: list[int], tokens: int) -> tuple[float, fl
     return first, time.monotonic() - t0, n
 
 
-def concurrent(base: str, path: str, clients: int, tokens: int, runs: int, seed: int) -> tuple[float, list[float]]:
-    """``clients`` streams at once, ``runs`` times: (median aggregate tok/s, every request's time to first token)."""
+def concurrent(base: str | list[str], path: str, clients: int, tokens: int, runs: int, seed: int
+               ) -> tuple[float, list[float]]:  # fmt: skip
+    """``clients`` streams at once, ``runs`` times: (median aggregate tok/s, every request's time to first token).
+    Several ``base`` URLs: client i asks the i-th in turn (servers the clients themselves share out)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    bases = [base] if isinstance(base, str) else base
     aggs, ttfts = [], []
     for run in range(runs):
-        prompts = [ids(32, seed + 1000 * run + i) for i in range(clients)]
+        prompts = [(bases[i % len(bases)], ids(32, seed + 1000 * run + i)) for i in range(clients)]
         t0 = time.monotonic()
         with ThreadPoolExecutor(clients) as ex:
-            got = list(ex.map(lambda p: one(base, path, p, tokens), prompts))
+            got = list(ex.map(lambda bp: one(bp[0], path, bp[1], tokens), prompts))
         wall = time.monotonic() - t0
         aggs.append(sum(g[2] for g in got) / wall)
         ttfts += [g[0] for g in got]
