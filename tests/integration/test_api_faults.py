@@ -177,3 +177,39 @@ async def test_a_stream_that_cannot_go_on_ends_with_an_error_event(llama: Upstre
     finally:
         await a.stop()
         proxy.close()
+
+
+async def test_an_idle_connection_to_llama_server_is_dropped_before_llama_server_drops_it(llama: Upstream) -> None:
+    """llama-server's HTTP server closes a keep-alive connection idle for 5 s; a pooled connection reused just then
+    fails its request before any byte ("Server disconnected": under a queue of 16 clients on 4 slots, one request in
+    a run failed twice). The API drops its idle connections first (``IDLE_S``): a request after a pause opens a new
+    one."""
+    opened = 0
+    host, port = llama.base_url.removeprefix("http://").split(":")
+
+    async def relay(cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        nonlocal opened
+        opened += 1
+        ur, uw = await asyncio.open_connection(host, int(port))
+
+        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            while data := await r.read(65536):
+                w.write(data)
+                await w.drain()
+            w.close()
+
+        await asyncio.gather(pipe(cr, uw), pipe(ur, cw), return_exceptions=True)
+
+    srv = await asyncio.start_server(relay, "127.0.0.1", 0)
+    via = Upstream("tiny", f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}", llama.key)
+    a, url = await _api(Routes(via))
+    try:
+        for _ in range(2):  # back to back: the same connection
+            assert (await _post(url, {**BODY, "max_tokens": 2}))[0] == 200
+        assert opened == 1
+        await asyncio.sleep(api_mod.IDLE_S + 0.5)
+        assert api_mod.IDLE_S < 5 and (await _post(url, {**BODY, "max_tokens": 2}))[0] == 200
+        assert opened == 2, "a connection idle for longer than IDLE_S was reused"
+    finally:
+        await a.stop()
+        srv.close()
