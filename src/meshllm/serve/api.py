@@ -31,7 +31,6 @@ log = logging.getLogger("meshllm.api")
 RETRY_WAIT_S = 60.0  # how long a failed request waits for the mesh to serve again before its one retry
 RESUMES = 2  # how many times a streamed answer cut mid-way is continued on the next model server
 BODY_S = 30.0  # a request's body must arrive within this long of its head
-IDLE_S = 2.0  # our idle connections to an upstream live this long (llama-server's keep 5 s: CPPHTTPLIB's default)
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade", "te", "trailer"}
 
 
@@ -320,10 +319,11 @@ class Api:
 
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0: any free port); the port."""
-        # an idle connection is dropped before llama-server's HTTP server drops it (5 s): one reused as the server
-        # closed it failed the request before any byte ("Server disconnected"), under a queue 1 in 10 of them
+        # a connection per request: llama-server's HTTP server closes a connection after a streamed answer without
+        # saying so, and one reused just then failed its request before any byte ("Server disconnected", "Can not
+        # write request body": 8 of 96 streamed requests, 16 at a time on 4 slots)
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-                                              connector=aiohttp.TCPConnector(keepalive_timeout=IDLE_S))  # fmt: skip
+                                              connector=aiohttp.TCPConnector(force_close=True))  # fmt: skip
         # a client that goes away cancels its handler: leaving the upstream request stops llama-server generating
         self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
