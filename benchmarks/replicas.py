@@ -10,9 +10,9 @@ Every client streams --tokens greedy tokens after a 32-token prompt of its own, 
 row: the mesh spreads them); aggregate generated tokens per wall second, the median of --runs; time to first token
 over every request of those runs.
 
---kill: a greedy answer of 200 tokens streamed from a's API while both serve; the node running it (its own record
-says a slot is busy) is killed -9 after 30 tokens. The client's longest wait between two events, against the same
-answer uninterrupted; a fresh pair of nodes for each of --runs runs.
+--kill: a greedy answer of 200 tokens streamed through a lite client (a third node, no CPU of its own) while both
+serve; the node running it (its own record says a slot is busy) is killed -9 after 30 tokens. The client's longest
+wait between two events, against the same answer uninterrupted; a fresh mesh for each of --runs runs.
 """
 
 from __future__ import annotations
@@ -45,13 +45,14 @@ def get(port: int, path: str) -> dict[str, object]:
 class Pair:
     """One or two mesh nodes, each pinned to one CPU (``cpus``); a founds the mesh, b joins it."""
 
-    def __init__(self, tmp: Path, model: Path, cpus: list[int], args: list[str]) -> None:
+    def __init__(self, tmp: Path, model: Path, cpus: list[int], args: list[str], lite: bool = False) -> None:
+        """``lite``: and a lite client (the last port)."""
         self.tmp, self.procs, self.ports = tmp, [], []
-        for i, cpu in enumerate(cpus):
+        for i, cpu in enumerate([*cpus, -1] if lite else cpus):
             port = _free_port()
-            cmd = ["taskset", "-c", str(cpu), sys.executable, "-m", "meshllm.cli", "--model", str(model),
-                   "--state-dir", str(tmp / f"n{i}"), "--port", str(port), "--bind-host", "127.0.0.1",
-                   *args]  # fmt: skip
+            which = ["--client"] if cpu < 0 else ["--model", str(model), *args]
+            cmd = [*(["taskset", "-c", str(cpu)] if cpu >= 0 else []), sys.executable, "-m", "meshllm.cli", *which,
+                   "--state-dir", str(tmp / f"n{i}"), "--port", str(port), "--bind-host", "127.0.0.1"]  # fmt: skip
             if i:
                 cmd += ["--join-file", str(tmp / "n0" / "token")]
             self.procs.append(subprocess.Popen(cmd, stdout=(tmp / f"n{i}.log").open("wb"), stderr=subprocess.STDOUT,
@@ -70,6 +71,8 @@ class Pair:
             return info.get("state") == "serving" and len(info.get("replicas", [])) == len(cpus) - 1
 
         wait_until(all_serve, 180, "the mesh to serve")
+        if lite:
+            wait_until(lambda: self.text(len(cpus)).count("API up:") >= len(cpus), 60, "the lite client's tunnels")
         wait_until(lambda: all("ready:" in self.text(i) for i in range(len(cpus))), 60, "every llama-server")
 
     def text(self, i: int) -> str:
@@ -120,12 +123,12 @@ def kill_once(pair: Pair) -> tuple[int, float, float, bool]:
     body = {"prompt": "Count from 1 to 100, separated by commas: 1, 2,", "max_tokens": 200, "temperature": 0,
             "stream": True}  # fmt: skip
     ref_stamps: list[float] = []
-    ref = stream(pair.ports[0], body, ref_stamps)
+    ref = stream(pair.ports[2], body, ref_stamps)
     wait_until(lambda: not pair.busy(0) and not pair.busy(1), 10, "both idle")
     stamps: list[float] = []
     go = threading.Event()
     out: list[str] = []
-    th = threading.Thread(target=lambda: out.append(stream(pair.ports[0], body, stamps,
+    th = threading.Thread(target=lambda: out.append(stream(pair.ports[2], body, stamps,
                                                            lambda k: k == 30 and go.set())))  # fmt: skip
     th.start()
     assert go.wait(60)
@@ -141,7 +144,7 @@ def kill_runs(model: Path, tmp: Path, runs: int, args: list[str]) -> None:
     for run in range(runs):
         d = tmp / f"kill{run}"
         d.mkdir()
-        pair = Pair(d, model, [0, 1], args)
+        pair = Pair(d, model, [0, 1], args, lite=True)
         try:
             rows.append(kill_once(pair))
             same = rows[-1][3]
@@ -151,8 +154,8 @@ def kill_runs(model: Path, tmp: Path, runs: int, args: list[str]) -> None:
                   f"same text: {same}", flush=True)
         finally:
             pair.stop()
-    print(f"\n# 2 replicas (one CPU each), tiny model, a 200-token greedy answer streamed from node a's API, the node "
-          f"running it killed -9 after 30 tokens; {runs} runs")
+    print(f"\n# 2 replicas (one CPU each), tiny model, a 200-token greedy answer streamed through a lite client, the "
+          f"node running it killed -9 after 30 tokens; {runs} runs")
     print("| run | killed | longest wait uninterrupted s | longest wait with the kill s | extra s | same text |")
     print("|---:|---|---:|---:|---:|---|")
     for i, (victim, ref_gap, gap, same) in enumerate(rows):
