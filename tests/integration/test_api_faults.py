@@ -160,6 +160,46 @@ async def test_a_stream_cut_mid_way_goes_on_where_it_was_cut(llama: Upstream) ->
         proxy.close()
 
 
+async def test_a_stream_whose_host_goes_silent_goes_on_elsewhere(llama: Upstream) -> None:
+    """[fleet] a host killed -9 mid-stream leaves its tunnel open until the mesh declares it dead (6 s): an answer
+    that brings nothing for a second asks whether the mesh still hears from its node, and goes on at the next host
+    as soon as it does not. Here the relay stops passing bytes (the connection stays open) and the node falls silent
+    with it."""
+    a, url = await _api(Routes(llama))
+    try:
+        _, _, whole = await asyncio.wait_for(_post(url, {**BODY, "max_tokens": 120, "stream": True}), 120)
+    finally:
+        await a.stop()
+    host, port = llama.base_url.removeprefix("http://").split(":")
+    stalled = asyncio.Event()
+
+    async def relay(cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        ur, uw = await asyncio.open_connection(host, int(port))
+        uw.write(await cr.readuntil(b"\r\n\r\n") + await cr.read(65536))
+        sent = 0
+        while sent < 1500 and (data := await ur.read(1500 - sent)):
+            cw.write(data)
+            sent += len(data)
+        stalled.set()
+        await asyncio.sleep(3600)  # open, silent: a dead host's tunnel before the mesh notices
+
+    srv = await asyncio.start_server(relay, "127.0.0.1", 0)
+    silent = Upstream("tiny", f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}", llama.key,
+                      alive=lambda: not stalled.is_set())  # fmt: skip
+    routes = Routes(silent, llama)
+    a, url = await _api(routes)
+    try:
+        t0 = asyncio.get_running_loop().time()
+        status, _, body = await asyncio.wait_for(_post(url, {**BODY, "max_tokens": 120, "stream": True}), 30)
+        events = _events(body)
+        assert status == 200 and events[-1] == "[DONE]" and not any('"error"' in e for e in events), events[-3:]
+        assert _text(events) == _text(_events(whole)) and routes.calls >= 2
+        print(f"\nsilent host: the answer went on elsewhere; whole in {asyncio.get_running_loop().time() - t0:.1f} s")
+    finally:
+        await a.stop()
+        srv.close()
+
+
 async def test_a_stream_that_cannot_go_on_ends_with_an_error_event(llama: Upstream) -> None:
     """A prompt of token ids cannot be continued: the stream ends with an error event (never a hang), and the
     request is not sent again."""

@@ -14,7 +14,7 @@ import logging
 import re
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -31,6 +31,7 @@ log = logging.getLogger("meshllm.api")
 RETRY_WAIT_S = 60.0  # how long a failed request waits for the mesh to serve again before its one retry
 RESUMES = 2  # how many times a streamed answer cut mid-way is continued on the next model server
 BODY_S = 30.0  # a request's body must arrive within this long of its head
+QUIET_S = 1.0  # an answer that brings nothing for this long asks whether its host is still alive (``Upstream.alive``)
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade", "te", "trailer"}
 
 
@@ -44,6 +45,22 @@ class Upstream:
     slots: SlotGate | None = None  # our own llama-server's slots: completions wait there for one (None: another node's)
     node: bytes = b""  # the node that serves it (a replica or the elected host: ``spread`` counts its requests)
     spread: Spread | None = None
+    alive: Callable[[], bool] | None = None  # another node's: whether the mesh still hears from it
+
+
+async def _chunks(r: aiohttp.ClientResponse, up: Upstream) -> AsyncIterator[bytes]:
+    """The response's bytes as they come; ConnectionError once it has been quiet QUIET_S and the node serving it
+    has gone silent (killed: its tunnel would say so only when the mesh declares it dead, seconds later)."""
+    while True:
+        try:
+            chunk = await (asyncio.wait_for(r.content.readany(), QUIET_S) if up.alive else r.content.readany())
+        except TimeoutError:
+            if up.alive is not None and not up.alive():
+                raise ConnectionError("the node serving it went silent") from None
+            continue
+        if not chunk:
+            return
+        yield chunk
 
 
 @dataclass(frozen=True)
@@ -512,7 +529,7 @@ class Api:
                 if r.status != 200 or "event-stream" not in r.headers.get("Content-Type", ""):
                     return False
                 held = b""
-                async for chunk in r.content.iter_any():
+                async for chunk in _chunks(r, up):
                     held += chunk
                     cut = held.rfind(b"\n\n")
                     if cut < 0:
@@ -601,7 +618,7 @@ class Api:
                 # small: without SSE it is sent whole, so the rewrite never meets half a field)
                 fix_id = path == "/v1/completions"
                 try:
-                    async for chunk in r.content.iter_any():
+                    async for chunk in _chunks(r, up):
                         tally.feed(chunk)
                         if first_token is None and tally.tokens:
                             first_token = time.monotonic() - t0

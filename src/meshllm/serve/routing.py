@@ -13,7 +13,7 @@ from meshllm.net.meshnet import MeshNet
 from meshllm.proto import crypto, standing
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.fleet import Spread
-from meshllm.proto.gossip import ModelFacts, PeerRecord
+from meshllm.proto.gossip import SUSPECT_AFTER_S, ModelFacts, PeerRecord
 from meshllm.proto.planner import Plan, Waiting
 from meshllm.serve.api import Unavailable, Upstream
 from meshllm.serve.hosting import Hosting
@@ -57,8 +57,15 @@ class Router:
         served = (remote.node, remote.model.source if remote.model else "?") if remote else None
         up = self.hosting.upstream(model, self.models(), self.facts(), served, self.plan(), self.host(), self.me,
                                    self.host_says(), here=remote is None)  # fmt: skip
-        return replace(up, node=remote.node if remote else self.me, spread=self.spread) if isinstance(up, Upstream) \
-            else up
+        if not isinstance(up, Upstream):
+            return up
+        return replace(up, node=remote.node if remote else self.me, spread=self.spread,
+                       alive=self._hears(remote.node) if remote else None)  # fmt: skip
+
+    def _hears(self, node: NodeId) -> Callable[[], bool]:
+        """Whether the mesh still hears from ``node`` (two heartbeats missed: no longer)."""
+        core = self.net.core
+        return lambda: core is not None and core.silent_s(node, time.monotonic()) < SUSPECT_AFTER_S
 
     def host_says(self) -> str:
         """Why the host this node routes to (its own election's, never a self-claim) cannot serve, from its record
