@@ -45,14 +45,16 @@ def test_a_whole_copy_beside_the_host_serves_a_replica(tmp_path: Path, tiny_mode
         for n in (a, b, c):
             m = _models(n.port)[name]
             assert m["host"] == host.short() and m["nodes"] == [host.short(), rep.short()], m
-        assert "replica: this node serves the whole model" in rep.text(), rep.text()[-2000:]
+        # it says so at once in gossip; its plan is adopted once it has held 2 s, then its llama-server starts
         wait_for(lambda: "ready:" in rep.text(), 60, "the replica's llama-server")
+        assert "replica: this node serves the whole model" in rep.text(), rep.text()[-2000:]
         out = subprocess.run([sys.executable, "-m", "meshllm.cli", "status", "--state-dir", str(c.state)],
                              capture_output=True, text=True, timeout=30, env={"COLUMNS": "120"})  # fmt: skip
         assert f"replicas {rep.short()}" in out.stdout, out.stdout + out.stderr
 
         # requests through the lite client go to both (by load: 8 at once never all to one)
         wait_for(lambda: _complete(c.port, name)[0] == 200, 30, "c to answer")
+        wait_for(lambda: f"served by host {rep.short()}" in c.text(), 30, "c's tunnel to the replica")
         before = [n.text_of("llama-server.log").count(DONE) for n in (a, b)]
         with ThreadPoolExecutor(8) as pool:
             codes = list(pool.map(lambda _: _complete(c.port, name)[0], range(8)))
