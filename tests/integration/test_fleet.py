@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import signal
 import subprocess
 import sys
+import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -132,13 +135,40 @@ def _slots_busy(n: NodeProc) -> int:
     return int((me.get("slots") or [0])[0])
 
 
+def _kill_mid_stream(port: int, body: dict[str, object], hosts: list[NodeProc], nodes: list[NodeProc],
+                     ref: list[bytes]) -> tuple[NodeProc, float]:  # fmt: skip
+    """``body`` streamed through the API on ``port``; after 20 events, the one of ``hosts`` whose llama-server runs it
+    is killed -9 (and taken out of ``nodes``). The answer must be one stream with no error and ``ref``'s text. The
+    node killed, and the client's longest wait between two events."""
+    wait_for(lambda: not any(_slots_busy(n) for n in hosts), 10, "every host idle (records say so each second)")
+    events: list[bytes] = []
+    stamps: list[float] = []
+    started = threading.Event()
+
+    def on_event(k: int) -> None:
+        stamps.append(time.monotonic())
+        if k == 20:
+            started.set()
+
+    th = threading.Thread(target=_stream, args=(port, body, events, on_event))
+    th.start()
+    assert started.wait(60), "the stream did not start"
+    wait_for(lambda: len([n for n in hosts if _slots_busy(n)]) == 1, 10, "the stream's host")
+    victim = next(n for n in hosts if _slots_busy(n))
+    victim.stop(signal.SIGKILL)
+    nodes.remove(victim)
+    th.join(180)
+    assert not th.is_alive(), "the stream hung"
+    assert not any(b'"error"' in e for e in events), events[-3:]
+    assert events[-1] == b"data: [DONE]", events[-3:]
+    assert _text(events) == _text(ref), (_text(events), _text(ref))
+    return victim, max(y - x for x, y in itertools.pairwise(stamps))
+
+
 def test_a_streamed_answer_survives_its_host_s_kill_9(tmp_path: Path, tiny_model: Path) -> None:
     """[fleet] 4: a, b and d hold the model whole (one hosts, the others serve replicas: [fleet] 3), c is a lite
     client. A greedy answer streamed through c whose host is killed -9 mid-way goes on at another: one stream, no
     error event, and the text of the uninterrupted answer — a completion, then a chat (its host killed in turn)."""
-    import signal
-    import threading
-    import time
 
     nodes: list[NodeProc] = []
     try:
@@ -164,30 +194,7 @@ def test_a_streamed_answer_survives_its_host_s_kill_9(tmp_path: Path, tiny_model
             _stream(c.port, body, ref)
             assert ref[-1] == b"data: [DONE]" and len(_text(ref)) > 100, ref[-3:]
         for body, ref in zip((completion, chat), refs, strict=True):
-            events: list[bytes] = []
-            stamps: list[float] = []
-            kill = threading.Event()
-            wait_for(lambda: not any(_slots_busy(n) for n in nodes if n is not c), 10, "every host idle again")
-
-            def on_event(n: int, stamps: list[float] = stamps, kill: threading.Event = kill) -> None:
-                stamps.append(time.monotonic())
-                if n == 20:
-                    kill.set()
-
-            th = threading.Thread(target=_stream, args=(c.port, body, events, on_event))
-            th.start()
-            assert kill.wait(60), "the stream did not start"
-            hosts = [n for n in nodes if n is not c]  # the one whose llama-server runs the stream
-            wait_for(lambda hosts=hosts: len([n for n in hosts if _slots_busy(n)]) == 1, 10, "the stream's host")  # type: ignore[misc]
-            host = next(n for n in hosts if _slots_busy(n))
-            host.stop(signal.SIGKILL)
-            nodes.remove(host)
-            th.join(180)
-            assert not th.is_alive(), "the stream hung"
-            assert not any(b'"error"' in e for e in events), events[-3:]
-            assert events[-1] == b"data: [DONE]", events[-3:]
-            assert _text(events) == _text(ref), (_text(events), _text(ref))
-            stall = max(y - x for x, y in itertools.pairwise(stamps))
+            _, stall = _kill_mid_stream(c.port, body, [n for n in nodes if n is not c], nodes, ref)
             kind = "chat" if "messages" in body else "completion"
             print(f"\nhost kill -9 mid-stream ({kind}): the client's longest wait between events {stall:.1f} s; "
                   "the uninterrupted text")  # fmt: skip

@@ -323,11 +323,7 @@ class MeshCore:
         word that it hosts is never enough (any member could gossip one: the first such record in table order once
         received every prompt of the mesh); a lite client runs the same election for every model it routes."""
         recs = self.alive(now)
-        mine = self.record.model.fingerprint if self.record.model else None
-        fps = sorted({r.model.fingerprint for r in recs if r.model is not None and _may_host(r)
-                      and (model is None or r.model.source == model)})  # fmt: skip
-        for fp in fps:
-            host = self._election.current if fp == mine and self._election.current is not None else _elect(recs, fp)
+        for fp, host in self._elected(recs, model):
             rec = next((r for r in recs if r.node == host), None)
             if (rec is not None and rec.role == Role.HOST and rec.state == NodeState.SERVING and rec.node in self.peers
                     and rec.model is not None and rec.model.fingerprint == fp):  # fmt: skip
@@ -340,11 +336,7 @@ class MeshCore:
         host's plan does not use — each once it says it serves and we are connected to it; this node left out. The
         elected host first; the first model (by fingerprint) that has any."""
         recs = self.alive(now)
-        mine = self.record.model.fingerprint if self.record.model else None
-        fps = sorted({r.model.fingerprint for r in recs if r.model is not None and _may_host(r)
-                      and (model is None or r.model.source == model)})  # fmt: skip
-        for fp in fps:
-            host = self._election.current if fp == mine and self._election.current is not None else _elect(recs, fp)
+        for fp, host in self._elected(recs, model):
             used = next((set(r.planned) for r in recs if r.node == host), set())
             out = [r for r in recs if r.node in self.peers and r.role == Role.HOST and r.state == NodeState.SERVING
                    and _may_host(r) and r.whole and r.model is not None and r.model.fingerprint == fp
@@ -352,6 +344,15 @@ class MeshCore:
             if out:
                 return sorted(out, key=lambda r: (r.node != host, r.node))
         return []
+
+    def _elected(self, recs: list[PeerRecord], model: str | None) -> list[tuple[str, NodeId | None]]:
+        """Each model named ``model`` (any when None) that a host-scoped record holds, by fingerprint, with the host
+        our election picks for it (our own debounced one for our model)."""
+        mine = self.record.model.fingerprint if self.record.model else None
+        fps = sorted({r.model.fingerprint for r in recs if r.model is not None and _may_host(r)
+                      and (model is None or r.model.source == model)})  # fmt: skip
+        cur = self._election.current
+        return [(fp, cur if fp == mine and cur is not None else _elect(recs, fp)) for fp in fps]
 
     def served_models(self, now: float) -> list[str]:
         """The names the mesh serves models under: those of nodes that may host them (a client- or worker-scoped
