@@ -87,6 +87,13 @@ def test_two_models_each_answer_under_their_own_name_from_every_node(tmp_path: P
             assert code == 404 and out["error"]["code"] == "model_not_found", out  # type: ignore[index]
             assert f"served: {x}, {y}" in out["error"]["message"]  # type: ignore[index]
         assert len(texts[x]) == len(texts[y]) == 1 and texts[x] != texts[y], texts  # each its own model, everywhere
+        # a chat through another node stops at the base model's next turn too: the host's door adds the stops
+        chat = {"model": x, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "temperature": 0}  # fmt: skip
+        req = urllib.request.Request(f"http://127.0.0.1:{c.port}/v1/chat/completions", data=json.dumps(chat).encode())
+        with urllib.request.urlopen(req, timeout=120) as r:
+            answer = json.loads(r.read())["choices"][0]
+        assert answer["message"]["content"] == " The capital of France is Paris." and answer["finish_reason"] == "stop"
         r = subprocess.run([sys.executable, "-m", "meshllm.cli", "status", "--port", str(c.port)], capture_output=True,
                            text=True, timeout=30)  # fmt: skip
         assert r.returncode == 0, r.stderr
@@ -187,7 +194,7 @@ def test_a_streamed_answer_survives_its_host_s_kill_9(tmp_path: Path, tiny_model
         wait_for(answers, 120, "c to answer")
         completion = {"model": tiny_model.stem, "prompt": "Count from 1 to 100, separated by commas: 1, 2,",
                       "max_tokens": 160, "temperature": 0, "stream": True}  # fmt: skip
-        chat = {"model": tiny_model.stem, "messages": [{"role": "user", "content": "Count from 1 to 60 in words."}],
+        chat = {"model": tiny_model.stem, "messages": [{"role": "user", "content": "Explain how a car engine works."}],
                 "max_tokens": 160, "temperature": 0, "stream": True}  # fmt: skip
         refs: list[list[bytes]] = [[], []]
         for body, ref in zip((completion, chat), refs, strict=True):

@@ -98,6 +98,12 @@ def test_solo_answers_like_llama_server_itself(solo: Solo) -> None:
     chat = {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 8, "temperature": 0}
     code, out = _post(solo.port, "/v1/chat/completions", chat)
     assert code == 200 and out["choices"][0]["message"]["content"]  # type: ignore[index]
+    # [face-2] 1: the README's first chat (no max_tokens) answers and stops, though the tiny model is a base model
+    first = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0}
+    code, out = _post(solo.port, "/v1/chat/completions", first)
+    choice = out["choices"][0]  # type: ignore[index]
+    assert code == 200 and choice["message"]["content"] == " The capital of France is Paris.", out
+    assert choice["finish_reason"] == "stop" and out["usage"]["completion_tokens"] < 16, out  # type: ignore[index]
     # one model served: another name reaches it too (as with llama-server), and the answer names the real one
     code, out = _post(solo.port, "/v1/completions", {**body, "model": "no-such-model"})
     assert code == 200 and out["model"] == "gemma3-270m", out
@@ -127,7 +133,7 @@ def test_streaming_arrives_token_by_token(solo: Solo) -> None:
         f"http://127.0.0.1:{solo.port}/v1/chat/completions",
         data=json.dumps(
             {
-                "messages": [{"role": "user", "content": "Count to ten."}],
+                "messages": [{"role": "user", "content": "Explain how a car engine works."}],
                 "max_tokens": 16,
                 "temperature": 0,
                 "stream": True,

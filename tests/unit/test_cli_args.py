@@ -138,7 +138,8 @@ def test_serving_options_reach_llama_servers_command_line(tmp_path: object) -> N
 
     from meshllm.cli import build_parser
     from meshllm.llama.build import Binaries
-    from meshllm.llama.processes import llama_server_argv
+    from meshllm.llama.chat import BASE_MODEL, TRANSCRIPT, ChatDefault
+    from meshllm.llama.processes import Tuning, llama_server_argv
     from meshllm.serve.serving_flags import tuning_from
 
     tpl = Path(str(tmp_path)) / "t.jinja"
@@ -149,18 +150,41 @@ def test_serving_options_reach_llama_servers_command_line(tmp_path: object) -> N
     assert (a.parallel, a.ctx_size) == (None, None)
     t = tuning_from(a)
     bins = Binaries(Path("/x/rpc-server"), Path("/x/llama-server"), "user")
-    argv = llama_server_argv(bins, Path("m.gguf"), 1, ctx_size=8192, parallel=4, tuning=t, arch_template="gemma")
+    gemma = ChatDefault(builtin="gemma")
+    argv = llama_server_argv(bins, Path("m.gguf"), 1, ctx_size=8192, parallel=4, tuning=t, chat=gemma)
     joined = " ".join(argv)
     assert "--ctx-size 32768" in joined and "--parallel 4" in joined and "--cont-batching" in joined
     assert "--cache-type-k q8_0 --cache-type-v q8_0" in joined and "--ubatch-size 256" in joined
     assert f"--chat-template-file {tpl}" in joined and "--chat-template " not in joined  # the user's, not the arch's
     assert "--temp 0.2" in joined and "--reasoning-format none" in joined and "--no-jinja" in joined
     # a model without a template: its architecture's built-in one, with Jinja off (Jinja would read the name as text)
-    plain = " ".join(llama_server_argv(bins, Path("m.gguf"), 1, arch_template="gemma"))
+    plain = " ".join(llama_server_argv(bins, Path("m.gguf"), 1, chat=gemma))
     assert "--chat-template gemma --no-jinja" in plain
-    named = " ".join(llama_server_argv(bins, Path("m.gguf"), 1, tuning=tuning_from(
-        build_parser().parse_args(["--model", "m", "--chat-template", "chatml"])), arch_template="gemma"))  # fmt: skip
+    chatml = tuning_from(build_parser().parse_args(["--model", "m", "--chat-template", "chatml"]))
+    named = " ".join(llama_server_argv(bins, Path("m.gguf"), 1, tuning=chatml, chat=gemma))
     assert "--chat-template chatml --no-jinja" in named
+    # a base model: our transcript template (a Jinja file) and its stops, unless the user names a template or
+    # turns Jinja off (llama-server reads a file without Jinja as one of its built-ins by name)
+    base = " ".join(llama_server_argv(bins, Path("m.gguf"), 1, chat=BASE_MODEL))
+    assert base.endswith(f"--chat-template-file {TRANSCRIPT}") and TRANSCRIPT.is_file()  # Jinja: its default
+    assert Tuning().default_chat(BASE_MODEL) == BASE_MODEL and Tuning().default_chat(gemma) is None
+    assert chatml.default_chat(BASE_MODEL) is None and t.default_chat(BASE_MODEL) is None
+    no_jinja = tuning_from(build_parser().parse_args(["--model", "m", "--no-jinja"]))
+    assert no_jinja.default_chat(BASE_MODEL) is None
+    assert "--chat-template" not in " ".join(llama_server_argv(bins, Path("m.gguf"), 1, tuning=no_jinja,
+                                                               chat=BASE_MODEL))  # fmt: skip
+
+
+def test_a_model_without_a_template_gets_one_that_suits_it() -> None:
+    """[face-2] 1: an instruction-tuned GGUF without a template gets its architecture's built-in one; a base model
+    (no fine-tune named) or an architecture without a built-in gets the plain transcript; a GGUF's own wins."""
+    from meshllm.llama.chat import BASE_MODEL, ChatDefault, chat_default
+
+    assert chat_default({"general.architecture": "gemma3"}) == BASE_MODEL  # the tiny default model
+    assert chat_default({"general.architecture": "gemma3", "general.finetune": "it"}) == ChatDefault(builtin="gemma")
+    assert chat_default({"general.architecture": "gemma3", "general.finetune": " "}) == BASE_MODEL
+    assert chat_default({"general.architecture": "llama", "general.finetune": "Instruct"}) == BASE_MODEL
+    assert chat_default({"general.architecture": "gemma3", "tokenizer.chat_template": "{{ x }}"}) is None
 
 
 def test_durations_read_as_people_say_them() -> None:

@@ -118,3 +118,20 @@ def test_a_request_that_does_not_say_gets_the_default() -> None:
     assert default_tokens({"messages": [], "max_completion_tokens": 9}, chat) is None
     assert default_tokens({"input": "x"}, resp) == {"input": "x", "max_output_tokens": DEFAULT_TOKENS}
     assert default_tokens({"messages": []}, ENDPOINTS["/v1/messages/count_tokens"]) is None
+
+
+def test_a_chat_to_a_base_model_stops_at_the_next_turn() -> None:
+    """[face-2] 1: a base model's transcript turns are added to the stops a chat names itself, in each endpoint's
+    field; completions and counts are left alone."""
+    from meshllm.serve.api import with_stops
+
+    turns = ("\nUser:", "\nAssistant:")
+    assert with_stops("/v1/chat/completions", {"messages": []}, turns) == {"messages": [], "stop": list(turns)}
+    assert with_stops("/v1/chat/completions", {"stop": "END"}, turns) == {"stop": ["END", *turns]}
+    assert with_stops("/v1/chat/completions", {"stop": ["\nUser:"]}, turns) == {"stop": ["\nUser:", "\nAssistant:"]}
+    assert with_stops("/v1/chat/completions", {"stop": list(turns)}, turns) is None  # it has them all
+    assert with_stops("/v1/chat/completions", {"stop": 5}, turns) is None  # llama-server answers the error
+    assert with_stops("/v1/messages", {"messages": []}, turns) == {"messages": [], "stop_sequences": list(turns)}
+    assert with_stops("/v1/completions", {"prompt": "x"}, turns) is None  # a completion continues text as asked
+    assert with_stops("/v1/messages/count_tokens", {"messages": []}, turns) is None
+    assert with_stops("/v1/chat/completions", {"messages": []}, ()) is None

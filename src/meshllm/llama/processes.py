@@ -26,6 +26,7 @@ from pathlib import Path
 
 from meshllm.errors import MeshError, UserError
 from meshllm.llama.build import Binaries
+from meshllm.llama.chat import ChatDefault
 
 LOOPBACK = "127.0.0.1"
 ANY_ADDR = "0.0.0.0"  # every IPv4 interface: only the TLS-protected direct RPC listener binds it
@@ -169,11 +170,6 @@ def rpc_server_argv(
     return argv
 
 
-# llama.cpp's built-in chat templates for architectures whose GGUFs often come without one (base models): llama-server
-# would fall back to ChatML, which such models do not know (they never stop)
-ARCH_TEMPLATES = {"gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemma3n": "gemma", "phi3": "phi3",
-                  "command-r": "command-r", "deepseek2": "deepseek2", "exaone": "exaone3", "granite": "granite",
-                  "minicpm": "minicpm", "chatglm": "chatglm4", "qwen2": "chatml", "qwen3": "chatml"}  # fmt: skip
 # the ones a user may name with --chat-template (llama.cpp's list, src/llama-chat.cpp, b11312)
 BUILTIN_TEMPLATES = frozenset({
     "chatml", "llama2", "llama2-sys", "llama2-sys-bos", "llama2-sys-strip", "mistral-v1", "mistral-v3",
@@ -200,8 +196,13 @@ class Tuning:
     reasoning_format: str | None = None  # none, deepseek, deepseek-legacy, auto
     sampling: tuple[tuple[str, str], ...] = ()  # defaults for requests that do not say: ("--temp", "0.7"), ...
 
-    def argv(self, arch_template: str | None = None) -> list[str]:
-        """Its flags; ``arch_template``: the built-in template for a model without one (used unless the user chose)."""
+    def default_chat(self, chat: ChatDefault | None) -> ChatDefault | None:
+        """``chat`` when its template of ours is what llama-server gets: the user named none, and Jinja is on."""
+        named = self.chat_template or self.chat_template_file
+        return chat if chat and chat.file and not named and self.jinja is not False else None
+
+    def argv(self, chat: ChatDefault | None = None) -> list[str]:
+        """Its flags; ``chat``: the template for a model without one of its own (used unless the user chose)."""
         out = ["--flash-attn", self.flash_attn]
         if self.cache_type != "f16":
             out += ["--cache-type-k", self.cache_type, "--cache-type-v", self.cache_type]
@@ -210,11 +211,15 @@ class Tuning:
         if self.ubatch:
             out += ["--ubatch-size", str(self.ubatch)]
         jinja = self.jinja
+        builtin = chat.builtin if chat and not self.jinja else None
+        ours = self.default_chat(chat)
         if self.chat_template_file is not None:
             out += ["--chat-template-file", str(self.chat_template_file)]
-        elif self.chat_template or (arch_template and not self.jinja):
-            out += ["--chat-template", self.chat_template or arch_template or ""]
+        elif self.chat_template or builtin:
+            out += ["--chat-template", self.chat_template or builtin or ""]
             jinja = False if jinja is None else jinja  # with Jinja on, llama-server reads a name as a template's text
+        elif ours is not None and ours.file is not None:
+            out += ["--chat-template-file", str(ours.file)]
         if jinja is not None:
             out += ["--jinja" if jinja else "--no-jinja"]
         if self.rope_scaling:
@@ -236,7 +241,7 @@ def llama_server_argv(
     ctx_size: int = 4096,
     parallel: int = 1,
     tuning: Tuning = Tuning(),
-    arch_template: str | None = None,
+    chat: ChatDefault | None = None,
     threads: int | None = None,
     alias: str | None = None,
     rpc: Sequence[str] = (),
@@ -254,7 +259,7 @@ def llama_server_argv(
     argv = [
         str(bins.llama_server), "--host", LOOPBACK, "--port", str(port), "--model", str(model),
         "--ctx-size", str(ctx_size * parallel), "--no-webui", "--parallel", str(parallel), "--cont-batching",
-        "--no-kv-unified", "--metrics", *tuning.argv(arch_template),
+        "--no-kv-unified", "--metrics", *tuning.argv(chat),
     ]  # fmt: skip
     if threads:
         argv += ["--threads", str(threads)]

@@ -20,6 +20,7 @@ import aiohttp
 
 from meshllm import state
 from meshllm.llama.build import Binaries, cpu_flags
+from meshllm.llama.chat import ChatDefault
 from meshllm.llama.processes import (
     ANY_ADDR,
     Child,
@@ -175,7 +176,7 @@ class ServerConfig:
     threads: int
     parallel: int = 1  # slots
     tuning: Tuning = field(default_factory=Tuning)
-    arch_template: str | None = None  # the built-in chat template for a model that has none
+    chat: ChatDefault | None = None  # the chat template for a model that has none of its own
     rpc: tuple[str, ...] = ()
     tensor_split: tuple[int, ...] = ()
     extra: tuple[str, ...] = ()
@@ -201,7 +202,7 @@ class LocalServer(Supervised):
         def argv(port: int) -> list[str]:
             return llama_server_argv(
                 bins, cfg.model, port, ctx_size=cfg.ctx_size, parallel=cfg.parallel, tuning=cfg.tuning,
-                arch_template=cfg.arch_template, threads=cfg.threads, alias=cfg.alias, rpc=cfg.rpc,
+                chat=cfg.chat, threads=cfg.threads, alias=cfg.alias, rpc=cfg.rpc,
                 tensor_split=[float(x) for x in cfg.tensor_split], n_gpu_layers=999 if cfg.rpc else None,
                 extra=(*cfg.extra, "--api-key-file", str(key_file)), draft=cfg.draft, draft_max=cfg.draft_max,
                 draft_device=cfg.draft_device,

@@ -46,6 +46,7 @@ class Upstream:
     node: bytes = b""  # the node that serves it (a replica or the elected host: ``spread`` counts its requests)
     spread: Spread | None = None
     alive: Callable[[], bool] | None = None  # another node's: whether the mesh still hears from it
+    stops: tuple[str, ...] = ()  # our own llama-server's: stop strings every chat to it gets (a base model's turns)
 
 
 async def _chunks(r: aiohttp.ClientResponse, up: Upstream) -> AsyncIterator[bytes]:
@@ -213,6 +214,19 @@ def default_tokens(req: dict[str, object], ep: Endpoint) -> dict[str, object] | 
     if ep.cap_field is None or any(req.get(f) is not None for f in ep.honoured):
         return None
     return {**{k: v for k, v in req.items() if k not in ep.honoured}, ep.cap_field: DEFAULT_TOKENS}
+
+
+STOP_FIELDS = {"/v1/chat/completions": "stop", "/v1/messages": "stop_sequences"}  # where a chat names its stops
+
+
+def with_stops(path: str, req: dict[str, object], stops: tuple[str, ...]) -> dict[str, object] | None:
+    """A chat to ``path`` with ``stops`` added to the stop strings it names itself; None when it has them all, is
+    not a chat, or names its stops in a shape llama-server refuses (it answers the error)."""
+    field = STOP_FIELDS.get(path)
+    have = req.get(field) if field else None
+    mine = [] if have is None else [have] if isinstance(have, str) else have if isinstance(have, list) else None
+    more = [s for s in stops if mine is not None and s not in mine]
+    return {**req, field: [*(mine or []), *more]} if field and more else None
 
 
 def dot_segments(raw_path: str) -> bool:
@@ -525,6 +539,7 @@ class Api:
         try:
             # no slot taken here: the request still holds the one it had (our own llama-server that crashed and came
             # back has the same gate: a second hold by the same request could wait for itself)
+            body = with_stops(path, body, up.stops) or body
             async with self._session.post(up.base_url + path, data=json.dumps(body), headers=headers) as r:
                 if r.status != 200 or "event-stream" not in r.headers.get("Content-Type", ""):
                     return False
@@ -595,6 +610,8 @@ class Api:
         if up.key:
             headers["Authorization"] = f"Bearer {up.key}"
         url = up.base_url + path  # one of ENDPOINTS, as matched: never the client's query or spelling
+        stopped = with_stops(path, json.loads(body), up.stops) if up.stops else None
+        body = json.dumps(stopped).encode() if stopped is not None else body
         resp: web.StreamResponse | None = None
         sent: _TokenTally | None = None  # a stream: what of it reached the client (whole events)
         t0 = time.monotonic()

@@ -130,9 +130,9 @@ async def obtain_and_open(net: MeshNet, name: str, o: NodeOptions, console: Cons
 
     found = await _in_mesh(net, name, 30.0) if not o.fetch_all else None
     if found is not None:
+        from meshllm.llama.chat import chat_default
         from meshllm.llama.gguf import model_shape
         from meshllm.paths import models_dir
-        from meshllm.serve.modelfiles import arch_template
 
         fp, served_as, size = found
         n = len(sources_of(net, fp))
@@ -142,7 +142,7 @@ async def obtain_and_open(net: MeshNet, name: str, o: NodeOptions, console: Cons
                                   lambda line: console.print(line, markup=False), track)  # fmt: skip
         shape = model_shape(copy.header)
         facts = ModelFacts(fingerprint=fp, size=size, n_layer=shape.n_layer, source=served_as)
-        return ModelFiles(copy.path, facts, None, arch_template(copy.header), partial=True), shape, copy
+        return ModelFiles(copy.path, facts, None, chat_default(copy.header.metadata), partial=True), shape, copy
     path = await obtain_model(net, name, o.models_dir, console, track=track)
     try:
         model, shape, _ = await asyncio.to_thread(open_model, Path(name), o.models_dir, o.draft, o.no_draft)

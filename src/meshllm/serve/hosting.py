@@ -305,13 +305,19 @@ class Hosting:
                         source_of=self._door_source)  # fmt: skip
         self.door_port = await self.door.start("127.0.0.1", 0)
 
+    def chat_stops(self) -> tuple[str, ...]:
+        """The stop strings every chat to our llama-server gets: a base model's transcript turns (llama/chat.py)."""
+        ours = self.tuning.default_chat(self.model.chat if self.model else None)
+        return ours.stops if ours else ()
+
     def local_upstream(self, model: str | None) -> Upstream | Unavailable | None:
         """Our own llama-server when it serves (the door's router: a request that came over the mesh goes no
         further)."""
         srv, facts = self.server, self.model.facts if self.model else None
         if srv is None or facts is None or srv.state != ChildState.SERVING:
             return Unavailable("this node does not serve the model now", retry_after_s=1)
-        return Upstream(facts.source, srv.base_url, srv.key, self.slots) if model in (None, facts.source) else None
+        up = Upstream(facts.source, srv.base_url, srv.key, self.slots, stops=self.chat_stops())
+        return up if model in (None, facts.source) else None
 
     async def on_http_stream(self, conn: Conn, st: Stream) -> None:
         """Host side: a peer's API forwards a request for our model, through our door, to our llama-server."""
@@ -343,7 +349,7 @@ class Hosting:
         r = serving.route(model, served, local, remote, ready, plan, host, me, host_says)
         if isinstance(r, serving.Local):
             assert srv is not None
-            return Upstream(r.model, srv.base_url, srv.key, self.slots)
+            return Upstream(r.model, srv.base_url, srv.key, self.slots, stops=self.chat_stops())
         if isinstance(r, serving.Remote):
             return Upstream(r.model, f"http://127.0.0.1:{listeners[r.host].port}")
         if isinstance(r, serving.Connecting):
@@ -415,7 +421,7 @@ class Hosting:
                 extra = ("--load-mode", "none", "--fit", "off")
             want = ServerConfig(
                 model=self.model.path, alias=self.model.facts.source, ctx_size=self.sizing.ctx,
-                parallel=self.sizing.parallel, tuning=self.tuning, arch_template=self.model.arch_template,
+                parallel=self.sizing.parallel, tuning=self.tuning, chat=self.model.chat,
                 threads=default_threads(), rpc=rpc, tensor_split=w.tensor_split if isinstance(w, serving.Split) else (),
                 extra=extra, draft=self.model.draft, draft_max=self.draft_max,
                 draft_device=first_device(self.device),

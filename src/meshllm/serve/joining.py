@@ -11,6 +11,7 @@ from pathlib import Path
 from rich.console import Console
 
 from meshllm.errors import MeshError, UserError
+from meshllm.llama.chat import chat_default
 from meshllm.llama.gguf import model_shape, read_header
 from meshllm.net.meshnet import MeshNet
 from meshllm.paths import models_dir
@@ -22,7 +23,7 @@ from meshllm.proto.gossip import ModelFacts, Role
 from meshllm.proto.planner import GB, ModelShape
 from meshllm.serve.fetching import LayerKeeper, obtain_and_open, obtain_model
 from meshllm.serve.hosting import Hosting
-from meshllm.serve.modelfiles import ModelFiles, arch_template, find_by_fingerprint
+from meshllm.serve.modelfiles import ModelFiles, find_by_fingerprint
 from meshllm.serve.narration import duration
 from meshllm.serve.options import NodeOptions
 from meshllm.state import load_members, load_token, save_addrs, save_members, save_token
@@ -181,7 +182,7 @@ async def adopt_model(net: MeshNet, hosting: Hosting, wanted: str | None, o: Nod
         return None
     if found is not None and found[1] is not None:  # a copy here
         hdr = read_header(found[1])
-        model, shape = ModelFiles(found[1], found[0], arch_template=arch_template(hdr)), model_shape(hdr)
+        model, shape = ModelFiles(found[1], found[0], chat=chat_default(hdr.metadata)), model_shape(hdr)
     else:  # fetched (its layers) from the members that serve it; --model auto: the model that needs us most
         name = wanted or found[0].fingerprint if found is not None else wanted
         assert name is not None

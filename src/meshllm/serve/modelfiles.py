@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshllm.errors import UserError
+from meshllm.llama.chat import ChatDefault, chat_default
 from meshllm.llama.gguf import GGUFHeader, model_fingerprint, model_shape, vocab_signature
 from meshllm.llama.gguf import read_header as read_gguf_header
-from meshllm.llama.processes import ARCH_TEMPLATES
 from meshllm.models import catalog
 from meshllm.models.download import installed, resolve
 from meshllm.paths import models_dir
@@ -24,15 +24,8 @@ class ModelFiles:
     path: Path
     facts: ModelFacts
     draft: Path | None = None
-    arch_template: str | None = None  # llama.cpp's built-in template for its architecture, when the GGUF has none
+    chat: ChatDefault | None = None  # the chat template it gets when the GGUF has none (llama/chat.py)
     partial: bool = False  # a partial copy (only some layers): its rpc-server is told the fingerprint we checked
-
-
-def arch_template(hdr: GGUFHeader) -> str | None:
-    """The built-in chat template a model without one of its own gets (None: it has one, or none fits)."""
-    if "tokenizer.chat_template" in hdr.metadata:
-        return None
-    return ARCH_TEMPLATES.get(str(hdr.metadata.get("general.architecture", "")))
 
 
 def open_model(
@@ -51,7 +44,7 @@ def open_model(
         fingerprint=model_fingerprint(path), size=path.stat().st_size, n_layer=shape.n_layer,
         source=str(model_arg) if named else path.stem,
     )  # fmt: skip
-    return ModelFiles(path, facts, draft_path, arch_template(hdr)), shape, note
+    return ModelFiles(path, facts, draft_path, chat_default(hdr.metadata)), shape, note
 
 
 def choose_draft(
