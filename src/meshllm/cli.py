@@ -327,6 +327,30 @@ def cmd_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_direct(args: argparse.Namespace) -> int:
+    """``mesh-llm serve NAME`` / ``mesh-llm drop NAME``: the founder's (or an admin's) signed word, kept in the state
+    dir, where the running node takes it within a tick and gossips it."""
+    from meshllm.state import ADMINS, load_directives, load_or_create_key, load_signed, save_directives
+
+    sd, m = _founder_state(args.state_dir)
+    admins = {tok.grant_from_wire(o, m.mesh_id).node for o in load_signed(sd, ADMINS)}
+    have = [tok.directive_from_wire(o, m.mesh_id, admins) for o in load_directives(sd)]
+    last = max((d.at for d in have if d.model == args.name), default=0)  # a word about it a second ago: later still
+    try:
+        d = tok.direct(load_or_create_key(sd), m.mesh_id, args.name, args.serve, max(time.time(), last + 1), admins)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    save_directives(sd, [*(h for h in have if h.model != d.model), d])
+    if args.serve:
+        print(f"serve {d.model}: the running node gossips it within a second; the nodes that hold {d.model} serve it "
+              "(again), and a node started with --model auto that serves nothing fetches it and serves it")  # fmt: skip
+    else:
+        print(f"drop {d.model}: the running node gossips it within a second; every node that serves {d.model} stops "
+              f"its llama-server and stands by, and no node lists it; `mesh-llm serve {d.model}` brings it "
+              "back")  # fmt: skip
+    return 0
+
+
 def _add_signed(sd: Path, name: str, have: list[W], word: W, already: str, done: str) -> None:
     """Keep a new revocation or admin grant in the state dir (``revoked``, ``admins``), where the running node
     takes it within a tick and gossips it; or say it is there already."""
@@ -760,6 +784,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "new nodes; members stay members and get the new secret from the running founder.")  # fmt: skip
     po.add_argument("--state-dir", type=Path, metavar="DIR", help="the founder's state (default ~/.mesh-llm)")
     po.set_defaults(func=cmd_rotate)
+    for verb, serve, what in (("serve", True, "serve a model (again)"), ("drop", False, "stop serving a model")):
+        pv = sub.add_parser(verb, help=f"ask the mesh to {what} (the founder or an admin)",
+                            description=f"Ask the whole mesh to {what}: signed by this node (the founder or an admin), "
+                            "written to its state dir, gossiped by the running node; the newest word about a model "
+                            "counts.")  # fmt: skip
+        pv.add_argument("name", type=nonempty, help="the model's name as /v1/models lists it (or a catalog name)")
+        pv.add_argument("--state-dir", type=Path, metavar="DIR", help="this node's state (default ~/.mesh-llm)")
+        pv.set_defaults(func=cmd_direct, serve=serve)
     pd = sub.add_parser(
         "download",
         help="list the model catalog, or download a model",

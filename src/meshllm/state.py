@@ -309,6 +309,27 @@ def save_signed(state: Path, name: str, words: Sequence[tok.SignedWord]) -> None
     write_private(state / name, (json.dumps(rows, indent=1) + "\n").encode())
 
 
+DIRECTIVES = "directives"
+
+
+def load_directives(state: Path) -> list[list[object]]:
+    """The serve / drop words this node knows (``mesh-llm serve`` / ``drop``), in wire form: the reader verifies."""
+    path = state / DIRECTIVES
+    if not path.exists():
+        return []
+    check_private(path)
+    try:
+        return [[bytes.fromhex(m), str(name), bool(serve), int(at), bytes.fromhex(b), bytes.fromhex(s)]
+                for m, name, serve, at, b, s in json.loads(path.read_text())]  # fmt: skip
+    except (ValueError, TypeError) as e:
+        raise UserError(f"{path} is damaged ({e})") from None
+
+
+def save_directives(state: Path, words: Sequence[tok.Directive]) -> None:
+    rows = [[d.mesh_id.hex(), d.model, d.serve, d.at, d.by.hex(), d.sig.hex()] for d in words]
+    write_private(state / DIRECTIVES, (json.dumps(rows, indent=1) + "\n").encode())
+
+
 def load_rekey(state: Path) -> tuple[bytes, int, bytes, bytes, bytes] | None:
     """What ``mesh-llm rotate`` left in ``rekey``: (mesh id, epoch, secret, founder, signature); the reader verifies."""
     path = state / "rekey"

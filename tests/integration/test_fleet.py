@@ -46,6 +46,13 @@ def _complete(port: int, model: str) -> tuple[int, dict[str, object]]:
         return e.code, json.loads(e.read())
 
 
+def _children(pid: int, name: str) -> list[int]:
+    """The processes named ``name`` that ``pid`` started (its children)."""
+    import psutil
+
+    return [p.pid for p in psutil.Process(pid).children(recursive=True) if p.name() == name]
+
+
 def test_two_models_each_answer_under_their_own_name_from_every_node(tmp_path: Path, tiny_model: Path,
                                                                     browser: object) -> None:  # fmt: skip
     other = altered_copy(tiny_model, tmp_path / "other-270m.gguf")
@@ -112,6 +119,28 @@ def test_two_models_each_answer_under_their_own_name_from_every_node(tmp_path: P
         # each host's layers, as its own model's host says (they were another model's host's, or none)
         peers = {p["short"]: p for p in _get(c.port, "/mesh/status")["peers"]}  # type: ignore[attr-defined]
         assert peers[a.short()]["layers"] == [0, 17] and peers[b.short()]["layers"] == [0, 17], peers
+        # [fleet] 2: the founder drops y — no node lists it, none answers it, its host stops its llama-server and
+        # stands by — then serves it again: its nodes serve it
+        def cli(*args: str) -> str:
+            r = subprocess.run([sys.executable, "-m", "meshllm.cli", *args, "--state-dir", str(a.state)],
+                               capture_output=True, text=True, timeout=30)  # fmt: skip
+            assert r.returncode == 0, r.stderr
+            return r.stdout
+
+        assert f"drop {y}:" in cli("drop", y)
+        listed = lambda n: [m["id"] for m in _get(n.port, "/v1/models")["data"]]  # type: ignore[index]  # noqa: E731
+        wait_for(lambda: all(listed(n) == [x] for n in (a, b, c)), 15, f"{y} gone from every node's list")
+        for n in (a, b, c):
+            code, out = _complete(n.port, y)
+            assert code == 404 and f"was dropped from this mesh by its founder or an admin (served: {x};" in out[
+                "error"]["message"], out  # type: ignore[index]
+        wait_for(lambda: _get(b.port, "/mesh/status")["role"] == "worker", 10, "b to stand by")
+        wait_for(lambda: not _children(b.proc.pid, "llama-server"), 10, "b's llama-server to stop")
+        assert f"dropped model {y} from the mesh" in b.text() and f"dropped model {y}" in c.text()
+        assert _complete(c.port, x)[0] == 200  # the other model is served as before
+        assert f"serve {y}:" in cli("serve", y)
+        wait_for(lambda: all(listed(n) == sorted([x, y]) for n in (a, b, c)), 60, f"{y} served again")
+        wait_for(lambda: _complete(c.port, y)[0] == 200, 60, f"c to answer {y} again")
     finally:
         for n in nodes:
             n.stop()

@@ -158,3 +158,56 @@ def test_a_replica_is_never_the_sitting_host_and_is_routed_to_only_beside_the_el
     put(3, 1, role=Role.HOST, capacity=99, replica=True)
     assert model_groups(core.alive(now), lambda r: core.host_of(r, now))[0].replicas == (rep,)
     assert liar not in [r.node for r in core.hosts_for("x", now)]
+
+
+def test_a_dropped_model_has_no_host_until_the_founder_or_an_admin_serves_it_again() -> None:
+    """[fleet] 2: `mesh-llm drop NAME` / `serve NAME` — signed words, the newest per model counts; a dropped model is
+    listed nowhere, elects no host (ours neither) and routes nowhere; a word by a non-admin, a forged one, or one for
+    another mesh is refused; an admin's stops counting once the admin is revoked."""
+    import dataclasses
+
+    import pytest
+
+    from meshllm.errors import RemoteProtocolError
+    from meshllm.proto.gossip import GossipPush
+
+    m = _members(3)
+    core, now, mid = m.core, m.now, m.core.mesh_id
+    for i, model in ((0, X), (1, Y), (2, Y)):
+        r = PeerRecord(m.ids[i], 1, 1, Role.HOST if i < 2 else Role.WORKER, model=model, chain=m.chains[i],
+                       capacity=5 - i, state=NodeState.SERVING)  # fmt: skip
+        core.table.merge_record(r.to_wire(m.keys[i]), now)
+        core.on_connected(m.ids[i], now)
+    assert core.served_models(now) == ["x", "y"] and core.serving_host("y", now) == m.ids[1]
+    drop = tok.direct(core.key, mid, "y", False, now)
+    core.revoke([], now, None, [drop])  # as `mesh-llm drop y` on the founder's machine
+    assert core.served_models(now) == ["x"] and core.hosts_for("y", now) == [] and core.serving_host("y", now) is None
+    assert core.hosts_for(None, now)[0].node == m.ids[0]
+    assert [e.detail for e in core.events if e.kind == "directive"] == ["drop y"]
+    # the newest word counts: an older serve changes nothing, a newer one brings it back
+    older = tok.direct(core.key, mid, "y", True, now - 5)
+    assert not core.table.merge_push(GossipPush(directives=[older.to_wire()]), now).new_directives
+    assert core.table.dropped("y")
+    again = tok.direct(core.key, mid, "y", True, now + 1)
+    assert core.table.merge_push(GossipPush(directives=[again.to_wire()]), now).new_directives == [again]
+    assert core.served_models(now) == ["x", "y"] and core.serving_host("y", now) == m.ids[1]
+    # refused: a member that is no admin (signing or shipping it), a forged word, another mesh's
+    with pytest.raises(ValueError, match="only the node that founded"):
+        tok.direct(m.keys[0], mid, "x", False, now + 2)
+    by_member = tok.Directive(mid, "x", False, int(now + 2), m.ids[0])
+    by_member = dataclasses.replace(by_member, sig=crypto.sign(m.keys[0], crypto.D_DIRECTIVE, by_member.body()))
+    forged = dataclasses.replace(tok.direct(core.key, mid, "y", True, now + 2), model="x", serve=False)
+    foreign_key = crypto.new_key()
+    foreign = tok.direct(foreign_key, tok.found(foreign_key, now)[0][0], "x", False, now + 2)
+    res = core.table.merge_push(GossipPush(directives=[by_member.to_wire(), forged.to_wire(), foreign.to_wire()]),
+                                now)  # fmt: skip
+    assert len(res.dropped) == 3 and not res.new_directives and not core.table.dropped("x"), res.dropped
+    with pytest.raises(RemoteProtocolError, match="malformed"):
+        tok.directive_from_wire([mid, "x", "no", 1, m.ids[0], b""], mid)
+    # an admin's word counts while the admin stands
+    core.revoke([], now, [tok.grant_admin(core.key, mid, m.ids[0], now)])
+    word = tok.direct(m.keys[0], mid, "x", False, now + 3, admins={m.ids[0]})
+    core.table.merge_push(GossipPush(directives=[word.to_wire()]), now)
+    assert core.table.dropped("x") and core.served_models(now) == ["y"]
+    core.revoke([tok.revoke(core.key, mid, m.ids[0], now)], now)
+    assert not core.table.dropped("x")

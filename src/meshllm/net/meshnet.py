@@ -45,9 +45,20 @@ from meshllm.proto.gossip import PeerRecord, RecordUpdate, Role
 from meshllm.proto.meshcore import EventKind, MeshCore, Out
 from meshllm.proto.reach import Observed, PunchRequest, RelayMode
 from meshllm.proto.wire import FrameDecoder, Message, encode
-from meshllm.state import ADMINS, REVOKED, Membership, load_rekey, load_signed, save_membership, save_signed
+from meshllm.state import (
+    ADMINS,
+    DIRECTIVES,
+    REVOKED,
+    Membership,
+    load_directives,
+    load_rekey,
+    load_signed,
+    save_directives,
+    save_membership,
+    save_signed,
+)
 
-_W = TypeVar("_W", bound=tok.SignedWord)
+_W = TypeVar("_W", tok.Revocation, tok.Grant, tok.Directive)
 log = logging.getLogger("meshllm.mesh")
 
 AUTH_TIMEOUT_S = 5.0
@@ -104,7 +115,7 @@ class MeshNet:
         self.m = membership
         self.state_dir = state_dir
         self._revoked_stamp: tuple[int, ...] = ()  # the admins and revoked files as last read (mtimes)
-        self._revoked_saved: tuple[int, frozenset[NodeId]] = (0, frozenset())
+        self._revoked_saved: tuple[int, frozenset[NodeId], frozenset[tok.Directive]] = (0, frozenset(), frozenset())
         self._rekey_stamp = -1
         self.bind = bind
         self.advertise = advertise
@@ -252,22 +263,26 @@ class MeshNet:
         if self._stamps() != self._revoked_stamp:
             grants = self._load_signed(ADMINS, lambda o: tok.grant_from_wire(o, mid))
             admins = {g.node for g in grants} | set(table.admins)
-            got = self._load_signed(REVOKED, lambda o: tok.revocation_from_wire(o, mid, admins - set(table.revoked)))
-            self.send(self.core.revoke(got, self.now, grants))
-        saved = (len(table.admins), frozenset(table.revoked))  # (a revocation may void others: same count)
-        if saved != self._revoked_saved:
+            standing = admins - set(table.revoked)
+            got = self._load_signed(REVOKED, lambda o: tok.revocation_from_wire(o, mid, standing))
+            words = self._load_signed(DIRECTIVES, lambda o: tok.directive_from_wire(o, mid, standing), load_directives)
+            self.send(self.core.revoke(got, self.now, grants, words))
+        saved = (len(table.admins), frozenset(table.revoked), frozenset(table.directives.values()))
+        if saved != self._revoked_saved:  # (a revocation may void others: the same count)
             self._revoked_saved = saved
             save_signed(self.state_dir, ADMINS, list(table.admins.values()))
             save_signed(self.state_dir, REVOKED, list(table.revoked.values()))
+            save_directives(self.state_dir, list(table.directives.values()))
         self._revoked_stamp = self._stamps()
 
     def _stamps(self) -> tuple[int, ...]:
-        paths = (self.state_dir / ADMINS, self.state_dir / REVOKED)
+        paths = (self.state_dir / ADMINS, self.state_dir / REVOKED, self.state_dir / DIRECTIVES)
         return tuple(p.stat().st_mtime_ns if p.exists() else 0 for p in paths)
 
-    def _load_signed(self, name: str, parse: Callable[[object], _W]) -> list[_W]:
+    def _load_signed(self, name: str, parse: Callable[[object], _W],
+                     load: Callable[[Path], list[list[object]]] | None = None) -> list[_W]:  # fmt: skip
         out = []
-        for obj in load_signed(self.state_dir, name):
+        for obj in load(self.state_dir) if load else load_signed(self.state_dir, name):
             try:
                 out.append(parse(obj))
             except RemoteProtocolError as e:

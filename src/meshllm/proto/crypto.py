@@ -26,6 +26,7 @@ D_MESH_ID = b"mesh-llm mesh id v1\0"
 D_REVOKE = b"mesh-llm revoke v1\0"
 D_REKEY = b"mesh-llm rekey v1\0"
 D_ADMIN = b"mesh-llm admin v1\0"
+D_DIRECTIVE = b"mesh-llm serve or drop v1\0"
 
 
 def new_key() -> Ed25519PrivateKey:

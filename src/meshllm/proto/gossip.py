@@ -375,6 +375,7 @@ class GossipPush(Message):
     tombstones: list[list[Any]] = field(default_factory=list)
     revocations: list[list[Any]] = field(default_factory=list)
     admins: list[list[Any]] = field(default_factory=list)  # the founder's admin grants (before revocations)
+    directives: list[list[Any]] = field(default_factory=list)  # serve / drop words (the newest per model)
 
 
 @message
@@ -429,6 +430,7 @@ class MergeResult:
     refuted: bool = False  # a tombstone named our own current life
     new_revocations: list[tok.Revocation] = field(default_factory=list)  # to forward (and keep on disk)
     new_grants: list[tok.Grant] = field(default_factory=list)  # admin grants, likewise
+    new_directives: list[tok.Directive] = field(default_factory=list)  # serve / drop words, likewise
     cut: list[NodeId] = field(default_factory=list)  # members a revocation removed
     voided: list[NodeId] = field(default_factory=list)  # revocations that fell with the admin who signed them
     revoked_me: bool = False
@@ -452,6 +454,7 @@ class Table:
         self.my_links: frozenset[NodeId] = frozenset()  # our connected peers as our record says: who may bury us
         self.revoked: dict[NodeId, tok.Revocation] = {}  # for good: never forgotten
         self.admins: dict[NodeId, tok.Grant] = {}  # whom the founder made admin (they may revoke members)
+        self.directives: dict[str, tok.Directive] = {}  # per model name: the newest serve / drop word
         self.wall: float | None = None  # wall time as of the last tick (admissions end at wall times); None: unchecked
         self._through: dict[NodeId, int] = {}  # per member: entries admitted through it (tok.lineage), for MAX_THROUGH
 
@@ -592,11 +595,33 @@ class Table:
             res.new_grants.append(g)
         return res
 
+    def add_directive(self, d: tok.Directive, res: MergeResult | None = None) -> MergeResult:
+        """Take a (verified) serve / drop word, when it is the newest about its model."""
+        res = res or MergeResult()
+        if d.newer(self.directives.get(d.model)):
+            self.directives[d.model] = d
+            res.new_directives.append(d)
+        return res
+
+    def directive(self, model: str) -> tok.Directive | None:
+        """The word that counts about ``model``: the newest, unless its signer is an admin revoked since."""
+        d = self.directives.get(model)
+        return d if d is not None and d.by not in self.revoked else None
+
+    def dropped(self, model: str) -> bool:
+        d = self.directive(model)
+        return d is not None and not d.serve
+
     def merge_push(self, push: GossipPush, now: float) -> MergeResult:
         res = MergeResult()
         for obj in push.admins[:MAX_RECORDS]:  # first: a revocation may be an admin's
             try:
                 self.add_grant(tok.grant_from_wire(obj, self.mesh_id), res)
+            except RemoteProtocolError as e:
+                res.dropped.append(str(e))
+        for obj in push.directives[:MAX_RECORDS]:
+            try:
+                self.add_directive(tok.directive_from_wire(obj, self.mesh_id, self._standing_admins()), res)
             except RemoteProtocolError as e:
                 res.dropped.append(str(e))
         for obj in push.revocations[:MAX_RECORDS]:
@@ -727,4 +752,5 @@ class Table:
             tombstones=[t.to_wire() for t in self.tombstones.values() if t.sig],
             revocations=[r.to_wire() for r in self.revoked.values()],
             admins=[g.to_wire() for g in self.admins.values()],
+            directives=[d.to_wire() for d in self.directives.values()],
         )

@@ -60,6 +60,7 @@ class EventKind(StrEnum):
     REKEYED = "rekeyed"  # the founder rotated the admission secret (detail: the epoch); this node has the new one
     RENEWED = "renewed"  # our admission was renewed by a peer (node: the renewer; detail: until when, unix s)
     EXPIRED = "expired"  # a member's admission ended without renewal (ours too): it is out
+    DIRECTIVE = "directive"  # the founder or an admin (node) said to serve or drop a model (detail: "drop NAME")
 
 
 @dataclass(frozen=True)
@@ -215,13 +216,16 @@ class MeshCore:
         self._renew_asked = now
         return [(best.node, RenewAsk())]
 
-    def revoke(self, revocations: list[tok.Revocation], now: float, grants: list[tok.Grant] | None = None) -> Out:
-        """Revocations and admin grants made on this machine (``mesh-llm revoke``, ``mesh-llm admin``) or kept in
-        its state dir: taken and gossiped like any."""
+    def revoke(self, revocations: list[tok.Revocation], now: float, grants: list[tok.Grant] | None = None,
+               directives: list[tok.Directive] | None = None) -> Out:  # fmt: skip
+        """Revocations, admin grants and serve / drop words made on this machine (``mesh-llm revoke``, ``admin``,
+        ``serve``, ``drop``) or kept in its state dir: taken and gossiped like any."""
         before = set(self.table.entries)
         res = MergeResult()
         for g in grants or []:
             self.table.add_grant(g, res)
+        for d in directives or []:
+            self.table.add_directive(d, res)
         for r in revocations:
             self.table.add_revocation(r, res)
         return self._after_merge(res, before, exclude=None, now=now)
@@ -249,10 +253,13 @@ class MeshCore:
             self.record = dataclasses.replace(self.record, incarnation=self.incarnation, seq=0)
             self._sign()
             out += self._to_all(GossipPush(records=[self._raw_self]))
-        if res.new_raw or res.new_tombstones or res.new_revocations or res.new_grants:
+        if res.new_raw or res.new_tombstones or res.new_revocations or res.new_grants or res.new_directives:
             push = GossipPush(records=res.new_raw, tombstones=[t.to_wire() for t in res.new_tombstones if t.sig],
                               revocations=[r.to_wire() for r in res.new_revocations],
-                              admins=[g.to_wire() for g in res.new_grants])  # fmt: skip
+                              admins=[g.to_wire() for g in res.new_grants],
+                              directives=[d.to_wire() for d in res.new_directives])  # fmt: skip
+            self.events += [Event(EventKind.DIRECTIVE, d.by, f"{'serve' if d.serve else 'drop'} {d.model}")
+                            for d in res.new_directives]  # fmt: skip
             out += [(p, push) for p in sorted(self.peers) if p != exclude]
         return out
 
@@ -349,15 +356,20 @@ class MeshCore:
         """Each model named ``model`` (any when None) that a host-scoped record holds, by fingerprint, with the host
         our election picks for it (our own debounced one for our model)."""
         mine = self.record.model.fingerprint if self.record.model else None
-        fps = sorted({r.model.fingerprint for r in recs if r.model is not None and _may_host(r)
-                      and (model is None or r.model.source == model)})  # fmt: skip
+        fps = sorted({r.model.fingerprint for r in recs
+                      if r.model and self._servable(r) and model in (None, r.model.source)})  # fmt: skip
         cur = self._election.current
         return [(fp, cur if fp == mine and cur is not None else _elect(recs, fp)) for fp in fps]
 
     def served_models(self, now: float) -> list[str]:
         """The names the mesh serves models under: those of nodes that may host them (a client- or worker-scoped
         member's record adds no name)."""
-        return sorted({r.model.source for r in self.alive(now) if r.model is not None and _may_host(r)})
+        return sorted({r.model.source for r in self.alive(now) if r.model is not None and self._servable(r)})
+
+    def _servable(self, r: PeerRecord) -> bool:
+        """Whether ``r`` may host its model: host-scoped, not a client, and its model not dropped (``mesh-llm
+        drop``)."""
+        return r.model is not None and _may_host(r) and not self.table.dropped(r.model.source)
 
     def silent_s(self, node: NodeId, now: float) -> float:
         """Seconds since we last heard news from ``node`` (0 for ourselves; inf for a node we do not know)."""
@@ -380,7 +392,7 @@ class MeshCore:
         host = self.serving_host(None, now) or self._election.current
         if host is None and self.record.model is None:  # a lite client: the election of any model the mesh has
             recs = self.alive(now)
-            fps = sorted({r.model.fingerprint for r in recs if r.model is not None and _may_host(r)})
+            fps = sorted({r.model.fingerprint for r in recs if r.model is not None and self._servable(r)})
             host = next((h for fp in fps if (h := _elect(recs, fp)) is not None), None)
         return next((r for r in self.alive(now) if r.node == host), None) if host is not None else None
 

@@ -509,6 +509,64 @@ def _signed_word(obj: object, what: str) -> tuple[bytes, NodeId, int, NodeId, by
     return mid, node, at, by, sig
 
 
+# ------------------------------------------------------------------------------------------ serve / drop
+
+MODEL_NAME_MAX = 200  # a directive's model name (a catalog name, a hub reference or a served-as name)
+
+
+@dataclass(frozen=True)
+class Directive:
+    """The word of the founder (or of an admin it named, ``by``) that the mesh serves ``model`` (``serve``) or stops
+    serving it: ``mesh-llm serve NAME`` / ``mesh-llm drop NAME``. Gossiped and kept like grants (state dir
+    ``directives``); for each model the newest word counts. Wire: [mesh_id, model, serve, at, by, sig]."""
+
+    mesh_id: bytes
+    model: str
+    serve: bool
+    at: int
+    by: NodeId
+    sig: bytes = b""
+
+    def body(self) -> bytes:
+        return pack([self.mesh_id, self.model, self.serve, self.at, self.by])
+
+    def to_wire(self) -> list[object]:
+        return [self.mesh_id, self.model, self.serve, self.at, self.by, self.sig]
+
+    def newer(self, other: Directive | None) -> bool:
+        """Whether this word replaces ``other`` (about the same model): later, or as late and a drop."""
+        return other is None or (self.at, not self.serve, self.sig) > (other.at, not other.serve, other.sig)
+
+
+def direct(key: Ed25519PrivateKey, mesh_id: bytes, model: str, serve: bool, now: float,
+           admins: Container[NodeId] = frozenset()) -> Directive:  # fmt: skip
+    """ValueError unless ``key`` founded ``mesh_id`` or is one of its ``admins``, and ``model`` is a name."""
+    me = crypto.node_id(key)
+    if crypto.mesh_id_for(me) != mesh_id and me not in admins:
+        raise ValueError("only the node that founded the mesh, or an admin it named, can serve or drop models")
+    if not 0 < len(model) <= MODEL_NAME_MAX or not model.isprintable():
+        raise ValueError(f"{model[:40]!r}: not a model name")
+    d = Directive(mesh_id, model, serve, int(now), me)
+    return replace(d, sig=crypto.sign(key, crypto.D_DIRECTIVE, d.body()))
+
+
+def directive_from_wire(obj: object, mesh_id: bytes, admins: Container[NodeId] = frozenset()) -> Directive:
+    """A serve or drop word of this mesh, signed by its founder or one of ``admins``; RemoteProtocolError otherwise."""
+    if not (isinstance(obj, list) and len(obj) == 6):
+        raise RemoteProtocolError("serve/drop word malformed")
+    mid, model, serve, at, by, sig = obj
+    if not (isinstance(mid, bytes) and isinstance(model, str) and 0 < len(model) <= MODEL_NAME_MAX
+            and isinstance(serve, bool) and _is_int(at) and isinstance(by, bytes) and len(by) == crypto.NODE_ID_LEN
+            and isinstance(sig, bytes)):  # fmt: skip
+        raise RemoteProtocolError("serve/drop word malformed")
+    d = Directive(mid, model, serve, at, by, sig)
+    if mid != mesh_id or (crypto.mesh_id_for(by) != mesh_id and by not in admins):
+        raise RemoteProtocolError("serve/drop word not made by this mesh's founder or an admin")
+    if not crypto.verify(by, crypto.D_DIRECTIVE, d.body(), sig):
+        raise RemoteProtocolError("serve/drop word has a bad signature")
+    return d
+
+
 def cut_off(chain: list[Link] | tuple[Link, ...], revoked: Container[NodeId]) -> NodeId | None:
     """The revoked node a chain passes through (its member, one that admitted it down the line, or one a link names
     as its provenance), if any."""

@@ -322,6 +322,7 @@ class Api:
         self.counters = Counters()
         self.models = models
         self.model_info: Callable[[str], dict[str, object] | None] | None = None  # a model's host and nodes
+        self.dropped: Callable[[str], bool] = lambda name: False  # whether `mesh-llm drop` dropped a model
         self.status = status
         self.api_key = api_key
         self.requests: dict[int, int] = {}
@@ -471,6 +472,10 @@ class Api:
             parsed = capped
             body = json.dumps(capped).encode()
         served = self.models()
+        if model is not None and self.dropped(model):
+            return _error(404, f"model {model!r} was dropped from this mesh by its founder or an admin (served: "
+                          f"{', '.join(served) or 'none'}; `mesh-llm serve {model[:100]}` serves it again)",
+                          "invalid_request_error", code="model_not_found", param="model")  # fmt: skip
         if model is not None and model not in served and len(served) == 1:
             # one model served: any name reaches it (clients configured for another name work, as with
             # llama-server); the answer names the real one, and the body says it to every node on the way

@@ -133,7 +133,8 @@ def mesh_model(net: MeshNet, now: float) -> ModelFacts | None:
     core = net.core
     if core is None:
         return None
-    g = fleet.neediest(fleet.model_groups(core.table.alive(now), lambda r: core.host_of(r, now)))
+    recs = [r for r in core.table.alive(now) if r.model is None or not core.table.dropped(r.model.source)]
+    g = fleet.neediest(fleet.model_groups(recs, lambda r: core.host_of(r, now)))
     return g.host.model if g is not None and g.host is not None else None
 
 

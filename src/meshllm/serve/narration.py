@@ -33,6 +33,11 @@ def event_line(
         if node == me:
             return "[bold red]this node was revoked from the mesh: no member takes it again[/]"
         return f"[red]-[/] peer {who} revoked from the mesh (itself, or the member that admitted it)"
+    if kind == EventKind.DIRECTIVE:  # detail: "serve NAME" / "drop NAME"
+        verb, _, model = detail.partition(" ")
+        if verb == "drop":
+            return f"[yellow]{who} dropped model {model} from the mesh: no node serves it (`mesh-llm serve {model}`)[/]"
+        return f"{who} asked the mesh to serve model {model}"
     if kind == EventKind.REKEYED:
         return f"[yellow]the mesh's admission secret was rotated ({detail}): tokens minted before admit nobody now[/]"
     if kind == EventKind.EXPIRED:

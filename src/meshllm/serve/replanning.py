@@ -35,6 +35,11 @@ class Replanner:
         if core is None or facts is None:
             return None
         o, me = self.o, core.record
+        if core.table.dropped(facts.source):  # `mesh-llm drop`: no plan here, neither host nor replica
+            if me.role != Role.CLIENT and (me.role, me.replica, me.planned) != (Role.WORKER, False, ()):
+                self.net.update(role=Role.WORKER, replica=False, planned=(), layers=(), why="")
+            self.plan = None
+            return None
         host_rec = core.record if elected == self.me else self.net.record(elected) if elected else None
 
         def sized_for(host: Slot, others: list[Slot], prefer: set[NodeId]) -> tuple[Plan | Waiting, Sizing]:

@@ -56,8 +56,9 @@ class Report:
         self._saved = ""
         self._tokens = standing.Tally(2)  # every host's (generated, prompt): mesh-wide, kept when a host dies
         self._firsts = standing.Tally(2)  # every node's (requests, summed ms to the first token)
-        if api is not None:  # /v1/models names each model's host and nodes
+        if api is not None:  # /v1/models names each model's host and nodes; a request names a dropped model
             api.model_info = self.model_info
+            api.dropped = lambda name: net.core is not None and net.core.table.dropped(name)
 
     def models(self, now: float) -> list[dict[str, object]]:
         """Each model the mesh serves: its name, fingerprint, host (our election's) and the nodes that hold it."""
