@@ -624,6 +624,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             reps = f"; replicas {reps}" if reps else ""  # [fleet] hosts of it beside the elected one
             out.print(f"  {m['name']}: host {str(m['host'] or 'none')[:8]} {m['state']}{reps}; nodes {nodes}",
                       markup=False)  # fmt: skip
+    if st.get("dropped"):
+        out.print(f"  dropped by the founder or an admin: {', '.join(map(str, st['dropped']))}", markup=False)
     for p in st["peers"]:
         if p.get("why"):
             out.print(f"  {p['short']}: {_state_text(p['state'], p['why'])}", markup=False)

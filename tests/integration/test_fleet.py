@@ -46,6 +46,14 @@ def _complete(port: int, model: str) -> tuple[int, dict[str, object]]:
         return e.code, json.loads(e.read())
 
 
+def _cli(node: NodeProc, *args: str) -> str:
+    """``mesh-llm ARGS`` on ``node``'s state dir: its output (the command must succeed)."""
+    r = subprocess.run([sys.executable, "-m", "meshllm.cli", *args, "--state-dir", str(node.state)],
+                       capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
 def _children(pid: int, name: str) -> list[int]:
     """The processes named ``name`` that ``pid`` started (its children)."""
     import psutil
@@ -121,13 +129,7 @@ def test_two_models_each_answer_under_their_own_name_from_every_node(tmp_path: P
         assert peers[a.short()]["layers"] == [0, 17] and peers[b.short()]["layers"] == [0, 17], peers
         # [fleet] 2: the founder drops y — no node lists it, none answers it, its host stops its llama-server and
         # stands by — then serves it again: its nodes serve it
-        def cli(*args: str) -> str:
-            r = subprocess.run([sys.executable, "-m", "meshllm.cli", *args, "--state-dir", str(a.state)],
-                               capture_output=True, text=True, timeout=30)  # fmt: skip
-            assert r.returncode == 0, r.stderr
-            return r.stdout
-
-        assert f"drop {y}:" in cli("drop", y)
+        assert f"drop {y}:" in _cli(a, "drop", y)
         listed = lambda n: [m["id"] for m in _get(n.port, "/v1/models")["data"]]  # type: ignore[index]  # noqa: E731
         wait_for(lambda: all(listed(n) == [x] for n in (a, b, c)), 15, f"{y} gone from every node's list")
         for n in (a, b, c):
@@ -137,8 +139,10 @@ def test_two_models_each_answer_under_their_own_name_from_every_node(tmp_path: P
         wait_for(lambda: _get(b.port, "/mesh/status")["role"] == "worker", 10, "b to stand by")
         wait_for(lambda: not _children(b.proc.pid, "llama-server"), 10, "b's llama-server to stop")
         assert f"dropped model {y} from the mesh" in b.text() and f"dropped model {y}" in c.text()
+        assert _get(c.port, "/mesh/status")["dropped"] == [y]
+        wait_for(lambda: f"dropped by the founder or an admin: {y}" in _cli(c, "status"), 10, "c's status")
         assert _complete(c.port, x)[0] == 200  # the other model is served as before
-        assert f"serve {y}:" in cli("serve", y)
+        assert f"serve {y}:" in _cli(a, "serve", y)
         wait_for(lambda: all(listed(n) == sorted([x, y]) for n in (a, b, c)), 60, f"{y} served again")
         wait_for(lambda: _complete(c.port, y)[0] == 200, 60, f"c to answer {y} again")
     finally:
@@ -260,6 +264,37 @@ def test_a_node_with_model_auto_joins_the_model_that_needs_it_most(tmp_path: Pat
         assert "fetched layers" in d.text() and not (tmp_path / "d-models" / other.name).exists()
         for n in (a, b, d):
             assert _complete(n.port, tiny_model.stem)[0] == 200 and _complete(n.port, other.stem)[0] == 200
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def test_a_dropped_model_and_one_asked_for_that_a_node_serving_nothing_takes_up(tmp_path: Path, tiny_model: Path
+                                                                                 ) -> None:  # fmt: skip
+    """[fleet] 2: the founder drops the model it serves — nothing is served, a request for it is a 404 saying so;
+    d joins with --model auto and serves nothing; `mesh-llm serve` of a name nobody can fetch leaves it so, with a
+    line saying why; `mesh-llm serve gemma3-270m` (the catalog's name, installed here) and d takes it up and serves
+    it, reached through the founder, whose dropped copy of the same file stays stopped."""
+    nodes: list[NodeProc] = []
+    try:
+        a, token = _founder(tmp_path, tiny_model, nodes)
+        wait_for(lambda: "ready:" in a.text(), 60, "a serving")
+        assert "drop" in _cli(a, "drop", tiny_model.stem)
+        wait_for(lambda: _get(a.port, "/v1/models")["data"] == [], 15, "nothing served")
+        wait_for(lambda: not _children(a.proc.pid, "llama-server"), 10, "a's llama-server to stop")
+        code, out = _complete(a.port, tiny_model.stem)
+        assert code == 404 and "was dropped from this mesh" in out["error"]["message"], out  # type: ignore[index]
+        d = NodeProc(tmp_path, "d", None, "--model", "auto", "--ctx-size", "1024", "--join", token, auto=True)
+        nodes.append(d)
+        wait_for(lambda: "serving nothing until it does" in d.text(), 60, "d to serve nothing")
+        _cli(a, "serve", "no-such-model")
+        wait_for(lambda: "cannot serve no-such-model: unknown model" in d.text(), 30, "d to say why not")
+        _cli(a, "serve", "gemma3-270m")
+        served = lambda: [m["id"] for m in _get(a.port, "/v1/models")["data"]]  # type: ignore[index]  # noqa: E731
+        wait_for(lambda: served() == ["gemma3-270m"], 90, "gemma3-270m served")
+        wait_for(lambda: _complete(a.port, "gemma3-270m")[0] == 200, 60, "a to answer through d")
+        assert "no node holds it: this node takes it up" in d.text() and _children(d.proc.pid, "llama-server")
+        assert _complete(a.port, tiny_model.stem)[0] == 404 and not _children(a.proc.pid, "llama-server")
     finally:
         for n in nodes:
             n.stop()

@@ -211,3 +211,13 @@ def test_a_dropped_model_has_no_host_until_the_founder_or_an_admin_serves_it_aga
     assert core.table.dropped("x") and core.served_models(now) == ["y"]
     core.revoke([tok.revoke(core.key, mid, m.ids[0], now)], now)
     assert not core.table.dropped("x")
+
+
+def test_a_node_serving_nothing_takes_up_the_model_asked_for_first_that_nobody_serves() -> None:
+    from meshllm.proto.fleet import asked_for
+
+    words = [("b", True, 20), ("a", True, 10), ("c", False, 5), ("d", True, 30)]
+    assert asked_for(words, set()) == "a"  # asked for first
+    assert asked_for(words, {"a"}) == "b"  # a node serves it already
+    assert asked_for(words, {"a", "b", "d"}) is None  # a dropped model is no request to serve it
+    assert asked_for([], set()) is None

@@ -5,7 +5,7 @@ status`` and the console group the mesh by these."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from meshllm.proto.crypto import NodeId
@@ -59,6 +59,14 @@ def neediest(groups: Iterable[ModelGroup]) -> ModelGroup | None:
 
     hosted = [g for g in groups if g.host is not None]
     return min(hosted, key=need) if hosted else None
+
+
+def asked_for(words: Iterable[tuple[str, bool, int]], served: Container[str]) -> str | None:
+    """The model a node that serves nothing (``--model auto``) takes up by the founder's or an admin's word: of the
+    models they asked the mesh to serve (``mesh-llm serve NAME``: (name, serve, when)) and no node serves, the one
+    asked for first (None: none)."""
+    waiting = sorted((at, name) for name, serve, at in words if serve and name not in served)
+    return waiting[0][1] if waiting else None
 
 
 # ------------------------------------------------------------------------------------------------ replicas

@@ -359,12 +359,17 @@ class MeshCore:
         fps = sorted({r.model.fingerprint for r in recs
                       if r.model and self._servable(r) and model in (None, r.model.source)})  # fmt: skip
         cur = self._election.current
-        return [(fp, cur if fp == mine and cur is not None else _elect(recs, fp)) for fp in fps]
+        return [(fp, cur if fp == mine and cur is not None else self._elect(recs, fp)) for fp in fps]
 
     def served_models(self, now: float) -> list[str]:
         """The names the mesh serves models under: those of nodes that may host them (a client- or worker-scoped
         member's record adds no name)."""
         return sorted({r.model.source for r in self.alive(now) if r.model is not None and self._servable(r)})
+
+    def _elect(self, recs: list[PeerRecord], fp: str) -> NodeId | None:
+        """``_elect`` among the records whose model is not dropped: a copy of the same file served under another
+        name (``mesh-llm drop`` names one) is a candidate, one under the dropped name is none."""
+        return _elect([r for r in recs if r.model is None or not self.table.dropped(r.model.source)], fp)
 
     def _servable(self, r: PeerRecord) -> bool:
         """Whether ``r`` may host its model: host-scoped, not a client, and its model not dropped (``mesh-llm
@@ -383,7 +388,7 @@ class MeshCore:
         fp = rec.model.fingerprint
         mine = self.record.model.fingerprint if self.record.model else None
         recs = self.alive(now)
-        host = self._election.current if fp == mine and self._election.current is not None else _elect(recs, fp)
+        host = self._election.current if fp == mine and self._election.current is not None else self._elect(recs, fp)
         return next((r for r in recs if r.node == host), None) if host is not None else None
 
     def host_record(self, now: float) -> PeerRecord | None:
@@ -393,7 +398,7 @@ class MeshCore:
         if host is None and self.record.model is None:  # a lite client: the election of any model the mesh has
             recs = self.alive(now)
             fps = sorted({r.model.fingerprint for r in recs if r.model is not None and self._servable(r)})
-            host = next((h for fp in fps if (h := _elect(recs, fp)) is not None), None)
+            host = next((h for fp in fps if (h := self._elect(recs, fp)) is not None), None)
         return next((r for r in self.alive(now) if r.node == host), None) if host is not None else None
 
     def elected_host(self, now: float) -> NodeId | None:
@@ -402,7 +407,7 @@ class MeshCore:
         if fp is None:
             return None
         before = self._election.current
-        host = self._election.propose(_elect(self.alive(now), fp), now)
+        host = self._election.propose(self._elect(self.alive(now), fp), now)
         if host != before and host is not None:
             self.events.append(Event(EventKind.HOST, host))
         return host

@@ -120,15 +120,15 @@ async def obtain_model(net: MeshNet, name: str, where_opt: Path | None, console:
     return await fetch_from_peers(net, fp, dest, lambda line: console.print(line, markup=False), track)
 
 
-async def obtain_and_open(net: MeshNet, name: str, o: NodeOptions, console: Console, track: Sharing | None = None
-                          ) -> tuple[ModelFiles, ModelShape, PartialCopy | None]:  # fmt: skip
+async def obtain_and_open(net: MeshNet, name: str, o: NodeOptions, console: Console, track: Sharing | None = None,
+                          wait_s: float = 30.0) -> tuple[ModelFiles, ModelShape, PartialCopy | None]:  # fmt: skip
     """The model ``--model name`` names, which this machine lacks, opened to serve: a partial copy that holds only
     the layers the plan will give this worker (no layer yet: ``LayerKeeper`` fetches them) where a member serves it
     and this node may (not ``--fetch all``); else ``obtain_model``, opened as ``--model name`` would have opened
     it."""
     from meshllm.serve.modelfiles import open_model
 
-    found = await _in_mesh(net, name, 30.0) if not o.fetch_all else None
+    found = await _in_mesh(net, name, wait_s) if not o.fetch_all else None
     if found is not None:
         from meshllm.llama.chat import chat_default
         from meshllm.llama.gguf import model_shape
@@ -143,7 +143,7 @@ async def obtain_and_open(net: MeshNet, name: str, o: NodeOptions, console: Cons
         shape = model_shape(copy.header)
         facts = ModelFacts(fingerprint=fp, size=size, n_layer=shape.n_layer, source=served_as)
         return ModelFiles(copy.path, facts, None, chat_default(copy.header.metadata), partial=True), shape, copy
-    path = await obtain_model(net, name, o.models_dir, console, track=track)
+    path = await obtain_model(net, name, o.models_dir, console, wait_s, track=track)
     try:
         model, shape, _ = await asyncio.to_thread(open_model, Path(name), o.models_dir, o.draft, o.no_draft)
     except UserError:  # a name the models dir does not know it by (a fingerprint): by its file

@@ -149,7 +149,8 @@ async def find_mesh_model(net: MeshNet, where_opt: Path | None, can_serve: bool,
             break
         await asyncio.sleep(0.25)
     if facts is None:
-        console.print("[yellow]the mesh serves no model yet: staying a lite client[/]")
+        then = "serving nothing until it does (or `mesh-llm serve NAME`)" if fetch else "staying a lite client"
+        console.print(f"[yellow]the mesh serves no model yet: {then}[/]")
         return None
     where = models_dir(where_opt)
     found = await asyncio.to_thread(find_by_fingerprint, where, facts.fingerprint, facts.size)
@@ -171,7 +172,8 @@ async def find_mesh_model(net: MeshNet, where_opt: Path | None, can_serve: bool,
 
 
 async def adopt_model(net: MeshNet, hosting: Hosting, wanted: str | None, o: NodeOptions, offer: Offer,
-                      console: Console) -> tuple[ModelFiles, ModelShape, LayerKeeper | None] | None:  # fmt: skip
+                      console: Console, wait_s: float = 30.0
+                      ) -> tuple[ModelFiles, ModelShape, LayerKeeper | None] | None:  # fmt: skip
     """Joined without --model (the model that needs us most, if this machine has a copy; with --model auto, fetched
     if not), or with one this machine lacks (``wanted``: fetched from the members that have it — only our layers,
     unless --fetch all — else the hub): our
@@ -187,7 +189,7 @@ async def adopt_model(net: MeshNet, hosting: Hosting, wanted: str | None, o: Nod
     else:  # fetched (its layers) from the members that serve it; --model auto: the model that needs us most
         name = wanted or found[0].fingerprint if found is not None else wanted
         assert name is not None
-        model, shape, copy = await obtain_and_open(net, name, o, console, hosting.sharing)
+        model, shape, copy = await obtain_and_open(net, name, o, console, hosting.sharing, wait_s)
         if copy is not None:
             keeper = LayerKeeper(copy, net, lambda line: console.print(line, markup=False), hosting.sharing)
     await hosting.start_rpc_server(model, offer.use)

@@ -1,8 +1,7 @@
 """The one place that wires a node together: options, start-up, the mesh's events, the plan. Decisions live in pure
-cores (``proto/``: election, planner, serving, standing); what a node runs for the model and the paths to it in
-``hosting.py``; the plan it follows in ``replanning.py``; where a request goes in ``routing.py``; joining in
-``joining.py``; console lines in ``narration.py``; status in ``report.py``; the API in ``api.py``. This module
-gathers their inputs and applies their outputs, on every mesh change.
+cores (``proto/``: election, planner, serving, standing, fleet); what a node runs in ``hosting.py``; its plan in
+``replanning.py``; where a request goes in ``routing.py``; joining in ``joining.py`` and ``adoption.py``; lines in
+``narration.py``; status in ``report.py``; the API in ``api.py``. This module applies their outputs at each change.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from meshllm.proto.gossip import ModelFacts, NodeState, PeerRecord, Role
 from meshllm.proto.meshcore import EventKind
 from meshllm.proto.planner import GB, ModelShape, Plan, Waiting
 from meshllm.serve import narration
+from meshllm.serve.adoption import Adoption
 from meshllm.serve.api import Api, Unavailable
 from meshllm.serve.fetching import LayerKeeper
 from meshllm.serve.hosting import Hosting
@@ -74,6 +74,7 @@ class Node:
         self.router: Router | None = None  # where a request goes
         self.replanner: Replanner | None = None  # the plan we follow
         self.layers: LayerKeeper | None = None  # a partial copy of the model: its layers kept to the plan
+        self.adoption: Adoption | None = None  # --model auto, serving nothing: takes a model up when there is one
         self.elections = 0
         self.timeline: deque[dict[str, object]] = deque(maxlen=TIMELINE)  # what the console's timeline shows
         self._api_said: set[NodeId] = set()  # the hosts our "API up" lines named
@@ -158,9 +159,10 @@ class Node:
             )  # fmt: skip
         self._tasks.append(asyncio.ensure_future(watch_llama(self.net, self.hosting, self.api,
                                                              self.replanner.hosts)))  # fmt: skip
-        if self.o.auto_model or self.wanted:  # serve a model found here, fetched from peers, or downloaded
-            found = await adopt_model(self.net, self.hosting, self.wanted, self.o, self.offer, self.console)
-            self.model, self.shape, self.layers = found or (self.model, self.shape, None)
+        if (self.o.auto_model or self.wanted) and (  # serve a model found here, fetched from peers, or downloaded
+                found := await adopt_model(self.net, self.hosting, self.wanted, self.o, self.offer, self.console)):
+            self.model, self.shape, self.layers = found
+        self.adoption = Adoption(self.net, self.hosting, self.o, self.offer, self.console)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
@@ -173,10 +175,9 @@ class Node:
             await self.net.stop(leave=True)
         if self.hosting is not None:
             await self.hosting.stop()
-        if self.api:
-            await self.api.stop()
-        if self.web_console is not None:
-            await self.web_console.stop()
+        for part in (self.api, self.web_console):
+            if part is not None:
+                await part.stop()
 
     async def _start_api(self) -> None:
         def metrics() -> str:
@@ -222,8 +223,7 @@ class Node:
             self.hosting.forget_worker(ev.node)  # its direct path is tried afresh when it comes back
         if ev.kind == EventKind.REKEYED:
             publish_token(self.net, self.state, self.o.token_ttl_s, self.console)  # the old one admits nobody now
-        conn = self.net.peers.get(ev.node)
-        path = conn.path if conn else "not connected yet"
+        path = conn.path if (conn := self.net.peers.get(ev.node)) else "not connected yet"
         rtt = self.net.core.rtt_ms.get(ev.node)
         line = narration.event_line(ev.kind, ev.node, self.me, ev.detail, self._record(ev.node), path, rtt)
         if line:
@@ -250,6 +250,8 @@ class Node:
         adopted = self.replanner.step(now, self.host, self.shape, self.facts) if self.replanner else None
         if adopted is not None:
             self._say(narration.plan_line(adopted, self.me, self.host), "plan")
+        if self.model is None and self.adoption is not None and (found := self.adoption.step(now)):
+            self.model, self.shape, self.layers = found
         if self.layers is not None:  # a partial copy: the layers the plan gives us
             self.layers.follow(self.plan, self.me)
         hosting.reconfigure(self.plan, self.me)

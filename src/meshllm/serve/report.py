@@ -214,6 +214,7 @@ class Report:
             "draft": v.draft,
             "served_models": v.served,
             "models": self.models(now),
+            "dropped": sorted(n for n in core.table.directives if core.table.dropped(n)),  # `mesh-llm drop`
             "agents": [{"label": a, "copy": b} for a, b in agent_commands(v.served[0], self.port, self.slots(now)[3],
                                                                           self.keyed)] if v.served else [],
             "slots": dict(zip(("busy", "total", "queued", "ctx"), self.slots(now), strict=True)),
