@@ -86,3 +86,59 @@ def test_a_whole_copy_beside_the_host_serves_a_replica(tmp_path: Path, tiny_mode
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_nodes_that_hold_the_model_only_together_serve_a_replica_that_is_a_split(tmp_path: Path,
+                                                                                 tiny_model: Path) -> None:  # fmt: skip
+    """[fleet] 3 "as two splits": four nodes with whole copies, each with memory for half of the model (any two hold
+    it, none alone). The elected host's plan takes one worker; the two it leaves out serve a second split, hosted
+    by the one with the most memory (``fleet.split_replica_host``) over the other's rpc-server; every node lists it
+    as a replica and requests through a lite client run on both splits."""
+    name = tiny_model.stem
+    half = ("--max-vram", "0.5", "--ctx-size", "1024")
+    nodes: list[NodeProc] = []
+    try:
+        _, token = _founder(tmp_path, tiny_model, nodes, "--max-vram", "0.5")
+        for n in "bcd":
+            nodes.append(NodeProc(tmp_path, n, tiny_model, *half, "--join", token))
+        e = NodeProc(tmp_path, "e", None, "--client", "--join", token)
+        nodes.append(e)
+        four = nodes[:4]
+
+        def listed() -> bool:
+            ms = [_models(n.port).get(name, {}) for n in (*four, e)]
+            return all(m.get("state") == "serving" and len(m.get("replicas") or []) == 1 and len(m["nodes"]) == 4
+                       for m in ms)  # type: ignore[arg-type]  # fmt: skip
+
+        wait_for(listed, 180, "a replica split listed everywhere")
+        m = _models(e.port)[name]
+        by_short = {n.short(): n for n in four}
+        host, rep = by_short[str(m["host"])], by_short[m["replicas"][0]]  # type: ignore[index]
+        wait_for(lambda: "ready:" in rep.text(), 90, "the replica's llama-server")
+        st = _get(rep.port, "/mesh/status")
+        planned = {x["node"][:8] for x in st["plan"]["assignments"]}  # type: ignore[index]
+        h_st = _get(host.port, "/mesh/status")
+        h_planned = {x["node"][:8] for x in h_st["plan"]["assignments"]}  # type: ignore[index]
+        assert len(planned) == len(h_planned) == 2 and not planned & h_planned, (planned, h_planned)
+        assert rep.short() in planned and host.short() in h_planned
+        worker = by_short[(planned - {rep.short()}).pop()]
+        said = f"with {worker.short()} beside host {host.short()}"
+        assert "replica: this node hosts a split of the model (" in rep.text() and said in rep.text(), rep.text()
+        assert str(_get(worker.port, "/mesh/status")["host"])[:8] == rep.short()  # it serves its layers for the replica
+        wait_for(lambda: _complete(e.port, name)[0] == 200, 60, "e to answer")
+        wait_for(lambda: f"served by host {rep.short()}" in e.text(), 30, "e's tunnel to the replica")
+        before = [n.text_of("llama-server.log").count(DONE) for n in (host, rep)]
+        with ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(lambda _: _complete(e.port, name)[0], range(8)))
+        assert codes == [200] * 8
+
+        def ran() -> list[int]:
+            return [n.text_of("llama-server.log").count(DONE) - k for n, k in zip((host, rep), before, strict=True)]
+
+        wait_for(lambda: sum(ran()) == 8, 20, "llama-servers' timing lines of the 8 requests")
+        assert min(ran()) >= 2, ran()
+        print(f"\n8 requests at once through a lite client: {ran()[0]} on the elected host's split, {ran()[1]} on "
+              "the replica's")  # fmt: skip
+    finally:
+        for n in nodes:
+            n.stop()

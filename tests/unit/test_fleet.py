@@ -221,3 +221,32 @@ def test_a_node_serving_nothing_takes_up_the_model_asked_for_first_that_nobody_s
     assert asked_for(words, {"a"}) == "b"  # a node serves it already
     assert asked_for(words, {"a", "b", "d"}) is None  # a dropped model is no request to serve it
     assert asked_for([], set()) is None
+
+
+def test_the_nodes_a_host_leaves_out_that_hold_the_model_only_together_form_a_second_split() -> None:
+    """[fleet] 3 "as two splits": whole copies outside the elected host's plan, neither lite nor client-scoped nor
+    able to hold it alone (those serve whole replicas); hosted by the host-scoped one with the most memory."""
+    from meshllm.proto.fleet import left_out, split_replica_host
+
+    m = _members(6, last=tok.Scope.WORKER)
+    h, w1, r, w, big, ws = m.ids
+    host = PeerRecord(h, 1, 1, Role.HOST, model=X, capacity=5, planned=(h, w1))
+    client_scoped = _members(1, tok.Scope.CLIENT).chains[0]
+    recs = [host, PeerRecord(w1, 1, 1, Role.WORKER, model=X, capacity=5, chain=m.chains[1]),
+            PeerRecord(r, 1, 1, Role.WORKER, model=X, capacity=5, chain=m.chains[2]),
+            PeerRecord(w, 1, 1, Role.WORKER, model=X, capacity=5, chain=m.chains[3]),
+            PeerRecord(big, 1, 1, Role.WORKER, model=X, capacity=50, chain=m.chains[4]),  # holds it alone
+            PeerRecord(ws, 1, 1, Role.WORKER, model=X, capacity=9, chain=m.chains[5]),  # worker-scoped
+            PeerRecord(N[1], 1, 1, Role.WORKER, model=X, capacity=9, held=((0, 4),), chain=m.chains[1]),  # partial
+            PeerRecord(N[2], 1, 1, Role.CLIENT, model=X, capacity=9, chain=m.chains[1]),  # a lite client
+            PeerRecord(N[4], 1, 1, Role.WORKER, model=X, capacity=9, chain=client_scoped),
+            PeerRecord(N[3], 1, 1, Role.WORKER, model=Y, capacity=9, chain=m.chains[1])]  # fmt: skip
+    alone = lambda rec: rec.capacity >= 50  # noqa: E731
+    left = left_out(host, recs, alone)
+    assert {x.node for x in left} == {r, w, ws}
+    got = split_replica_host(left)
+    assert got is not None and got.node == min(r, w)  # same memory: the lower id (ws may not host, though larger)
+    assert split_replica_host([x for x in left if x.node != min(r, w)]).node == max(r, w)  # type: ignore[union-attr]
+    assert split_replica_host([x for x in left if x.node == ws]) is None
+    assert left_out(replace(host, planned=()), recs, alone) == []  # a plan waiting for memory: nobody is left out
+    assert left_out(replace(host, role=Role.WORKER), recs, alone) == [] and left_out(None, recs, alone) == []

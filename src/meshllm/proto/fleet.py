@@ -83,6 +83,27 @@ def replica_wanted(me: PeerRecord, host: PeerRecord | None, fits_alone: bool) ->
             and me.model.fingerprint == host.model.fingerprint and fits_alone)  # fmt: skip
 
 
+def left_out(host: PeerRecord | None, records: Iterable[PeerRecord], fits_alone: Callable[[PeerRecord], bool]
+             ) -> list[PeerRecord]:  # fmt: skip
+    """The nodes that may form a second split of ``host``'s model: holding the whole file, worker- or host-scoped,
+    not lite, not in the plan ``host`` (its elected host) runs, and not holding it alone (those serve whole
+    replicas: ``replica_wanted``). Empty while the host runs no plan naming nodes (one that waits for memory keeps
+    every node available to it)."""
+    if host is None or host.model is None or host.role != Role.HOST or not host.planned:
+        return []
+    fp = host.model.fingerprint
+    return sorted((r for r in records if r.model is not None and r.model.fingerprint == fp and r.whole
+                   and r.role != Role.CLIENT and r.scope >= Scope.WORKER and r.node != host.node
+                   and r.node not in host.planned and not fits_alone(r)), key=lambda r: r.node)  # fmt: skip
+
+
+def split_replica_host(left: Sequence[PeerRecord]) -> PeerRecord | None:
+    """Of the ``left_out`` nodes, the one that hosts their split (a replica that is a split): the host-scoped one with
+    the most memory (then the lowest id) — every node picks the same one from the same records."""
+    hosts = [r for r in left if r.scope >= Scope.HOST]
+    return max(hosts, key=lambda r: (r.capacity, -int.from_bytes(r.node, "big"))) if hosts else None
+
+
 @dataclass
 class Spread:
     """Where this node sends each request among the hosts of a model (its elected host and its replicas): the one

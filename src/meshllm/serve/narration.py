@@ -53,6 +53,10 @@ def plan_line(p: Plan | Waiting, me: NodeId, elected: NodeId | None = None) -> s
     """The plan this node follows: ``elected`` its model's elected host (another than the plan's: a replica)."""
     if isinstance(p, Plan) and p.host == me and elected not in (None, me):
         size = sum(a.bytes for a in p.assignments) / GB
+        with_ = ", ".join(name(a.node, me) for a in p.assignments if a.node != me and a.count)
+        if with_:  # a replica that is a split
+            return f"[bold]replica:[/] this node hosts a split of the model ({size:.2f} GB) with {with_} beside host " \
+                   f"{name(elected, me)}"
         return f"[bold]replica:[/] this node serves the whole model ({size:.2f} GB) beside host {name(elected, me)}"
     if isinstance(p, Waiting):
         hint = "" if p.why else " — to add one: `mesh-llm token` here, then `mesh-llm --model MODEL --join TOKEN` there"

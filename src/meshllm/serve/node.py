@@ -244,10 +244,10 @@ class Node:
         routed = net.core.host_record(now)  # on a lite client too: host changes are counted on every node
         if routed is not None and routed.node != self._routed:
             self._routed, self.elections = routed.node, self.elections + 1
-        if host != self.host:
-            self.host = host
+        adopted = self.replanner.step(now, host, self.shape, self.facts) if self.replanner else None
+        if (host := self.replanner.layer_host(host) if self.replanner else host) != self.host:
+            self.host = host  # the host we serve layers for: the elected one, or a split replica's (replanning.py)
             hosting.drop_stale_tunnels(host)
-        adopted = self.replanner.step(now, self.host, self.shape, self.facts) if self.replanner else None
         if adopted is not None:
             self._say(narration.plan_line(adopted, self.me, self.host), "plan")
         if self.model is None and self.adoption is not None and (found := self.adoption.step(now)):

@@ -2,7 +2,8 @@
 adopted once it has held for ``PLAN_DEBOUNCE_S`` (joins come in bursts and a new plan costs a model load; at once
 when a planned node is gone). The host gossips the plan it runs, so every node keeps its nodes first and every node
 shows its layers. A node the elected host's plan leaves out, which holds the whole model alone, serves a replica of
-it: its own plan, alone (``proto/fleet.replica_wanted``)."""
+it: its own plan, alone (``proto/fleet.replica_wanted``); the nodes it leaves out that hold the model only together
+serve one as a split, hosted by the one with the most memory (``fleet.left_out``, ``fleet.split_replica_host``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from meshllm.net.meshnet import MeshNet
 from meshllm.proto import fleet, serving
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.debounce import Debouncer
-from meshllm.proto.gossip import MAX_WHY, ModelFacts, Role
+from meshllm.proto.gossip import MAX_WHY, ModelFacts, PeerRecord, Role
 from meshllm.proto.planner import ModelShape, Plan, Sizing, Slot, Waiting, plan_broken, size, slots_for
 from meshllm.serve.hosting import Hosting
 from meshllm.serve.options import NodeOptions
@@ -23,6 +24,14 @@ class Replanner:
         self.net, self.hosting, self.o, self.me = net, hosting, opts, me
         self.plan: Plan | Waiting | None = None
         self._debounce = Debouncer[tuple[Plan | Waiting, Sizing]](PLAN_DEBOUNCE_S, first_at_once=True)
+
+    def layer_host(self, elected: NodeId | None) -> NodeId | None:
+        """The host this node serves its layers for (the only one its rpc-server answers): the elected one, or the
+        host of a replica that is a split whose plan uses us."""
+        p = self.plan
+        if isinstance(p, Plan) and p.host not in (elected, self.me) and any(a.node == self.me for a in p.assignments):
+            return p.host
+        return elected
 
     def hosts(self) -> bool:
         """Whether this node runs llama-server for its plan: the elected host, or a replica beside it."""
@@ -47,16 +56,31 @@ class Replanner:
             return size(shape, host, others, o.parallel, o.ctx_size, o.tuning.cache_type, split=o.tensor_split,
                         prefer=prefer)  # fmt: skip
 
+        def fits_alone(r: PeerRecord) -> bool:
+            return isinstance(sized_for(Slot(r.node, r.capacity, shares=r.shares), [], set())[0], Plan)
+
         alone = sized_for(Slot(self.me, me.capacity, shares=me.shares), [], set()) if shape else None
         replica = (alone is not None and o.tensor_split is None
                    and fleet.replica_wanted(me, host_rec, isinstance(alone[0], Plan)))  # fmt: skip
-        host = self.me if replica else elected
+        second = None  # a replica that is a split: its host's record and the plan it runs, when that plan uses us
+        if alone is not None and not replica and o.tensor_split is None:
+            left = fleet.left_out(host_rec, core.alive(now), fits_alone)
+            r_host = fleet.split_replica_host(left) if any(r.node == self.me for r in left) else None
+            slots = slots_for(left, r_host.node, facts.fingerprint) if r_host is not None else None
+            if r_host is not None and slots is not None:
+                trial = sized_for(*slots, serving.keep_first(self.me, r_host.node, self.plan, r_host.planned))
+                if isinstance(trial[0], Plan) and any(a.node == self.me for a in trial[0].assignments):
+                    second = r_host, trial
+        host = self.me if replica else second[0].node if second else elected
+        replica = replica or host == self.me != elected
         role = Role.HOST if host == self.me else Role.WORKER
         if me.role != Role.CLIENT and (me.role, me.replica) != (role, replica):
             self.net.update(role=role, replica=replica)
         if host is None or shape is None:
             return None
-        if replica and alone is not None:
+        if second is not None:
+            sized = second[1]
+        elif replica and alone is not None:
             sized = alone
         else:
             slots = slots_for(core.alive(now), host, facts.fingerprint)
