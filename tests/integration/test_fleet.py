@@ -46,6 +46,11 @@ def _complete(port: int, model: str) -> tuple[int, dict[str, object]]:
         return e.code, json.loads(e.read())
 
 
+def _models_info(port: int) -> dict[str, dict[str, object]]:
+    """Each model /v1/models lists, by name: its ``meshllm`` object (host, nodes, replicas, state)."""
+    return {m["id"]: m.get("meshllm", {}) for m in _get(port, "/v1/models")["data"]}  # type: ignore[attr-defined]
+
+
 def _cli(node: NodeProc, *args: str) -> str:
     """``mesh-llm ARGS`` on ``node``'s state dir: its output (the command must succeed)."""
     r = subprocess.run([sys.executable, "-m", "meshllm.cli", *args, "--state-dir", str(node.state)],
@@ -295,6 +300,16 @@ def test_a_dropped_model_and_one_asked_for_that_a_node_serving_nothing_takes_up(
         wait_for(lambda: _complete(a.port, "gemma3-270m")[0] == 200, 60, "a to answer through d")
         assert "no node holds it: this node takes it up" in d.text() and _children(d.proc.pid, "llama-server")
         assert _complete(a.port, tiny_model.stem)[0] == 404 and not _children(a.proc.pid, "llama-server")
+        # dropped in turn: d (--model auto) lets it go — nothing of it runs — and takes up the model the founder
+        # serves again
+        _cli(a, "drop", "gemma3-270m")
+        wait_for(lambda: "gemma3-270m was dropped: this node (--model auto) lets it go" in d.text(), 30, "d to let go")
+        wait_for(lambda: not _children(d.proc.pid, "llama-server") and not _children(d.proc.pid, "ggml-rpc-server"),
+                 15, "d's llama-server and rpc-server to stop")  # fmt: skip
+        _cli(a, "serve", tiny_model.stem)
+        nodes_of = lambda: _models_info(a.port).get(tiny_model.stem, {}).get("nodes") or []  # noqa: E731
+        wait_for(lambda: d.short() in nodes_of(), 90, f"d to take up {tiny_model.stem}")  # type: ignore[operator]
+        wait_for(lambda: _complete(d.port, tiny_model.stem)[0] == 200, 60, "d to answer the founder's model")
     finally:
         for n in nodes:
             n.stop()

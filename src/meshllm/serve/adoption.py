@@ -1,7 +1,8 @@
-"""A node started with ``--model auto`` that serves nothing (the mesh had no model for it when it joined) takes one
-up as soon as the mesh has one: a model the founder or an admin asked the mesh to serve that no node holds
-(``mesh-llm serve NAME``: fetched from the catalog or the hub), else the model that needs it most
-(``proto/fleet``: the same choice as at start-up). The decision is ``fleet.asked_for``; this shell runs it."""
+"""A node started with ``--model auto`` that serves nothing (the mesh had no model for it when it joined, or its
+model was dropped: it lets it go) takes one up as soon as the mesh has one: a model the founder or an admin asked
+the mesh to serve that no node holds (``mesh-llm serve NAME``: fetched from the catalog or the hub), else the model
+that needs it most (``proto/fleet``: the same choice as at start-up). The decision is ``fleet.asked_for``; this
+shell runs it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from meshllm.net.meshnet import MeshNet
 from meshllm.net.netevents import CHANGED
 from meshllm.proto import fleet
 from meshllm.proto.capacity import Offer
+from meshllm.proto.gossip import ModelFacts, Role
 from meshllm.proto.planner import ModelShape
 from meshllm.serve.fetching import LayerKeeper
 from meshllm.serve.hosting import Hosting
@@ -23,7 +25,7 @@ from meshllm.serve.modelfiles import ModelFiles
 from meshllm.serve.options import NodeOptions
 
 log = logging.getLogger("meshllm.adoption")
-Adopted = tuple[ModelFiles, ModelShape, LayerKeeper | None]
+Adopted = tuple[ModelFiles | None, ModelShape | None, LayerKeeper | None]  # (None, None, None): let go
 RETRY_S = 60.0  # a model that could not be fetched is tried again after this long
 
 
@@ -33,14 +35,18 @@ class Adoption:
         self._task: asyncio.Task[Adopted | None] | None = None
         self._failed: dict[str | None, float] = {}  # a name (None: the neediest model) and when its adoption failed
 
-    def step(self, now: float) -> Adopted | None:
-        """At a mesh change, on a node that serves nothing: the model it took up (once), else take one up if the
-        mesh has one for it."""
+    def step(self, now: float, model: ModelFacts | None) -> Adopted | None:
+        """At a mesh change: the model this node took up or let go of (once), else take one up if it serves
+        nothing and the mesh has one for it, or let its model go if it was dropped."""
         core, task = self.net.core, self._task
         if task is not None and task.done():
             self._task = None
             return task.result()
         if not self.o.auto_model or self.o.bins is None or core is None or task is not None:
+            return None
+        if model is not None:
+            if core.table.dropped(model.source):
+                self._task = asyncio.ensure_future(self._let_go(model.source))
             return None
         served = core.served_models(now)
         words = [(d.model, d.serve, d.at) for name in core.table.directives if (d := core.table.directive(name))]
@@ -50,6 +56,14 @@ class Adoption:
             return None
         self._task = asyncio.ensure_future(self._adopt(name, now))
         return None
+
+    async def _let_go(self, name: str) -> Adopted:
+        self.console.print(f"{name} was dropped: this node (--model auto) lets it go and serves what the mesh needs")
+        await self.hosting.release_model()
+        self.net.update(role=Role.CLIENT, capacity=0, model=None, replica=False, planned=(), layers=(), held=None,
+                        why="")  # fmt: skip
+        self.net.emit(CHANGED)
+        return None, None, None
 
     async def _adopt(self, name: str | None, now: float) -> Adopted | None:
         if name is not None:

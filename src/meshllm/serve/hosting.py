@@ -116,6 +116,18 @@ class Hosting:
         except ChildFailed as e:
             raise UserError(str(e)) from None
 
+    async def release_model(self) -> None:
+        """Let our model go (a ``--model auto`` node whose model was dropped): llama-server and rpc-server stop; a
+        model taken up later starts its own (``start_rpc_server``)."""
+        self.model = None
+        if self._reconfig_task is not None:
+            await asyncio.gather(self._reconfig_task, return_exceptions=True)
+        self.server_cfg = None
+        await self._restart_server(None, {})
+        if self.rpc is not None:
+            await self.rpc.stop()
+            self.rpc = None
+
     def take_streams(self) -> None:
         """Peers' streams to our rpc-server, for its key, and API requests for our llama-server come here."""
         self.net.stream_handlers.update({STREAM_RPC: self.on_rpc_stream, STREAM_RPC_KEY: self.on_rpc_key_stream,

@@ -250,7 +250,7 @@ class Node:
             hosting.drop_stale_tunnels(host)
         if adopted is not None:
             self._say(narration.plan_line(adopted, self.me, self.host), "plan")
-        if self.model is None and self.adoption is not None and (found := self.adoption.step(now)):
+        if self.adoption is not None and (found := self.adoption.step(now, self.facts)):
             self.model, self.shape, self.layers = found
         if self.layers is not None:  # a partial copy: the layers the plan gives us
             self.layers.follow(self.plan, self.me)
