@@ -251,21 +251,28 @@ def test_a_streamed_answer_survives_its_host_s_kill_9(tmp_path: Path, tiny_model
 
 
 def test_a_node_with_model_auto_joins_the_model_that_needs_it_most(tmp_path: Path, tiny_model: Path) -> None:
-    """[fleet] 2: a holds a model with too little memory for it alone (its plan waits for peers); b serves the tiny
-    model alone (its name sorts first). A node started with ``--model auto`` and an empty models dir joins the model
-    that waits — fetching its layers from a — and that model's split serves."""
+    """[fleet] 2: b serves the tiny model alone; d, started with ``--model auto`` and an empty models dir, takes it
+    up (the only model: its plan does not use d). Then a joins with another model and too little memory for it
+    alone (its plan waits for peers): d lets the tiny model go and joins the model that waits — fetching its layers
+    from a — and that model's split serves, the tiny one as before."""
     other = altered_copy(tiny_model, tmp_path / "other-270m.gguf")
     nodes: list[NodeProc] = []
     try:
-        a, token = _founder(tmp_path, other, nodes, "--max-vram", "0.5")
-        b = NodeProc(tmp_path, "b", tiny_model, "--ctx-size", "1024", "--join", token)
-        nodes.append(b)
-        wait_for(lambda: "waiting for more peers" in a.text() and "ready:" in b.text(), 60, "a waiting, b serving")
+        b, token = _founder(tmp_path, tiny_model, nodes)
+        wait_for(lambda: "ready:" in b.text(), 60, "b serving")
         d = NodeProc(tmp_path, "d", None, "--model", "auto", "--models-dir", str(tmp_path / "d-models"),
                      "--max-vram", "0.3", "--ctx-size", "1024", "--join", token, auto=True)  # fmt: skip
         nodes.append(d)
+        wait_for(lambda: (d.state / "key").exists(), 30, "d's key")
+        wait_for(lambda: d.short() in (_models_info(b.port).get(tiny_model.stem, {}).get("nodes") or []), 60,
+                 "d to take up the tiny model")  # type: ignore[operator]  # fmt: skip
+        a = NodeProc(tmp_path, "w", other, "--max-vram", "0.5", "--ctx-size", "1024", "--join", token)
+        nodes.append(a)
         wait_for(lambda: "ready:" in a.text(), 120, "the waiting model's split to serve")
-        assert f"the model that needs this node most is {other.stem}" in d.text(), d.text()[-2000:]
+        assert "waiting for more peers" in a.text(), a.text()[-2000:]
+        moved = f"{other.stem} waits for memory and {tiny_model.stem} does not use this node: this node (--model " \
+                "auto) lets its model go"
+        assert moved in d.text() and f"the model that needs this node most is {other.stem}" in d.text(), d.text()
         assert "fetched layers" in d.text() and not (tmp_path / "d-models" / other.name).exists()
         for n in (a, b, d):
             assert _complete(n.port, tiny_model.stem)[0] == 200 and _complete(n.port, other.stem)[0] == 200
@@ -303,7 +310,8 @@ def test_a_dropped_model_and_one_asked_for_that_a_node_serving_nothing_takes_up(
         # dropped in turn: d (--model auto) lets it go — nothing of it runs — and takes up the model the founder
         # serves again
         _cli(a, "drop", "gemma3-270m")
-        wait_for(lambda: "gemma3-270m was dropped: this node (--model auto) lets it go" in d.text(), 30, "d to let go")
+        let_go = "gemma3-270m was dropped: this node (--model auto) lets its model go"
+        wait_for(lambda: let_go in d.text(), 30, "d to let go")
         wait_for(lambda: not _children(d.proc.pid, "llama-server") and not _children(d.proc.pid, "ggml-rpc-server"),
                  15, "d's llama-server and rpc-server to stop")  # fmt: skip
         _cli(a, "serve", tiny_model.stem)

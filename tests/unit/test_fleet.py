@@ -250,3 +250,20 @@ def test_the_nodes_a_host_leaves_out_that_hold_the_model_only_together_form_a_se
     assert split_replica_host([x for x in left if x.node == ws]) is None
     assert left_out(replace(host, planned=()), recs, alone) == []  # a plan waiting for memory: nobody is left out
     assert left_out(replace(host, role=Role.WORKER), recs, alone) == [] and left_out(None, recs, alone) == []
+
+
+def test_a_node_its_model_does_not_use_moves_to_a_model_that_waits_for_memory() -> None:
+    """[fleet] 2 demand: a --model auto node that serves a replica of x (or stands by) goes to y while y's host waits
+    for memory; never from a model whose plan uses it or that waits itself (no bouncing between waiting models)."""
+    from meshllm.proto.fleet import ModelGroup, move_to
+
+    me = PeerRecord(N[3], 1, 1, Role.HOST, model=X, replica=True)
+    x_host = PeerRecord(N[1], 1, 1, Role.HOST, model=X, planned=(N[1],))
+    y_host = PeerRecord(N[2], 1, 1, Role.HOST, model=Y, why="waiting for more peers — need 2 GB, have 1 GB")
+    gx, gy = ModelGroup("x", X.fingerprint, x_host, (N[1], N[3])), ModelGroup("y", Y.fingerprint, y_host, (N[2],))
+    assert move_to(me, [gx, gy]) == gy
+    assert move_to(replace(me, replica=False, role=Role.WORKER), [gx, gy]) == gy  # standing by
+    assert move_to(me, [gx, replace(gy, host=replace(y_host, why=""))]) is None  # y serves: nothing waits
+    assert move_to(me, [replace(gx, host=replace(x_host, planned=(N[1], N[3]))), gy]) is None  # x's plan uses it
+    assert move_to(me, [replace(gx, host=replace(x_host, planned=())), gy]) is None  # x waits for memory itself
+    assert move_to(replace(me, model=None), [gx, gy]) is None

@@ -61,6 +61,16 @@ def neediest(groups: Iterable[ModelGroup]) -> ModelGroup | None:
     return min(hosted, key=need) if hosted else None
 
 
+def move_to(me: PeerRecord, groups: Sequence[ModelGroup]) -> ModelGroup | None:
+    """Where a node started with ``--model auto`` goes while its own model's elected host runs a plan without it (it
+    serves a replica, or stands by): to a model whose host waits for memory (the neediest of those). None: it
+    stays — its model's plan uses it, or waits for memory itself (so a node never bounces between waiting models)."""
+    mine = next((g for g in groups if me.model is not None and g.fingerprint == me.model.fingerprint), None)
+    if mine is None or mine.host is None or not mine.host.planned or me.node in mine.host.planned:
+        return None
+    return neediest(g for g in groups if g is not mine and g.host is not None and g.host.why.startswith(WAITING))
+
+
 def asked_for(words: Iterable[tuple[str, bool, int]], served: Container[str]) -> str | None:
     """The model a node that serves nothing (``--model auto``) takes up by the founder's or an admin's word: of the
     models they asked the mesh to serve (``mesh-llm serve NAME``: (name, serve, when)) and no node serves, the one

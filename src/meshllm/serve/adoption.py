@@ -20,7 +20,7 @@ from meshllm.proto.gossip import ModelFacts, Role
 from meshllm.proto.planner import ModelShape
 from meshllm.serve.fetching import LayerKeeper
 from meshllm.serve.hosting import Hosting
-from meshllm.serve.joining import adopt_model
+from meshllm.serve.joining import adopt_model, mesh_groups
 from meshllm.serve.modelfiles import ModelFiles
 from meshllm.serve.options import NodeOptions
 
@@ -46,7 +46,10 @@ class Adoption:
             return None
         if model is not None:
             if core.table.dropped(model.source):
-                self._task = asyncio.ensure_future(self._let_go(model.source))
+                self._task = asyncio.ensure_future(self._let_go(f"{model.source} was dropped"))
+            elif (g := fleet.move_to(core.record, mesh_groups(self.net, now))) is not None:
+                self._task = asyncio.ensure_future(self._let_go(f"{g.name} waits for memory and {model.source} does "
+                                                                "not use this node"))  # fmt: skip
             return None
         served = core.served_models(now)
         words = [(d.model, d.serve, d.at) for name in core.table.directives if (d := core.table.directive(name))]
@@ -57,8 +60,8 @@ class Adoption:
         self._task = asyncio.ensure_future(self._adopt(name, now))
         return None
 
-    async def _let_go(self, name: str) -> Adopted:
-        self.console.print(f"{name} was dropped: this node (--model auto) lets it go and serves what the mesh needs")
+    async def _let_go(self, why: str) -> Adopted:
+        self.console.print(f"{why}: this node (--model auto) lets its model go and serves what the mesh needs")
         await self.hosting.release_model()
         self.net.update(role=Role.CLIENT, capacity=0, model=None, replica=False, planned=(), layers=(), held=None,
                         why="")  # fmt: skip

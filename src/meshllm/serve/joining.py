@@ -127,14 +127,19 @@ def addresses_learned(net: MeshNet, state: Path, addrs: list[str], ttl_s: float,
         save_token(state, net.mint_token(ttl_s).encode())
 
 
+def mesh_groups(net: MeshNet, now: float) -> list[fleet.ModelGroup]:
+    """The models the mesh serves (not dropped ones), each with its host and nodes, from the live records."""
+    core = net.core
+    if core is None:
+        return []
+    recs = [r for r in core.table.alive(now) if r.model is None or not core.table.dropped(r.model.source)]
+    return fleet.model_groups(recs, lambda r: core.host_of(r, now))
+
+
 def mesh_model(net: MeshNet, now: float) -> ModelFacts | None:
     """The model a node joining without one serves: the one that needs it most (``proto/fleet.neediest``: waiting
     for memory, then the busiest), from the live records."""
-    core = net.core
-    if core is None:
-        return None
-    recs = [r for r in core.table.alive(now) if r.model is None or not core.table.dropped(r.model.source)]
-    g = fleet.neediest(fleet.model_groups(recs, lambda r: core.host_of(r, now)))
+    g = fleet.neediest(mesh_groups(net, now))
     return g.host.model if g is not None and g.host is not None else None
 
 
