@@ -28,7 +28,7 @@ from meshllm import __version__
 from meshllm.errors import UserError
 from meshllm.llama.build import Binaries, BuildPlan
 from meshllm.proto import token as tok
-from meshllm.proto.reach import RelayMode
+from meshllm.proto.reach import RELAY_RATE, RelayMode
 from meshllm.serve.serving_flags import add_serving_flags, int_in, tuning_from
 
 if TYPE_CHECKING:
@@ -60,6 +60,17 @@ def admission(text: str) -> float:
     if seconds > tok.MAX_ADMIT_S:
         raise argparse.ArgumentTypeError(f"--admission {text!r}: at most {tok.MAX_ADMIT_S // 86400}d")
     return seconds
+
+
+def relay_rate(text: str) -> float:
+    """--relay-rate in MB/s (2**20 bytes), as bytes/s; 0: no cap."""
+    try:
+        mb = float(text)
+    except ValueError:
+        mb = -1.0
+    if not 0 <= mb <= 1e6:
+        raise argparse.ArgumentTypeError(f"--relay-rate {text!r}: a number of MB/s, 0 (no cap) to 1000000")
+    return mb * 2**20
 
 
 W = TypeVar("W", bound=tok.SignedWord)
@@ -223,7 +234,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         model=args.model, client=args.client, join=tokens, state_dir=args.state_dir, bind_host=args.bind_host,
         bind_port=args.bind_port, advertise=args.advertise or [], token_ttl_s=args.token_ttl,
         admission_s=args.admission,
-        relay=args.relay, relay_mode=args.relay_mode,
+        relay=args.relay, relay_mode=args.relay_mode, relay_rate=args.relay_rate,
         max_vram_gb=args.max_vram, ctx_size=args.ctx_size, parallel=args.parallel, queue=args.queue,
         tuning=tuning, tensor_split=args.tensor_split, port=args.port,
         listen_all=args.listen_all, api_key=api_key, max_tokens=args.max_tokens, bins=bins, auto_model=auto,
@@ -626,6 +637,11 @@ def cmd_status(args: argparse.Namespace) -> int:
                       markup=False)  # fmt: skip
     if st.get("dropped"):
         out.print(f"  dropped by the founder or an admin: {', '.join(map(str, st['dropped']))}", markup=False)
+    r = st.get("reach") or {}
+    if r.get("relay_server"):  # [lan] 5: what it forwards for others, and its cap per pair
+        cap = f"at most {r['relay_rate'] / 2**20:g} MB/s per pair" if r.get("relay_rate") else "no cap per pair"
+        out.print(f"  relaying for members: {r.get('relay_pairs', 0)} pairs lately, {r['relayed_bytes'] / 1e6:.1f} MB "
+                  f"forwarded, {cap} ({r.get('relay_capped', 0)} packets over it dropped)", markup=False)  # fmt: skip
     for p in st["peers"]:
         if p.get("why"):
             out.print(f"  {p['short']}: {_state_text(p['state'], p['why'])}", markup=False)
@@ -705,6 +721,9 @@ def build_parser() -> argparse.ArgumentParser:
         const=RelayMode.OFF,
         help="never relay for other members",
     )
+    p.add_argument("--relay-rate", type=relay_rate, default=RELAY_RATE, metavar="MB_PER_S",
+                   help=f"when relaying, forward at most this many MB/s per pair of members (default "
+                        f"{RELAY_RATE / 2**20:g}; 0: no cap)")  # fmt: skip
     p.add_argument("--token-ttl", type=parse_duration, default=86400.0, metavar="DURATION", help="default 1d")
     p.add_argument("--admission", type=admission, default=tok.ADMIT_S, metavar="DURATION",
                    help="how long a member this node admits (or renews) stays in unless renewed; members in good "

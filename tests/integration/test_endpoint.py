@@ -320,3 +320,43 @@ def test_a_relay_takes_only_packets_with_the_token_of_the_senders_connection() -
             c.close()
 
     asyncio.run(main())
+
+
+def test_a_relay_caps_what_it_forwards_per_pair_and_other_pairs_still_pass() -> None:
+    """[lan] 5: one pair's burst through a relay is cut at its budget (the rest dropped and counted); another pair
+    through the same relay at the same moment is forwarded in full."""
+
+    async def main() -> None:
+        a, b, accepted, addr = await _pair()
+        c = Endpoint(crypto.new_key())
+        await c.open("127.0.0.1", 0)
+        try:
+            b.relay_server = True
+            b.relay_budget.rate = 100 * 1024  # bytes/s: a quarter second's worth (at least 64 KiB) at once
+            for ep, token in ((a, b"tokenA.."), (c, b"tokenC..")):
+                conn = await ep.dial(addr, b.me)
+                far = await asyncio.wait_for(accepted.get(), 5)
+                for x in (conn, far):
+                    x.set_authenticated()
+                    x.pair_token = token
+                far.peer = ep.me
+            quic = b"\x40" + bytes(999)
+            for _ in range(300):  # 300 kB at once from a to c
+                a.send_control(reach.relay_packet(reach.RELAY, c.me, b"tokenA..", quic), addr)
+            await _until(lambda: b.stats.relayed_packets + b.stats.relay_capped == 300)
+            forwarded = b.stats.relayed_packets
+            assert 60 <= forwarded <= 100 and b.stats.relay_capped >= 200, (forwarded, b.stats.relay_capped)
+            for _ in range(20):  # c to a meanwhile: its own pair, its own budget
+                c.send_control(reach.relay_packet(reach.RELAY, a.me, b"tokenC..", quic), addr)
+            await _until(lambda: b.stats.relayed_packets == forwarded + 20)
+            assert b.relay_budget.pairs(asyncio.get_running_loop().time()) == 2
+            b.relay_budget.rate = 0  # no cap
+            for _ in range(100):
+                a.send_control(reach.relay_packet(reach.RELAY, c.me, b"tokenA..", quic), addr)
+            await _until(lambda: b.stats.relayed_packets == forwarded + 120)
+        finally:
+            a.close()
+            b.close()
+            c.close()
+
+    asyncio.run(main())

@@ -220,6 +220,11 @@ def test_split_completion_across_nats(
             pa, pb = a.peer(b.id), b.peer(a.id)
             assert pa and pb and pa["pinned_key"] == b.id and pb["pinned_key"] == a.id, (pa, pb)
             assert rdv.id not in (pa["pinned_key"], pb["pinned_key"])
+            # [lan] 5: the relay says what it forwards and its cap per pair (nothing of this split went over it)
+            shown = subprocess.run([sys.executable, "-m", "meshllm.cli", "status", "--state-dir", str(rdv.state)],
+                                   capture_output=True, text=True, timeout=30, env={**os.environ, "COLUMNS": "200"})
+            assert "relaying for members: 2 pairs lately" in shown.stdout, shown.stdout + shown.stderr
+            assert "at most 8 MB/s per pair (0 packets over it dropped)" in shown.stdout, shown.stdout
         else:
             assert relayed == 0, relayed
     finally:

@@ -202,3 +202,18 @@ def test_a_node_may_be_named_like_a_subcommand() -> None:
     assert _options_before_subcommand(p, ["--model", "m.gguf", "--name", "status"]) == []
     assert _options_before_subcommand(p, ["-v", "status"]) == []
     assert _options_before_subcommand(p, ["--max-vram", "1", "token"]) == ["--max-vram", "1"]
+
+
+def test_relay_rate_reads_megabytes_per_second() -> None:
+    """[lan] 5: --relay-rate MB/s (0: no cap); anything else is one line naming the option."""
+    import pytest
+
+    from meshllm.cli import build_parser
+    from meshllm.proto.reach import RELAY_RATE
+
+    assert build_parser().parse_args(["--model", "m"]).relay_rate == RELAY_RATE == 8 * 2**20
+    assert build_parser().parse_args(["--model", "m", "--relay-rate", "2.5"]).relay_rate == 2.5 * 2**20
+    assert build_parser().parse_args(["--model", "m", "--relay-rate", "0"]).relay_rate == 0
+    for bad in ("-1", "fast", "nan"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--model", "m", "--relay-rate", bad])

@@ -165,3 +165,20 @@ def test_a_punch_request_points_our_probes_at_one_address_of_the_askers_choice_a
     claimed = ["203.0.113.9:1", "192.0.2.1:2", "10.0.0.2:4000", "192.0.2.3:3", "198.51.100.2:4000"]
     assert reach.punch_targets(claimed, record) == ["203.0.113.9:1", "10.0.0.2:4000", "198.51.100.2:4000"]
     assert reach.punch_targets([], record) == []
+
+
+def test_a_relay_s_budget_per_pair_refills_at_its_rate() -> None:
+    """[lan] 5: a token bucket per (sender, destination): a quarter second's worth at once (at least 64 KiB), then
+    ``rate`` bytes/s; pairs apart; rate 0: no cap; quiet pairs forgotten."""
+    from meshllm.proto.reach import PAIR_IDLE_S, PairBudget
+
+    b = PairBudget(rate=1024 * 1024)  # 1 MiB/s: 256 KiB at once
+    ab, ba = (("a", 1), ("b", 2)), (("b", 2), ("a", 1))
+    assert sum(b.take(ab, 1024, 0.0) for _ in range(300)) == 256
+    assert not b.take(ab, 1024, 0.0) and b.take(ba, 1024, 0.0)  # the other direction is another pair
+    assert b.take(ab, 1024, 0.001) and not b.take(ab, 1024, 0.001)  # 1 ms: 1 KiB more
+    assert sum(b.take(ab, 1024, 0.1) for _ in range(300)) == 101  # 99 ms more: 101 KiB (1 ms carried over)
+    slow, free = PairBudget(rate=100), PairBudget(rate=0)
+    assert sum(slow.take(ab, 1024, 0.0) for _ in range(100)) == 64  # the burst is 64 KiB at least
+    assert all(free.take(ab, 10**9, 0.0) for _ in range(10))
+    assert b.pairs(0.2) == 2 and b.pairs(PAIR_IDLE_S + 1) == 0

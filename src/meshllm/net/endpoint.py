@@ -453,6 +453,7 @@ class EndpointStats:
     relayed_packets: int = 0  # forwarded for others (we are their relay)
     relayed_bytes: int = 0
     relay_refused: int = 0
+    relay_capped: int = 0  # packets over a pair's budget (reach.PairBudget), dropped
     initials_dropped: int = 0  # new connections refused because MAX_PENDING were already waiting
 
 
@@ -525,6 +526,7 @@ class Endpoint:
         self.shortcuts: dict[Addr, Addr] = {}  # virtual address of a relayed connection -> its punched path
         self.stats = EndpointStats()
         self.relay_server = False  # forward RELAY packets between members we hold authenticated connections with
+        self.relay_budget = reach.PairBudget()  # at most this many bytes/s per pair of members (--relay-rate)
         shape = LinkShape.from_env()  # benchmarks only: added latency / rate limit on every datagram we send
         self.shaper = Shaper(shape, self._raw_send) if shape else None
         self._server_cfg = QuicConfiguration(
@@ -617,6 +619,9 @@ class Endpoint:
             fwd = reach.relay_forward(data, addr, *self._members()) if self.relay_server else None
             if fwd is None:
                 self.stats.relay_refused += 1
+                return
+            if not self.relay_budget.take((addr, fwd[1]), len(fwd[0]), asyncio.get_running_loop().time()):
+                self.stats.relay_capped += 1
                 return
             self.stats.relayed_packets += 1
             self.stats.relayed_bytes += len(fwd[0])

@@ -43,7 +43,7 @@ from meshllm.proto.auth import (
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import PeerRecord, RecordUpdate, Role
 from meshllm.proto.meshcore import EventKind, MeshCore, Out
-from meshllm.proto.reach import Observed, PunchRequest, RelayMode
+from meshllm.proto.reach import RELAY_RATE, Observed, PunchRequest, RelayMode
 from meshllm.proto.wire import FrameDecoder, Message, encode
 from meshllm.state import (
     ADMINS,
@@ -108,7 +108,9 @@ class MeshNet:
         relay: RelayMode = RelayMode.AUTO,
         relay_hint: str | None = None,
         admit_s: float = tok.ADMIT_S,
+        relay_rate: float = RELAY_RATE,
     ) -> None:
+        """``relay_rate``: when this node relays, the most it forwards per pair of members, bytes/s (0: no cap)."""
         self.key = key
         self.admit_s = admit_s  # how long the admissions we sign hold (--admission)
         self.me = crypto.node_id(key)
@@ -120,6 +122,7 @@ class MeshNet:
         self.bind = bind
         self.advertise = advertise
         self.ep = Endpoint(key, on_accept=self._on_accept, on_control=self._on_control)
+        self.ep.relay_budget.rate = relay_rate
         self.nat = Traversal(self, relay, relay_hint)
         self.events: asyncio.Queue[NetEvent] = asyncio.Queue()  # for the node's loop (net/netevents.py)
         self._change_queued = False

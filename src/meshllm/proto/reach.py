@@ -125,6 +125,40 @@ def relay_forward(
     return relay_packet(RELAYED, sender[0], dst[1], p[3]), dst[0]
 
 
+RELAY_RATE = 8 * 1024 * 1024  # what a relay forwards per pair of members by default, bytes/s (--relay-rate, in MB/s)
+PAIR_IDLE_S = 30.0  # a pair quiet this long is forgotten (its bucket would be full again anyway)
+
+
+@dataclass
+class PairBudget:
+    """What a relay forwards for each pair of members (sender, destination), pure: a token bucket of ``rate``
+    bytes/s holding a quarter second's worth, so one pair's bulk transfer cannot take the relay's whole uplink from
+    the others; a packet over it is dropped (QUIC's congestion control slows that pair down). ``rate`` 0: no cap."""
+
+    rate: float = RELAY_RATE
+    _pairs: dict[tuple[Addr, Addr], tuple[float, float]] = field(default_factory=dict)  # bytes left, as of when
+
+    @property
+    def burst(self) -> float:
+        return max(self.rate / 4, 64 * 1024)
+
+    def take(self, pair: tuple[Addr, Addr], n: int, now: float) -> bool:
+        """Whether a packet of ``n`` bytes for ``pair`` goes out now (it is then counted)."""
+        if self.rate <= 0:
+            return True
+        left, at = self._pairs.get(pair, (self.burst, now))
+        left = min(self.burst, left + (now - at) * self.rate)
+        ok = left >= n
+        self._pairs[pair] = (left - n if ok else left, now)
+        if len(self._pairs) > 64:  # forget quiet pairs
+            self._pairs = {k: v for k, v in self._pairs.items() if now - v[1] < PAIR_IDLE_S}
+        return ok
+
+    def pairs(self, now: float) -> int:
+        """Pairs forwarded for lately."""
+        return sum(1 for _, at in self._pairs.values() if now - at < PAIR_IDLE_S)
+
+
 @dataclass(frozen=True)
 class RelayCandidate:
     node: NodeId

@@ -102,7 +102,7 @@ class Node:
         o = self.o
         self.net = net = MeshNet(self.key, s.membership, self.state, bind=(o.bind_host, s.udp_port),
                                  advertise=o.advertise or None, relay=o.relay_mode, relay_hint=o.relay,
-                                 admit_s=o.admission_s)  # fmt: skip
+                                 admit_s=o.admission_s, relay_rate=o.relay_rate)  # fmt: skip
         self.hosting = Hosting(net, o.bins, self.state, o.tuning, o.queue, o.draft_max, lambda: net.emit(CHANGED),
                                lambda: self.host, o.rpc_path, o.rpc_port)  # fmt: skip
         self.hosting.say = self._say

@@ -16,7 +16,7 @@ from meshllm.llama.processes import Tuning, device_listing
 from meshllm.proto import token as tok
 from meshllm.proto.capacity import Offer, offer, parse_devices
 from meshllm.proto.gossip import MAX_NAME
-from meshllm.proto.reach import RelayMode
+from meshllm.proto.reach import RELAY_RATE, RelayMode
 
 
 @dataclass
@@ -30,6 +30,7 @@ class NodeOptions:
     advertise: list[str] = field(default_factory=list)
     relay: str | None = None  # --relay HOST:PORT
     relay_mode: RelayMode = RelayMode.AUTO
+    relay_rate: float = RELAY_RATE  # --relay-rate: what this node forwards per pair of members when it relays, bytes/s
     token_ttl_s: float = 86400.0
     admission_s: float = tok.ADMIT_S  # --admission: how long the admissions this node signs hold unless renewed
     max_vram_gb: float | None = None

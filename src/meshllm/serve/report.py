@@ -224,7 +224,8 @@ class Report:
             "reach": {
                 "addrs": self.net.all_addrs, "public": self.net.nat.public, "relay_server": ep.relay_server,
                 "relayed_packets": ep.stats.relayed_packets, "relayed_bytes": ep.stats.relayed_bytes,
-                "relay_refused": ep.stats.relay_refused,
+                "relay_refused": ep.stats.relay_refused, "relay_capped": ep.stats.relay_capped,
+                "relay_rate": ep.relay_budget.rate, "relay_pairs": ep.relay_budget.pairs(time.monotonic()),
             },
             "model": v.model.__dict__ if v.model else None, "version": __version__,
             "events": v.events,
