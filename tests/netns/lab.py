@@ -4,6 +4,7 @@ them, and a rendezvous host on it. Everything lives in namespaces named with thi
 
     homeA 192.168.1.2 --lan-- natA (192.168.1.1 | wan 198.51.100.2) --br0-- pub (router) --- rdv 198.51.100.10
     homeB 192.168.1.2 --lan-- natB (192.168.1.1 | wan 203.0.113.2)  -------- pub 203.0.113.1
+    (homeA2 192.168.1.3 on homeA's LAN, with ``neighbour``)
 
 Both homes use the same private subnet, as real homes do. NAT modes: ``cone`` (MASQUERADE keeps the source
 port), ``random`` (MASQUERADE --random), each optionally ``+fw`` (drop unsolicited inbound on the wan), and
@@ -50,8 +51,10 @@ class Lab:
     def n(self, name: str, *argv: str) -> None:
         sh("ip", "netns", "exec", self.ns(name), *argv)
 
-    def up(self, mode_a: str = "cone", mode_b: str = "cone") -> Lab:
-        for name in ("homeA", "natA", "pub", "rdv", "natB", "homeB"):
+    def up(self, mode_a: str = "cone", mode_b: str = "cone", neighbour: bool = False) -> Lab:
+        """``neighbour``: a third home, homeA2 (192.168.1.3), on homeA's LAN behind natA (one NAT, one public
+        address for both)."""
+        for name in ("homeA", "natA", "pub", "rdv", "natB", "homeB", *(("homeA2",) if neighbour else ())):
             sh("ip", "netns", "add", self.ns(name))
             self.names.append(name)
             self.n(name, "ip", "link", "set", "lo", "up")
@@ -76,12 +79,22 @@ class Lab:
             self.n(nat, "ip", "addr", "add", wan, "dev", "wan")
             self.n(nat, "ip", "link", "set", "wan", "up")
             self.n(nat, "ip", "route", "add", "default", "via", gw)
-            self._veth(nat, "lan", home, "eth0")
-            self.n(nat, "ip", "addr", "add", "192.168.1.1/24", "dev", "lan")
-            self.n(nat, "ip", "link", "set", "lan", "up")
-            self.n(home, "ip", "addr", "add", "192.168.1.2/24", "dev", "eth0")
-            self.n(home, "ip", "link", "set", "eth0", "up")
-            self.n(home, "ip", "route", "add", "default", "via", "192.168.1.1")
+            homes = [(home, "lan", "192.168.1.2/24")] + ([("homeA2", "lan2", "192.168.1.3/24")]
+                                                         if neighbour and side == "A" else [])  # fmt: skip
+            lan = "lan"
+            if len(homes) > 1:  # the homes on one LAN: a bridge in the NAT box
+                lan = "lanbr"
+                self.n(nat, "ip", "link", "add", lan, "type", "bridge")
+            for h, port, addr in homes:
+                self._veth(nat, port, h, "eth0")
+                if lan != port:
+                    self.n(nat, "ip", "link", "set", port, "master", lan)
+                    self.n(nat, "ip", "link", "set", port, "up")
+                self.n(h, "ip", "addr", "add", addr, "dev", "eth0")
+                self.n(h, "ip", "link", "set", "eth0", "up")
+                self.n(h, "ip", "route", "add", "default", "via", "192.168.1.1")
+            self.n(nat, "ip", "addr", "add", "192.168.1.1/24", "dev", lan)
+            self.n(nat, "ip", "link", "set", lan, "up")
             self.n(nat, "sysctl", "-qw", "net.ipv4.ip_forward=1")
         self.set_nat("natA", mode_a)
         self.set_nat("natB", mode_b)

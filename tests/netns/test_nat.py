@@ -89,8 +89,9 @@ def wait(cond: object, timeout: float, what: str, nodes: list[Node]) -> float:
 def start_mesh(lab: Lab, tmp: Path, model: Path, mode_a: str, mode_b: str, stagger: float,
                a_args: tuple[str, ...], b_args: tuple[str, ...], env: dict[str, str] | None = None,
                ) -> tuple[Node, Node, Node, float]:  # fmt: skip
-    """rdv founds the mesh; A (in natA itself when 'public') and B join with its token."""
-    lab.up("cone" if mode_a == "public" else mode_a, mode_b)
+    """rdv founds the mesh; A (in natA itself when 'public') and B join with its token ('same': B on A's LAN, behind
+    natA too)."""
+    lab.up("cone" if mode_a == "public" else mode_a, "cone" if mode_b == "same" else mode_b, mode_b == "same")
     rdv = Node(lab, "rdv", tmp, "rdv", "--model", str(model), "--max-vram", "0.01", "--bind-host", RDV,
                "--bind-port", "7000")  # fmt: skip
     nodes = [rdv]
@@ -100,7 +101,8 @@ def start_mesh(lab: Lab, tmp: Path, model: Path, mode_a: str, mode_b: str, stagg
              env=env)  # fmt: skip
     time.sleep(stagger)
     t_b = time.monotonic()
-    b = Node(lab, "homeB", tmp, "b", "--model", str(model), *b_args, "--join", token, env=env)
+    b = Node(lab, "homeA2" if mode_b == "same" else "homeB", tmp, "b", "--model", str(model), *b_args, "--join",
+             token, env=env)  # fmt: skip
     return rdv, a, b, t_b
 
 
@@ -120,6 +122,8 @@ CELLS = [
     ("random", "cone", 0.0, 0, {"relayed"}),
     ("random", "random", 0.0, 0, {"relayed"}),
     ("blocked", "cone", 0.0, 0, {"relayed"}),
+    # [lan] 2: A and B on one LAN behind one NAT (one public address): straight over the LAN
+    ("cone", "same", 0.0, 0, {"direct"}),
 ]
 
 
@@ -145,6 +149,13 @@ def test_cell(
         assert pa["pinned_key"] == b.id and pb["pinned_key"] == a.id, (pa, pb)
         if kind == "relayed":
             assert str(pa["path"]).endswith(rdv.id[:8]), pa
+        if mode_b == "same":  # over their LAN addresses: never the relay, never the shared public address
+            assert str(pa["path"]).startswith("direct 192.168.1.3:") and str(pb["path"]).startswith(
+                "direct 192.168.1.2:"), (pa, pb)
+            assert int(rdv.status()["reach"]["relayed_bytes"]) == 0  # type: ignore[index]
+            shown = subprocess.run([sys.executable, "-m", "meshllm.cli", "status", "--state-dir", str(a.state)],
+                                   capture_output=True, text=True, timeout=30, env={**os.environ, "COLUMNS": "200"})
+            assert f"direct {str(pa['path']).split()[1]}" in shown.stdout, shown.stdout + shown.stderr
         if mode_a != "public":
             # A learned its public address from a member; it leads A's addresses and A's tokens carry it
             addrs = a.status()["reach"]["addrs"]  # type: ignore[index]
