@@ -23,7 +23,7 @@ from meshllm.proto.gossip import PeerRecord, RecordUpdate
 from meshllm.proto.meshcore import Out
 from meshllm.proto.reach import (
     PROBE_EVERY_S,
-    PUNCH_S,
+    PUNCH_WAIT_S,
     Observed,
     Puncher,
     PunchRequest,
@@ -128,11 +128,15 @@ class Traversal:
         self._kick_puncher()
 
     async def _punch(self, node: NodeId, addrs: list[str], via: list[NodeId]) -> Conn:
+        """A punched direct connection, else DialError once no probe came back within PUNCH_WAIT_S: the caller takes
+        a relay while the attempt probes on for the rest of its PUNCH_S, and if probes cross after all the relayed
+        connection moves onto the punched path (``on_control``) — a relay within seconds where no punch can work,
+        a direct path where one does."""
         loop = asyncio.get_running_loop()
         found: asyncio.Queue[Addr] = asyncio.Queue()
         self._punch_found[node] = found
         self._start_punch(node, addrs, via)
-        deadline = loop.time() + PUNCH_S
+        deadline = loop.time() + PUNCH_WAIT_S
         try:
             while (left := deadline - loop.time()) > 0:
                 try:
@@ -143,9 +147,8 @@ class Traversal:
                     return await self.net.ep.dial(addr, node, timeout=PUNCH_DIAL_S)
                 except DialError as e:
                     log.debug("punched dial to %s failed: %s", addr, e)
-            raise DialError(f"no probe came back within {PUNCH_S:.0f} s")
+            raise DialError(f"no probe came back within {PUNCH_WAIT_S:.0f} s")
         finally:
-            self.puncher.done(node)
             self._punch_found.pop(node, None)
 
     def try_upgrades(self) -> None:

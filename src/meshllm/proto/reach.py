@@ -50,7 +50,8 @@ NONCE_LEN = 8
 LOW_TTL = 2
 LOW_TTL_S = 1.0  # long enough for the punch request to reach the other side through the rendezvous
 PROBE_EVERY_S = 0.1
-PUNCH_S = 5.0  # give up (and fall back to a relay) after this
+PUNCH_S = 5.0  # an attempt probes this long (a relayed connection moves onto the path if probes cross meanwhile)
+PUNCH_WAIT_S = 2.0  # a dial waits this long for a probe back (one that works has one in ~1 s), then takes a relay
 
 Addr = tuple[str, int]
 
