@@ -125,6 +125,8 @@ def test_nodes_that_hold_the_model_only_together_serve_a_replica_that_is_a_split
         said = f"with {worker.short()} beside host {host.short()}"
         assert "replica: this node hosts a split of the model (" in rep.text() and said in rep.text(), rep.text()
         assert str(_get(worker.port, "/mesh/status")["host"])[:8] == rep.short()  # it serves its layers for the replica
+        states = {p["short"]: p["state"] for p in _get(e.port, "/mesh/status")["peers"]}  # type: ignore[attr-defined]
+        assert states[worker.short()] == "serving", states  # not "standby": it serves in the replica's split
         wait_for(lambda: _complete(e.port, name)[0] == 200, 60, "e to answer")
         wait_for(lambda: f"served by host {rep.short()}" in e.text(), 30, "e's tunnel to the replica")
         before = [n.text_of("llama-server.log").count(DONE) for n in (host, rep)]

@@ -153,6 +153,10 @@ class Report:
         core = self.net.core
         assert core is not None
         host = core.host_of(r, now)
+        if host is not None and r.node not in host.planned and r.model is not None:  # a split replica's worker
+            fp = r.model.fingerprint
+            host = next((h for h in core.alive(now) if h.replica and h.node != r.node and r.node in h.planned
+                         and h.model is not None and h.model.fingerprint == fp), host)  # fmt: skip
         return standing.of_node(r, core.silent_s(r.node, now), host, core.silent_s(host.node, now) if host else 0)
 
     def status(self, v: NodeView, now: float) -> dict[str, object]:
