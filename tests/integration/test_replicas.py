@@ -50,7 +50,7 @@ def test_a_whole_copy_beside_the_host_serves_a_replica(tmp_path: Path, tiny_mode
 
         # requests through the lite client go to both (by load: 8 at once never all to one)
         wait_for(lambda: _complete(c.port, name)[0] == 200, 30, "c to answer")
-        wait_for(lambda: f"served by host {rep.short()}" in c.text(), 30, "c's tunnel to the replica")
+        wait_for(lambda: f"served by replica {rep.short()}" in c.text(), 30, "c's tunnel to the replica")
         before = [n.text_of("llama-server.log").count(DONE) for n in (a, b)]
         with ThreadPoolExecutor(8) as pool:
             codes = list(pool.map(lambda _: _complete(c.port, name)[0], range(8)))
@@ -128,7 +128,7 @@ def test_nodes_that_hold_the_model_only_together_serve_a_replica_that_is_a_split
         states = {p["short"]: p["state"] for p in _get(e.port, "/mesh/status")["peers"]}  # type: ignore[attr-defined]
         assert states[worker.short()] == "serving", states  # not "standby": it serves in the replica's split
         wait_for(lambda: _complete(e.port, name)[0] == 200, 60, "e to answer")
-        wait_for(lambda: f"served by host {rep.short()}" in e.text(), 30, "e's tunnel to the replica")
+        wait_for(lambda: f"served by replica {rep.short()}" in e.text(), 30, "e's tunnel to the replica")
         before = [n.text_of("llama-server.log").count(DONE) for n in (host, rep)]
         with ThreadPoolExecutor(8) as pool:
             codes = list(pool.map(lambda _: _complete(e.port, name)[0], range(8)))

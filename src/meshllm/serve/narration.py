@@ -71,7 +71,8 @@ def api_line(api_host: str, port: int, host: PeerRecord | None, me: NodeId) -> s
     """A worker's or lite client's API is up: requests to it go to the host."""
     model = host.model.source if host and host.model else "?"
     via = name(host.node, me) if host else "?"
-    return f"[bold green]API up:[/] http://{api_host}:{port}/v1 — model {model}, served by host {via}"
+    role = "replica" if host is not None and host.replica else "host"  # [fleet] 3: one of its hosts beside the elected
+    return f"[bold green]API up:[/] http://{api_host}:{port}/v1 — model {model}, served by {role} {via}"
 
 
 def duration(seconds: float) -> str:
