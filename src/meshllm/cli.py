@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from meshllm import __version__
-from meshllm.errors import UserError
+from meshllm.errors import RemoteProtocolError, UserError
 from meshllm.llama.build import Binaries, BuildPlan
 from meshllm.proto import token as tok
 from meshllm.proto.reach import RELAY_RATE, RelayMode
@@ -345,7 +345,10 @@ def cmd_direct(args: argparse.Namespace) -> int:
 
     sd, m = _founder_state(args.state_dir)
     admins = {tok.grant_from_wire(o, m.mesh_id).node for o in load_signed(sd, ADMINS)}
-    have = [tok.directive_from_wire(o, m.mesh_id, admins) for o in load_directives(sd)]
+    have = []
+    for o in load_directives(sd):  # what the running node keeps (a word by an admin revoked since is left out)
+        with contextlib.suppress(RemoteProtocolError):
+            have.append(tok.directive_from_wire(o, m.mesh_id, admins))
     last = max((d.at for d in have if d.model == args.name), default=0)  # a word about it a second ago: later still
     try:
         d = tok.direct(load_or_create_key(sd), m.mesh_id, args.name, args.serve, max(time.time(), last + 1), admins)

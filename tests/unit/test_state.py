@@ -82,3 +82,40 @@ def test_a_shared_folder_is_refused_not_closed(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="others can write to"):
         s.save_token(shared, "TOKEN")
     assert mode(shared) == 0o1777
+
+
+def test_serve_and_drop_sign_words_in_the_founders_state_dir(tmp_path: Path, capsys: object) -> None:
+    """[fleet] 2: `mesh-llm drop NAME` / `serve NAME` on the founder's state dir: each a signed word kept in
+    `directives`, the newer one at least a second later than the last about that model (same second: it still
+    counts), a word the running node kept from an admin revoked since left out rather than a traceback; a member
+    that is neither founder nor admin gets one line."""
+    import time
+
+    from meshllm import state as s
+    from meshllm.cli import main
+    from meshllm.proto import crypto
+    from meshllm.proto import token as tok
+
+    sd = tmp_path / "founder"
+    sd.mkdir(mode=0o700)
+    key = s.load_or_create_key(sd)
+    chain = tok.found(key, time.time())
+    s.save_membership(sd, s.Membership(chain[0][0], b"\0" * 32, chain))
+    mid = chain[0][0]
+    stranger = crypto.new_key()  # signs as if an admin: its word is in the file, but no grant makes it one
+    forged = tok.direct(stranger, mid, "z", False, time.time(), admins={crypto.node_id(stranger)})
+    s.save_directives(sd, [forged])
+    assert main(["drop", "m", "--state-dir", str(sd)]) == 0
+    dropped = [tok.directive_from_wire(o, mid) for o in s.load_directives(sd)]
+    assert [(w.model, w.serve) for w in dropped] == [("m", False)]  # the forged word is left out
+    assert main(["serve", "m", "--state-dir", str(sd)]) == 0
+    words = [tok.directive_from_wire(o, mid) for o in s.load_directives(sd)]
+    assert [(w.model, w.serve) for w in words] == [("m", True)] and words[0].by == crypto.node_id(key)
+    assert words[0].newer(dropped[0]) and words[0].at > dropped[0].at  # the same second: a drop would win a tie
+    assert "serve m: the running node gossips it" in capsys.readouterr().out  # type: ignore[attr-defined]
+    member = tmp_path / "member"
+    member.mkdir(mode=0o700)
+    mk = s.load_or_create_key(member)
+    s.save_membership(member, s.Membership(mid, b"\0" * 32, tok.admit(key, chain, crypto.node_id(mk), time.time())))
+    assert main(["drop", "m", "--state-dir", str(member)]) != 0
+    assert "only the node that founded the mesh, or an admin" in capsys.readouterr().err  # type: ignore[attr-defined]
