@@ -150,6 +150,31 @@ def tps(base: str, path: str, tokens: int, runs: int) -> float:
     return statistics.median(once(tokens) for _ in range(runs))
 
 
+
+def start(run_mesh: Any, server: Any, rpc_server: Any, args: argparse.Namespace) -> None:
+    """[pipeline] 4: start → ready of a 2-node split (GPU 0 host, GPU 1 worker, each capped at --cap), --runs times:
+    from the second node's start to the host's "ready:" line; stock: the worker's rpc-server already up, llama-server
+    on GPU 0 with the mesh's split, from its start to /health 200 (its own load of the same split)."""
+    mesh_s, stock_s = [], []
+    for _ in range(args.runs):
+        _, st = run_mesh("start", "auto", [("0", args.cap), ("1", args.cap)], measure=lambda base, path: None)
+        mesh_s.append(float(st["start_to_ready_s"]))
+        counts = [a["count"] for a in st["plan"]["assignments"]]
+        split = [float(c) for c in [*counts[:-1], counts[-1] + 1]]
+        c, ep = rpc_server("stock-rpc", "1")
+        try:
+            t0 = time.monotonic()  # the moment /health answers (not the server's stop after it)
+            stock_s.append(server("stock-load", "0", [ep], split, measure=lambda base, path: time.monotonic()) - t0)
+        finally:
+            c.stop()
+        print(f"mesh {mesh_s[-1]:.1f} s, stock load {stock_s[-1]:.1f} s (split {counts})", flush=True)
+    m, k = statistics.median(mesh_s), statistics.median(stock_s)
+    print(f"\n| 2-node split, median of {args.runs} | seconds |\n|---|---:|")
+    print(f"| mesh-llm: second node started → the host ready | {m:.1f} |")
+    print(f"| stock: llama-server --rpc started → /health 200 (the load) | {k:.1f} |")
+    print(f"\nmesh ÷ stock: {m / k:.2f} (goal ≤ 2)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--carry", type=Path, default=ROOT / "gpuc")
@@ -186,6 +211,9 @@ def main() -> None:
                     help="instead: --clients at once on one mesh node (GPU 0) and on two that each hold the model "
                          "(GPU 0, GPU 1: the second serves a replica), next to llama-server on one GPU and two "
                          "llama-servers with the clients split between them")
+    ap.add_argument("--start", action="store_true",
+                    help="instead: a 2-node split's start → ready (the second node's start → the host says ready), "
+                         "next to stock's load of the same split (llama-server --rpc: start → /health 200)")
     ap.add_argument("--prepare", action="store_true", help="only build the binaries and make the model, then stop")
     args = ap.parse_args()
     work: Path = args.work
@@ -236,18 +264,21 @@ def main() -> None:
                 cmd += ["--max-vram", str(cap)] if cap is not None else []
                 if i:
                     cmd += ["--join-file", str(state / "n0" / "token")]
+                started = time.monotonic()  # the last node's start: what --start times from
                 nodes.append(Child.start(f"n{i}", cmd, texts[i], env=gpu(gpus)))
                 while i == 0 and not (state / "n0" / "token").is_file():
-                    time.sleep(0.5)
+                    time.sleep(0.1)
             deadline = time.monotonic() + 600
             while not (all if everyone else any)("ready:" in t.read_text() for t in texts):
                 assert time.monotonic() < deadline and all(n.alive() for n in nodes), "the mesh never served"
-                time.sleep(1)
+                time.sleep(0.1)
+            ready_s = time.monotonic() - started
             if everyone:
                 time.sleep(3)  # the replicas' records reach the first node, its tunnels open
             host = 0 if everyone else next(i for i, t in enumerate(texts) if "ready:" in t.read_text())
             with urllib.request.urlopen(f"http://127.0.0.1:{ports[host]}/mesh/status", timeout=30) as r:
                 st = json.loads(r.read())
+            st["start_to_ready_s"] = ready_s
             for t in texts:
                 print(next((line for line in t.read_text().splitlines() if "capacity" in line), "?"), flush=True)
             base = f"http://127.0.0.1:{ports[host]}"
@@ -293,6 +324,9 @@ def main() -> None:
         return
     if args.auto:
         auto(run_mesh, args)
+        return
+    if args.start:
+        start(run_mesh, server, rpc_server, args)
         return
     if args.multi:
         multi(run_mesh, server, rpc_server, args.tokens, args.runs)
