@@ -5,10 +5,12 @@ On a GPU machine with no network (the lent device), after ``benchmarks/gpu_pack.
     python3 benchmarks/gpu_split.py --carry gpuc [--tokens 128] [--runs 3] [--cap 3.5] [--work /tmp/gpu-bench]
     python3 benchmarks/gpu_split.py --carry gpuc --load [--parallel 8] [--slot-ctx 9216] [--clients 1,4,8,16]
     python3 benchmarks/gpu_split.py --carry gpuc --replicas [--parallel 16] [--slot-ctx 2048] [--clients 16]
+    python3 benchmarks/gpu_split.py --carry gpuc --start [--runs 3]
 
 (--prepare builds and makes the model only, so a second call on the still-warm machine has the whole 10 minutes.)
 --load is [team]'s table: many clients at once and long prompts, every setup with the same slots and context.
 --replicas is [fleet]'s: many clients on one model served by one GPU node and by two (the second a replica).
+--start is [pipeline] 4's: a 2-node split's start → ready next to stock's own load of the same split.
 
 It installs the carried wheels (into WORK/site), builds the patched binaries with mesh-llm's own build (CUDA,
 self-tested) from the carried source, builds llama-quantize in the same tree, writes a random-weight F16 GGUF of the
