@@ -287,24 +287,31 @@ def test_writing_to_a_closing_connection_is_a_connection_error() -> None:
     asyncio.run(main())
 
 
+async def _relay_trio() -> tuple[Endpoint, Endpoint, Endpoint, reach.Addr]:
+    """Members a and c, each with an authenticated connection to b (pair tokens "tokenA.." and "tokenC..", set by
+    hand as the mesh's auth would), and b relaying; b's address."""
+    a, b, accepted, addr = await _pair()
+    c = Endpoint(crypto.new_key())
+    await c.open("127.0.0.1", 0)
+    b.relay_server = True
+    for ep, token in ((a, b"tokenA.."), (c, b"tokenC..")):
+        conn = await ep.dial(addr, b.me)
+        far = await asyncio.wait_for(accepted.get(), 5)
+        for x in (conn, far):
+            x.set_authenticated()
+            x.pair_token = token
+        far.peer = ep.me
+    return a, b, c, addr
+
+
 def test_a_relay_takes_only_packets_with_the_token_of_the_senders_connection() -> None:
     """[trust-2] 10: a relay named a RELAY packet's sender by its source address alone, so a third party spoofing a
     member's address had its packets forwarded as that member's. Now each packet carries its connection's pair
     token (set by the mesh's auth; here by hand): without it, from the member's very address, nothing passes."""
 
     async def main() -> None:
-        a, b, accepted, addr = await _pair()
-        c = Endpoint(crypto.new_key())
-        await c.open("127.0.0.1", 0)
+        a, b, c, addr = await _relay_trio()
         try:
-            b.relay_server = True
-            for ep, token in ((a, b"tokenA.."), (c, b"tokenC..")):
-                conn = await ep.dial(addr, b.me)
-                far = await asyncio.wait_for(accepted.get(), 5)
-                for x in (conn, far):
-                    x.set_authenticated()
-                    x.pair_token = token
-                far.peer = ep.me
             quic = b"\x40" + bytes(40)
             a.send_control(reach.relay_packet(reach.RELAY, c.me, b"tokenC..", quic), addr)  # not a's token
             await _until(lambda: b.stats.relay_refused == 1)
@@ -327,19 +334,9 @@ def test_a_relay_caps_what_it_forwards_per_pair_and_other_pairs_still_pass() -> 
     through the same relay at the same moment is forwarded in full."""
 
     async def main() -> None:
-        a, b, accepted, addr = await _pair()
-        c = Endpoint(crypto.new_key())
-        await c.open("127.0.0.1", 0)
+        a, b, c, addr = await _relay_trio()
         try:
-            b.relay_server = True
             b.relay_budget.rate = 100 * 1024  # bytes/s: a quarter second's worth (at least 64 KiB) at once
-            for ep, token in ((a, b"tokenA.."), (c, b"tokenC..")):
-                conn = await ep.dial(addr, b.me)
-                far = await asyncio.wait_for(accepted.get(), 5)
-                for x in (conn, far):
-                    x.set_authenticated()
-                    x.pair_token = token
-                far.peer = ep.me
             quic = b"\x40" + bytes(999)
             for _ in range(300):  # 300 kB at once from a to c
                 a.send_control(reach.relay_packet(reach.RELAY, c.me, b"tokenA..", quic), addr)
