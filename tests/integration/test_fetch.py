@@ -132,7 +132,8 @@ def test_a_node_without_the_file_fetches_it_from_peers_and_a_lying_one_costs_one
     # it serves: a worker of the mesh with that model (the same fingerprint as the others)
     def c_is_worker() -> bool:
         me = json.loads((c.state / "status.json").read_text())["node"] if (c.state / "status.json").exists() else ""
-        return any(p["node"] == me and p["role"] == "worker" and p["model"] == mesh["fp"]
+        # a worker of the host's plan, or (with x, a node that plan leaves out too) a replica that is a split
+        return any(p["node"] == me and p["role"] in ("worker", "replica") and p["model"] == mesh["fp"]
                    for p in a.status().get("peers", []))  # type: ignore[attr-defined]  # fmt: skip
 
     wait_for(c_is_worker, 60, "c to serve as a worker")

@@ -44,10 +44,17 @@ def plan_of(node: NodeProc) -> dict[str, object]:
     return p if isinstance(p, dict) else {}
 
 
+def main_plans(nodes: list[NodeProc]) -> list[dict[str, object]]:
+    """The plans of the nodes that follow the elected host's plan: a node in a split replica's plan (its host a
+    replica: the nodes the elected plan leaves out serve one, [fleet] 3) follows another, and is left out here."""
+    replicas = {r for n in nodes for m in n.status().get("models", []) for r in m.get("replicas", [])}  # type: ignore[attr-defined]
+    return [p for n in nodes if (p := plan_of(n)).get("host") not in replicas]
+
+
 def roles(nodes: list[NodeProc]) -> tuple[NodeProc, NodeProc]:
     """(host, worker) according to the plan every node agrees on."""
     by_id = {json.loads((n.state / "status.json").read_text())["node"]: n for n in nodes}
-    p = plan_of(nodes[0])
+    p = main_plans(nodes)[0]
     assign = p["assignments"]  # type: ignore[index]
     return by_id[assign[-1]["node"]], by_id[assign[0]["node"]]  # type: ignore[index]
 
@@ -77,8 +84,9 @@ def describe(nodes: list[NodeProc]) -> str:
 
 
 def agreed(nodes: list[NodeProc]) -> bool:
-    plans = {json.dumps(plan_of(n), sort_keys=True) for n in nodes}
-    return len(plans) == 1 and bool(plan_of(nodes[0]).get("assignments"))
+    main = main_plans(nodes)
+    plans = {json.dumps(p, sort_keys=True) for p in main}
+    return len(plans) == 1 and bool(main[0].get("assignments"))
 
 
 def until_answered(nodes: list[NodeProc], t0: float, limit: float) -> float:
