@@ -268,26 +268,3 @@ def test_a_node_its_model_does_not_use_moves_to_a_model_that_waits_for_memory() 
     assert move_to(me, [replace(gx, host=replace(x_host, planned=())), gy]) is None  # x waits for memory itself
     assert move_to(replace(me, model=None), [gx, gy]) is None
 
-
-def test_a_node_without_a_host_takes_a_sitting_one_at_once_and_settles_on_a_new_one() -> None:
-    """[pipeline] 4: a worker joining a mesh whose host already sits adopts it at once (before: after the 2 s of
-    election debounce, while the host's key requests were refused — every new split waited for it). A host that is
-    only a candidate (no node sits yet) is still settled on for the debounce."""
-    from meshllm.proto.election import DEBOUNCE_S
-
-    for role, replica in ((Role.HOST, False), (Role.WORKER, False), (Role.HOST, True)):
-        m = _members(2)
-        core, now = m.core, m.now
-        core.update(now, model=X, role=Role.WORKER, capacity=1)
-        r = PeerRecord(m.ids[0], 1, 1, role, model=X, chain=m.chains[0], capacity=5, replica=replica)
-        core.table.merge_record(r.to_wire(m.keys[0]), now)
-        core.on_connected(m.ids[0], now)
-        sits = role == Role.HOST and not replica  # a replica sits nowhere
-        assert core.elected_host(now) == (m.ids[0] if sits else None), (role, replica)
-        assert core.elected_host(now + DEBOUNCE_S + 0.1) == m.ids[0]
-    # with a host already: another sitting one (a healed partition's, with far more memory) is settled on as before
-    big = PeerRecord(m.ids[1], 1, 1, Role.HOST, model=X, chain=m.chains[1], capacity=50)
-    core.table.merge_record(big.to_wire(m.keys[1]), now)
-    core.on_connected(m.ids[1], now)
-    later = now + DEBOUNCE_S + 0.2
-    assert core.elected_host(later) == m.ids[0] and core.elected_host(later + DEBOUNCE_S + 0.1) == m.ids[1]

@@ -406,13 +406,8 @@ class MeshCore:
         fp = self.record.model.fingerprint if self.record.model else None
         if fp is None:
             return None
-        before, recs = self._election.current, self.alive(now)
-        cand = self._elect(recs, fp)
-        # a node with no host yet takes a sitting host at once (the election keeps a sitting host: there is nothing
-        # to settle); its worker's key went unanswered for the 2 s of debounce, on every new split ([pipeline] 4)
-        sitting = before is None and any(r.node == cand != self.me and r.role == Role.HOST and not r.replica
-                                         for r in recs)  # fmt: skip
-        host = self._election.propose(cand, now, urgent=sitting)
+        before = self._election.current
+        host = self._election.propose(self._elect(self.alive(now), fp), now)
         if host != before and host is not None:
             self.events.append(Event(EventKind.HOST, host))
         return host
