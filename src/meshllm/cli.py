@@ -236,7 +236,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         admission_s=args.admission,
         relay=args.relay, relay_mode=args.relay_mode, relay_rate=args.relay_rate,
         max_vram_gb=args.max_vram, ctx_size=args.ctx_size, parallel=args.parallel, queue=args.queue,
-        tuning=tuning, tensor_split=args.tensor_split, port=args.port,
+        tuning=tuning, tensor_split=args.tensor_split, split_replicas=args.split_replicas, port=args.port,
         listen_all=args.listen_all, api_key=api_key, max_tokens=args.max_tokens, bins=bins, auto_model=auto,
         models_dir=args.models_dir,
         draft=args.draft, draft_max=args.draft_max, no_draft=args.no_draft, console_port=args.console,
@@ -734,6 +734,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{tok.MAX_ADMIT_S // 86400}d)")  # fmt: skip
     p.add_argument("--max-vram", type=gigabytes, metavar="GB", help="cap the memory this node offers")
     p.add_argument("--tensor-split", type=parse_split, metavar="P,P,...", help="override the split plan")
+    p.add_argument("--split-replicas", action="store_true",
+                   help="let the nodes the host's plan leaves out, which hold the model only together, serve it as a "
+                        "second split (a replica that is a split; off by default while it settles)")  # fmt: skip
     p.add_argument("--name", type=parse_name, metavar="NAME", help="how other nodes show this one (default: hostname)")
     p.add_argument("--port", type=tcp_port, default=9337, help="API port (default 9337)")
     p.add_argument("--listen-all", action="store_true", help="API on all interfaces (then an API key is required)")

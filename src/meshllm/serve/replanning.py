@@ -63,7 +63,7 @@ class Replanner:
         replica = (alone is not None and o.tensor_split is None
                    and fleet.replica_wanted(me, host_rec, isinstance(alone[0], Plan)))  # fmt: skip
         second = None  # a replica that is a split: its host's record and the plan it runs, when that plan uses us
-        if alone is not None and not replica and o.tensor_split is None:
+        if alone is not None and not replica and o.tensor_split is None and o.split_replicas:
             left = fleet.left_out(host_rec, core.alive(now), fits_alone)
             r_host = fleet.split_replica_host(left) if any(r.node == self.me for r in left) else None
             slots = slots_for(left, r_host.node, facts.fingerprint) if r_host is not None else None
