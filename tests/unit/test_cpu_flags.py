@@ -6,7 +6,10 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
+import pytest
+
 from meshllm.llama import build as b
+from meshllm.llama import processes
 from meshllm.llama.processes import AMX_MARKER, describe_exit, explain_crash, uses_amx
 
 # /proc/cpuinfo flags of the AMX machine where the first command crashed (Sapphire Rapids, trimmed)
@@ -109,3 +112,26 @@ def test_amx_kernels_are_found_in_a_binary(tmp_path: Path) -> None:
     assert not uses_amx(exe, HASWELL)  # the CPU would never run them
     exe.write_bytes(b"\x7fELF" + bytes(300))
     assert not uses_amx(exe, SPR)
+
+
+def test_a_port_picked_for_one_listener_is_not_picked_again_for_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel may offer the same free port twice while neither child has bound it yet (CI once saw an
+    rpc-server's loopback port equal its TLS port: it failed to start five times)."""
+    offered = iter([46107, 46107, 46108])
+
+    class Sock:
+        def __enter__(self) -> Sock:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def bind(self, addr: tuple[str, int]) -> None:
+            pass
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.1", next(offered))
+
+    monkeypatch.setattr(processes.socket, "socket", lambda *a: Sock())
+    assert processes.free_port() == 46107
+    assert processes.free_port(avoid=[46107]) == 46108

@@ -20,7 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,12 +48,16 @@ def _die_with_parent() -> None:
             libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port that was free a moment ago (the child binds it; a rare race is reported as a start failure)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+def free_port(host: str = LOOPBACK, avoid: Collection[int] = ()) -> int:
+    """A TCP port that was free a moment ago and is none of ``avoid`` (ports picked for a child that has not bound
+    them yet: the kernel may offer the same free port twice). The child binds it; a rare race is reported as a start
+    failure."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port: int = s.getsockname()[1]
+        if port not in avoid:
+            return port
 
 
 def port_in_use(port: int, host: str = LOOPBACK) -> bool:

@@ -292,6 +292,7 @@ class RpcServer(Supervised):
         if keys_file is not None and speaks_tls(bins.rpc_server):
             self.tls_port = tls_port or free_port(ANY_ADDR)
             env = {"GGML_RPC_TLS_LISTEN": f"{ANY_ADDR}:{self.tls_port}", "GGML_RPC_TLS_SERVER_KEYS": str(keys_file)}
+        port = free_port(avoid=[self.tls_port] if self.tls_port else [])  # neither is bound yet: never the same one
         super().__init__(
-            "rpc-server", bins.rpc_server, argv, ready, log_dir / "rpc-server.log", fixed_port=free_port(), env=env
+            "rpc-server", bins.rpc_server, argv, ready, log_dir / "rpc-server.log", fixed_port=port, env=env
         )
