@@ -734,9 +734,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{tok.MAX_ADMIT_S // 86400}d)")  # fmt: skip
     p.add_argument("--max-vram", type=gigabytes, metavar="GB", help="cap the memory this node offers")
     p.add_argument("--tensor-split", type=parse_split, metavar="P,P,...", help="override the split plan")
-    p.add_argument("--split-replicas", action="store_true",
+    p.add_argument("--split-replicas", action=argparse.BooleanOptionalAction, default=True,
                    help="let the nodes the host's plan leaves out, which hold the model only together, serve it as a "
-                        "second split (a replica that is a split; off by default while it settles)")  # fmt: skip
+                        "second split (a replica that is a split; default on)")  # fmt: skip
     p.add_argument("--name", type=parse_name, metavar="NAME", help="how other nodes show this one (default: hostname)")
     p.add_argument("--port", type=tcp_port, default=9337, help="API port (default 9337)")
     p.add_argument("--listen-all", action="store_true", help="API on all interfaces (then an API key is required)")

@@ -95,10 +95,10 @@ def test_nodes_that_hold_the_model_only_together_serve_a_replica_that_is_a_split
     by the one with the most memory (``fleet.split_replica_host``) over the other's rpc-server; every node lists it
     as a replica and requests through a lite client run on both splits."""
     name = tiny_model.stem
-    half = ("--max-vram", "0.5", "--ctx-size", "1024", "--split-replicas")
+    half = ("--max-vram", "0.5", "--ctx-size", "1024")
     nodes: list[NodeProc] = []
     try:
-        _, token = _founder(tmp_path, tiny_model, nodes, "--max-vram", "0.5", "--split-replicas")
+        _, token = _founder(tmp_path, tiny_model, nodes, "--max-vram", "0.5")
         for n in "bcd":
             nodes.append(NodeProc(tmp_path, n, tiny_model, *half, "--join", token))
         e = NodeProc(tmp_path, "e", None, "--client", "--join", token)
@@ -141,6 +141,23 @@ def test_nodes_that_hold_the_model_only_together_serve_a_replica_that_is_a_split
         assert min(ran()) >= 2, ran()
         print(f"\n8 requests at once through a lite client: {ran()[0]} on the elected host's split, {ran()[1]} on "
               "the replica's")  # fmt: skip
+
+        # the llama-server running a stream killed -9 (its node lives on): the host's door cuts the stream, and the
+        # lite client, which sees both splits, continues it on the other one (not the door on its own llama-server
+        # once that is back)
+        body = {"model": name, "prompt": "Count from 1 to 100, separated by commas: 1, 2,", "max_tokens": 200,
+                "temperature": 0, "stream": True}  # fmt: skip
+        ref: list[bytes] = []
+        _stream(e.port, body, ref)
+        said, counts = len(e.text()), [n.text_of("llama-server.log").count(DONE) for n in (host, rep)]
+        victim, stall = _kill_mid_stream(e.port, body, [host, rep], nodes, ref, child="llama-server", exact=False)
+        other = rep if victim is host else host
+        assert "continuing on" in e.text()[said:], e.text()[said:]
+        assert "continuing on" not in victim.text(), victim.text()[-2000:]
+        wait_for(lambda: other.text_of("llama-server.log").count(DONE) > counts[(host, rep).index(other)], 10,
+                 "the continuation's timing line on the other split")  # fmt: skip
+        print(f"the {'host' if victim is host else 'replica'}'s llama-server killed -9 mid-stream: the client's "
+              f"longest wait between events {stall:.1f} s; one stream, continued on the other split")
     finally:
         for n in nodes:
             n.stop()

@@ -101,6 +101,21 @@ def test_far_nodes_only_when_near_ones_do_not_suffice() -> None:
     assert isinstance(p, Plan) and [(a.node, a.count) for a in p.assignments] == [(C, 3), (B, 3), (A, 4)]
 
 
+def test_a_node_serving_a_replica_is_taken_only_after_the_idle_ones() -> None:
+    """[fleet] 3: a host that lost its worker takes a standby node before one that serves a replica of the model
+    (taking that ends the replica and every answer it streams); when the idle ones do not suffice, it takes it."""
+    host_cap = host_fixed_bytes(SHAPE, CTX) + 4 * SHAPE.layer_cost(0, CTX)
+    others = [Slot(B, _fits(8)), Slot(C, _fits(6))]
+    p = plan(SHAPE, Slot(A, host_cap), others, CTX, busy={B})
+    assert isinstance(p, Plan) and [a.node for a in p.assignments] == [C, A] and p.standby == (B,)
+    p = plan(SHAPE, Slot(A, host_cap), others, CTX)  # without: the larger one
+    assert isinstance(p, Plan) and [a.node for a in p.assignments] == [B, A]
+    p = plan(SHAPE, Slot(A, host_cap), [Slot(B, _fits(8)), Slot(C, _fits(3))], CTX, busy={B})
+    assert isinstance(p, Plan) and [(a.node, a.count) for a in p.assignments] == [(C, 3), (B, 3), (A, 4)]
+    kept = plan(SHAPE, Slot(A, host_cap), others, CTX, prefer={B}, busy={B})  # a node of the plan stays in it
+    assert isinstance(kept, Plan) and [a.node for a in kept.assignments] == [B, A]
+
+
 def test_not_enough_memory_says_how_much() -> None:
     w = plan(SHAPE, Slot(A, GB // 2), [Slot(B, _fits(2))], CTX)
     assert isinstance(w, Waiting) and w.need > w.have

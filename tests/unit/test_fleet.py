@@ -252,6 +252,18 @@ def test_the_nodes_a_host_leaves_out_that_hold_the_model_only_together_form_a_se
     assert left_out(replace(host, role=Role.WORKER), recs, alone) == [] and left_out(None, recs, alone) == []
 
 
+def test_the_nodes_serving_a_replica_are_its_host_and_its_plan() -> None:
+    from meshllm.proto.fleet import replica_nodes
+
+    host = PeerRecord(N[0], 1, 1, Role.HOST, model=X, planned=(N[1], N[0]))
+    split = PeerRecord(N[2], 1, 1, Role.HOST, model=X, replica=True, planned=(N[3], N[2]))
+    whole = PeerRecord(N[4], 1, 1, Role.HOST, model=X, replica=True, planned=(N[4],))
+    loading = PeerRecord(N[5], 1, 1, Role.WORKER, model=X, replica=True)  # not hosting (yet): no replica to end
+    recs = [host, PeerRecord(N[1], 1, 1, Role.WORKER, model=X), split, whole, loading]
+    assert replica_nodes(recs, N[0]) == {N[2], N[3], N[4]}
+    assert replica_nodes(recs, N[2]) == {N[4]}  # the elected host itself is never one
+
+
 def test_a_node_its_model_does_not_use_moves_to_a_model_that_waits_for_memory() -> None:
     """[fleet] 2 demand: a --model auto node that serves a replica of x (or stands by) goes to y while y's host waits
     for memory; never from a model whose plan uses it or that waits itself (no bouncing between waiting models)."""

@@ -154,12 +154,13 @@ class Supervised:
             self.restarts += 1
             await asyncio.sleep(delay)
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after ``grace_s``."""
         if self._task:
             self._task.cancel()
         child, self.child = self.child, None
         if child:
-            await asyncio.to_thread(child.stop, 10.0)
+            await asyncio.to_thread(child.stop, grace_s)
         self.state = ChildState.STOPPED
 
 

@@ -107,6 +107,14 @@ def left_out(host: PeerRecord | None, records: Iterable[PeerRecord], fits_alone:
                    and r.node not in host.planned and not fits_alone(r)), key=lambda r: r.node)  # fmt: skip
 
 
+def replica_nodes(records: Iterable[PeerRecord], host: NodeId | None) -> frozenset[NodeId]:
+    """The nodes that serve a replica beside ``host`` (the elected one): replica hosts and the nodes their plans
+    use. The elected host's plan takes them last (``planner.plan``'s ``busy``): taking one ends the replica, and the
+    answers it streams must move again."""
+    reps = [r for r in records if r.replica and r.role == Role.HOST and r.node != host]
+    return frozenset(n for r in reps for n in (r.node, *r.planned))
+
+
 def split_replica_host(left: Sequence[PeerRecord]) -> PeerRecord | None:
     """Of the ``left_out`` nodes, the one that hosts their split (a replica that is a split): the host-scoped one with
     the most memory (then the lowest id) — every node picks the same one from the same records."""

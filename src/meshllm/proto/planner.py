@@ -10,7 +10,7 @@ host (lowest first), skipping nodes beyond MAX_RTT_MS while nearer ones suffice.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass, replace
 
 from meshllm.proto.crypto import NodeId
@@ -153,18 +153,21 @@ def plan(
     max_rtt_ms: float = MAX_RTT_MS,
     split: list[float] | None = None,
     prefer: set[NodeId] | None = None,
+    busy: Set[NodeId] = frozenset(),
 ) -> Plan | Waiting:
-    """Assign every layer, or say how much memory is missing. ``split`` (--tensor-split) overrides the sizes."""
+    """Assign every layer, or say how much memory is missing. ``split`` (--tensor-split) overrides the sizes.
+    ``busy``: nodes that serve a replica of the model (``fleet.replica_nodes``), taken only after the idle ones."""
     n = shape.n_layer
     keep = prefer or set()
 
-    def near_order(s: Slot) -> tuple[bool, int, bytes]:
-        # the nodes already in the plan first (a change costs a model reload), then capacity, then id. RTT only
-        # decides near or far: RTTs jitter, and every node must compute the same plan from the same table
-        return (s.node not in keep, -s.capacity, s.node)
+    def near_order(s: Slot) -> tuple[bool, bool, int, bytes]:
+        # the nodes already in the plan first (a change costs a model reload), then idle before busy (taking a
+        # replica's node ends what it serves), then capacity, then id. RTT only decides near or far: RTTs jitter,
+        # and every node must compute the same plan from the same table
+        return (s.node not in keep, s.node in busy, -s.capacity, s.node)
 
-    def far_order(s: Slot) -> tuple[bool, int, int, bytes]:
-        return (s.node not in keep, int(s.rtt_ms // RTT_BUCKET_MS), -s.capacity, s.node)
+    def far_order(s: Slot) -> tuple[bool, bool, int, int, bytes]:
+        return (s.node not in keep, s.node in busy, int(s.rtt_ms // RTT_BUCKET_MS), -s.capacity, s.node)
 
     near = sorted((s for s in others if s.rtt_ms <= max_rtt_ms), key=near_order)
     far = sorted((s for s in others if s.rtt_ms > max_rtt_ms), key=far_order)
@@ -273,6 +276,7 @@ def size(
     max_rtt_ms: float = MAX_RTT_MS,
     split: list[float] | None = None,
     prefer: set[NodeId] | None = None,
+    busy: Set[NodeId] = frozenset(),
 ) -> tuple[Plan | Waiting, Sizing]:
     """The plan and the slots it runs. ``parallel`` / ``ctx`` None ("auto"): the most slots (up to MAX_AUTO_SLOTS),
     then the longest context per slot (up to the model's trained context), that fit AUTO_SHARE of the nodes the model
@@ -285,7 +289,7 @@ def size(
 
     def run(n: int, c: int, share: float = 1.0) -> Plan | Waiting:
         hs, os_ = (host, others) if share == 1.0 else (_scaled(host, share), [_scaled(o, share) for o in others])
-        return plan(sh, hs, os_, n * c, max_rtt_ms, split, prefer)
+        return plan(sh, hs, os_, n * c, max_rtt_ms, split, prefer, busy)
 
     if split is not None:  # the user placed the layers: memory is not checked, so auto stays small
         s = Sizing(parallel or 1, base)

@@ -316,6 +316,7 @@ class Api:
         API key: the peer is an authenticated member) — the same endpoints and the same --max-tokens as the API,
         so no member reaches llama-server's own endpoints or generates past the cap by skipping its own API."""
         self.router = router
+        self.door = door
         self.source_of = source_of  # the door: whose request a connection (by its client port) carries
         self.max_tokens = max_tokens  # --max-tokens: the most a completion request may ask for (None: no cap)
         self.metrics = metrics
@@ -513,24 +514,33 @@ class Api:
         except ValueError:
             return False
         model = parsed.get("model") if isinstance(parsed.get("model"), str) else None
-        for _ in range(RESUMES):
+        loop = asyncio.get_running_loop()
+        deadline, cuts = loop.time() + RETRY_WAIT_S, 0
+        while cuts < RESUMES:
             text = "".join(sent.text)
             more = resume.continuation(path, parsed, text, sent.tokens)
             if more is None or sent.finished:
                 return False
-            up = await self._wait_for_upstream(model)
+            up = await self._wait_for_upstream(model, deadline)
             if not isinstance(up, Upstream):
                 return False
             log.warning("%s cut after %d tokens: continuing on %s", path, sent.tokens, up.base_url)
             # the answer again from its start, less what the client has (the uninterrupted text); where it comes
             # out otherwise, the prompt extended by the text instead
             replay = resume.Replay(text, chat=path == resume.CHAT)
+            before = sent.tokens
             done = await self._stream_more(request, path, resp, up, parsed, sent, replay)
             if done is None:
                 log.warning("%s: the answer came out otherwise on %s; continuing its prompt", path, up.base_url)
                 done = await self._stream_more(request, path, resp, up, more, sent, None)
             if done:
                 return True
+            if up.spread is not None:  # the next try goes to another host of the model while one serves
+                up.spread.fail(up.node, time.monotonic())
+            # a server that gave nothing new (not ready yet: a host whose llama-server restarts) is tried again
+            # until the deadline; one that failed after giving more is a new cut, and cuts are counted
+            if sent.tokens > before or loop.time() > deadline:
+                cuts += 1
         return False
 
     async def _stream_more(self, request: web.Request, path: str, resp: web.StreamResponse, up: Upstream,
@@ -597,8 +607,9 @@ class Api:
             if up.spread is not None:
                 up.spread.end(up.node)
 
-    async def _wait_for_upstream(self, model: str | None) -> Upstream | Unavailable | None:
-        deadline = asyncio.get_running_loop().time() + RETRY_WAIT_S
+    async def _wait_for_upstream(self, model: str | None, deadline: float | None = None
+                                 ) -> Upstream | Unavailable | None:  # fmt: skip
+        deadline = deadline or asyncio.get_running_loop().time() + RETRY_WAIT_S
         await asyncio.sleep(0.5)
         while True:
             up = self.router(model)
@@ -673,6 +684,12 @@ class Api:
                 up.spread.fail(up.node, time.monotonic())
             if resp is None or not resp.prepared:
                 return e.__class__.__name__
+            if self.door and request.transport is not None:
+                # cut the peer's stream short instead of continuing here: the node its client asked sees the cut and
+                # continues the answer on whatever serves the model — a replica at once, not only our llama-server
+                # once it is back (that node's router sees the whole mesh, ours only our own llama-server)
+                request.transport.abort()
+                return resp
             if sent is not None and await self._resume(request, path, resp, body, sent):
                 return resp  # continued on whatever serves the model now: one stream, no error
             # already streaming: end it with an error event rather than a hang or a silent cut

@@ -37,6 +37,8 @@ from meshllm.serve.slotgate import SlotGate
 
 log = logging.getLogger("meshllm.hosting")
 
+RESTART_GRACE_S = 1.0  # a llama-server the plan replaces gets this long after SIGTERM, then SIGKILL
+
 
 class Hosting:
     def __init__(
@@ -479,7 +481,9 @@ class Hosting:
     async def _restart_server(self, cfg: ServerConfig | None, direct: dict[NodeId, str]) -> None:
         old, self.server = self.server, None
         if old:
-            await old.stop()
+            # llama-server answers SIGTERM only once its streams end (10 s of a long answer held a worker's
+            # rpc-server that the new plan's host waited for): the streams cut here go on where they came from
+            await old.stop(grace_s=RESTART_GRACE_S)
         self.announced, self._recovering = False, False
         self._direct_in_cfg = {}
         if cfg is None or self.bins is None:

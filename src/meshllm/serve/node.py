@@ -245,11 +245,11 @@ class Node:
         if routed is not None and routed.node != self._routed:
             self._routed, self.elections = routed.node, self.elections + 1
         adopted = self.replanner.step(now, host, self.shape, self.facts) if self.replanner else None
-        if (host := self.replanner.layer_host(host) if self.replanner else host) != self.host:
-            self.host = host  # the host we serve layers for: the elected one, or a split replica's (replanning.py)
-            hosting.drop_stale_tunnels(host)
+        if (layers_for := self.replanner.layer_host(host) if self.replanner else host) != self.host:
+            self.host = layers_for  # the host we serve layers for: the elected one, or a replica's (replanning.py)
+            hosting.drop_stale_tunnels(layers_for)
         if adopted is not None:
-            self._say(narration.plan_line(adopted, self.me, self.host), "plan")
+            self._say(narration.plan_line(adopted, self.me, host), "plan")
         if self.adoption is not None and (found := self.adoption.step(now, self.facts)):
             self.model, self.shape, self.layers = found
         if self.layers is not None:  # a partial copy: the layers the plan gives us

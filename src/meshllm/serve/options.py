@@ -39,7 +39,7 @@ class NodeOptions:
     queue: int | None = None  # --queue: how many requests may wait for a slot (None: proto.slots.default_queue)
     tuning: Tuning = field(default_factory=Tuning)  # llama-server's serving options (the host applies them)
     tensor_split: list[float] | None = None
-    split_replicas: bool = False  # --split-replicas: nodes the host's plan leaves out may serve a second split
+    split_replicas: bool = True  # --split-replicas: nodes the host's plan leaves out may serve a second split
     port: int = 9337
     listen_all: bool = False
     api_key: str | None = None

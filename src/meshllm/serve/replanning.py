@@ -26,10 +26,11 @@ class Replanner:
         self._debounce = Debouncer[tuple[Plan | Waiting, Sizing]](PLAN_DEBOUNCE_S, first_at_once=True)
 
     def layer_host(self, elected: NodeId | None) -> NodeId | None:
-        """The host this node serves its layers for (the only one its rpc-server answers): the elected one, or the
-        host of a replica that is a split whose plan uses us."""
+        """The host this node serves its layers for (the only one its rpc-server answers): the elected one, the
+        host of a replica that is a split whose plan uses us, or we ourselves while we host a replica (our own
+        llama-server holds our rpc-server: the elected host gets no key until we have left the replica)."""
         p = self.plan
-        if isinstance(p, Plan) and p.host not in (elected, self.me) and any(a.node == self.me for a in p.assignments):
+        if isinstance(p, Plan) and p.host != elected and any(a.node == self.me for a in p.assignments):
             return p.host
         return elected
 
@@ -51,10 +52,11 @@ class Replanner:
             return None
         host_rec = core.record if elected == self.me else self.net.record(elected) if elected else None
 
-        def sized_for(host: Slot, others: list[Slot], prefer: set[NodeId]) -> tuple[Plan | Waiting, Sizing]:
+        def sized_for(host: Slot, others: list[Slot], prefer: set[NodeId], busy: frozenset[NodeId] = frozenset()
+                      ) -> tuple[Plan | Waiting, Sizing]:  # fmt: skip
             assert shape is not None
             return size(shape, host, others, o.parallel, o.ctx_size, o.tuning.cache_type, split=o.tensor_split,
-                        prefer=prefer)  # fmt: skip
+                        prefer=prefer, busy=busy)  # fmt: skip
 
         def fits_alone(r: PeerRecord) -> bool:
             return isinstance(sized_for(Slot(r.node, r.capacity, shares=r.shares), [], set())[0], Plan)
@@ -86,10 +88,14 @@ class Replanner:
             slots = slots_for(core.alive(now), host, facts.fingerprint)
             if slots is None:
                 return None
-            sized = sized_for(*slots, serving.keep_first(self.me, host, self.plan, host_rec.planned if host_rec
-                                                         else ()))  # fmt: skip
+            keep = serving.keep_first(self.me, host, self.plan, host_rec.planned if host_rec else ())
+            sized = sized_for(*slots, keep, fleet.replica_nodes(core.alive(now), host))
         alive = {r.node for r in core.alive(now)}
-        got = self._debounce.propose(sized, now, urgent=plan_broken(self.plan, alive))
+        # the elected host already runs this very plan (it waited out its own debounce): a node it names follows
+        # at once — its llama-server waits for our rpc-server's key
+        runs = (host_rec is not None and host == elected != self.me and isinstance(sized[0], Plan)
+                and host_rec.planned == tuple(a.node for a in sized[0].assignments))  # fmt: skip
+        got = self._debounce.propose(sized, now, urgent=plan_broken(self.plan, alive) or runs)
         if got is None or (got[0] == self.plan and got[1] == self.hosting.sizing):
             return None
         settled, sizing = got
