@@ -12,6 +12,7 @@ layers; one worker takes the rest). One scenario, in order, so the model loads s
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import signal
 import threading
@@ -160,6 +161,7 @@ def test_joins_leaves_and_deaths(tmp_path: Path, tiny_model: Path, stock_bins: B
         host, worker = roles(nodes)
         via = next(n for n in nodes if n not in (host, worker))
         events: list[bytes] = []
+        stamps: list[float] = []
         ended = threading.Event()
 
         def stream() -> None:
@@ -172,6 +174,7 @@ def test_joins_leaves_and_deaths(tmp_path: Path, tiny_model: Path, stock_bins: B
                     for line in r:
                         if line.startswith(b"data: "):
                             events.append(line)
+                            stamps.append(time.monotonic())
             except OSError as e:
                 events.append(f"closed: {e}".encode())
             ended.set()
@@ -186,8 +189,10 @@ def test_joins_leaves_and_deaths(tmp_path: Path, tiny_model: Path, stock_bins: B
         assert ended.wait(90), "the stream hung after its worker died"
         # [fleet] 4: it goes on once the mesh has re-planned (it ended with an error event before): one stream
         assert events[-1] == b"data: [DONE]\n" and not any(b'"error"' in e for e in events), events[-3:]
+        stall = max(y - x for x, y in itertools.pairwise(stamps))
         took = until_answered(nodes, t_kill, 90)
-        print(f"\nworker kill -9 -> every node answering: {took:.1f} s")
+        print(f"\nworker kill -9 -> the stream's longest wait between events {stall:.1f} s; every node answering "
+              f"{took:.1f} s after the kill (the stream ended first)")
         _, alive = psutil.wait_procs(doomed, timeout=10)
         assert not alive, "the killed node's rpc-server outlived it"
         wait_for(lambda: agreed(nodes), 30, "agreement on the new plan")
