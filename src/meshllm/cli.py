@@ -205,17 +205,18 @@ def cmd_node(args: argparse.Namespace) -> int:
 
     tokens = gather_tokens(args)
     tuning = tuning_from(args)
-    if args.client and not tokens and not _member(args.state_dir):
+    lan = args.join_lan is not None  # a token comes with the approval: --join-lan stands for --join below
+    if args.client and not tokens and not lan and not _member(args.state_dir):
         raise UserError("--client needs --join TOKEN (or --join-file / MESH_LLM_JOIN) the first time")
     if args.client and args.model is not None:
         raise UserError("--client serves no model: drop --model, or drop --client to serve it")
     auto_fetch = args.model == Path("auto")  # the model that needs this node most, fetched from the mesh
-    if auto_fetch and not tokens and not _member(args.state_dir):
+    if auto_fetch and not tokens and not lan and not _member(args.state_dir):
         raise UserError("--model auto serves a model of the mesh it joins: give --join TOKEN too")
     if auto_fetch and args.client:
         raise UserError("--client serves no model: drop --model auto, or drop --client")
     args.model = None if auto_fetch else args.model
-    if not args.client and args.model is None and not tokens and not auto_fetch:
+    if not args.client and args.model is None and not tokens and not lan and not auto_fetch:
         raise UserError("give --model PATH (or --join TOKEN to serve the mesh's model, or --client)")
     auto = not args.client and args.model is None
     api_key = args.api_key or os.environ.get("MESH_LLM_API_KEY") or None
@@ -234,7 +235,8 @@ def cmd_node(args: argparse.Namespace) -> int:
         model=args.model, client=args.client, join=tokens, state_dir=args.state_dir, bind_host=args.bind_host,
         bind_port=args.bind_port, advertise=args.advertise or [], token_ttl_s=args.token_ttl,
         admission_s=args.admission,
-        relay=args.relay, relay_mode=args.relay_mode, relay_rate=args.relay_rate,
+        relay=args.relay, relay_mode=args.relay_mode, relay_rate=args.relay_rate, join_lan=args.join_lan,
+        announce=args.announce,
         max_vram_gb=args.max_vram, ctx_size=args.ctx_size, parallel=args.parallel, queue=args.queue,
         tuning=tuning, tensor_split=args.tensor_split, split_replicas=args.split_replicas, port=args.port,
         listen_all=args.listen_all, api_key=api_key, max_tokens=args.max_tokens, bins=bins, auto_model=auto,
@@ -286,6 +288,14 @@ def cmd_token(args: argparse.Namespace) -> int:
         saved = f"; it replaces the invite saved in {save_token(sd, t.encode())}"  # a narrower one is only printed
     print(f"{t.scope} token, valid {duration(args.ttl)}{saved}:", file=sys.stderr)
     print(t.encode())
+    return 0
+
+
+def cmd_approve(args: argparse.Namespace) -> int:
+    from meshllm.serve.lan import approve
+
+    sd, _ = _founder_state(args.state_dir)
+    print(approve(sd, args.node, args.scope))
     return 0
 
 
@@ -699,6 +709,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--client", action="store_true", help="lite client: no model, no GPU")
     p.add_argument("--join", type=nonempty, action="append", metavar="TOKEN", help="invite token (repeatable)")
+    p.add_argument("--join-lan", nargs="?", const="", metavar="MESH",
+                   help="find a mesh announced on this LAN (MESH: its id, or the announcing node's id or name, when "
+                        "there are several) and ask to join; a member there lets this node in with `mesh-llm approve`")
+    p.add_argument("--no-announce", dest="announce", action="store_false",
+                   help="the founder (or an admin) does not announce its mesh on the LAN (mDNS)")  # fmt: skip
     p.add_argument("--join-file", action="append", metavar="PATH", help="file holding invite token(s)")
     p.add_argument("--state-dir", type=Path, metavar="DIR", help="node state (default $MESH_LLM_HOME or ~/.mesh-llm)")
     p.add_argument("--bind-host", type=ip_address, default="0.0.0.0", help="UDP address to bind (default all)")
@@ -791,6 +806,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="what the new node may do: client (the API only), worker (serve layers, never host), host "
                     "(may be elected host). Default: this node's own scope, the widest it may give")  # fmt: skip
     pt.set_defaults(func=cmd_token)
+    pa = sub.add_parser("approve", help="let in a node that asked to join from the LAN (--join-lan)",
+                        description="Without NODE: the nodes waiting for approval at the running node (the founder or "
+                        "an admin, which announces the mesh on the LAN). With NODE: an invite token of --scope for it, "
+                        "which the running node hands it at its next knock.")  # fmt: skip
+    pa.add_argument("node", nargs="?", metavar="NODE", help="its id as the list shows it (4 or more hex digits)")
+    pa.add_argument("--scope", type=_scope, default=tok.Scope.WORKER, metavar="SCOPE",
+                    help="what it may do: client (the API only), worker (serve layers, never host; the default), "
+                    "host (may be elected host)")  # fmt: skip
+    pa.add_argument("--state-dir", type=Path, metavar="DIR", help="the node's state (default ~/.mesh-llm)")
+    pa.set_defaults(func=cmd_approve)
     pr = sub.add_parser("revoke", help="cut a member off the mesh for good (the founder or an admin)",
                         description="Revoke a member: signed by this node (the mesh's founder or an admin it named), "
                         "written to its state "

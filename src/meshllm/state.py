@@ -14,6 +14,8 @@ one that names them; everything is written atomically (a temporary file, then re
     status.json        the node's view of the mesh (as /mesh/status)            0600
     rpc-server.keys    worker: the TLS identity + key its rpc-server accepts     0600, rewritten per host/plan
     rpc-client.keys    host: endpoint, identity, key per directly reached worker  0600, rewritten per start
+    knocks             [lan] nodes that asked to join and wait for approval     0600
+    approvals          [lan] `mesh-llm approve`: a token per approved node      0600
     llama-server.log,  the children's output                                    (theirs)
     rpc-server.log
 
@@ -348,3 +350,29 @@ def save_rekey(state: Path, mesh_id: bytes, epoch: int, secret: bytes, by: bytes
     d = {"mesh_id": mesh_id.hex(), "epoch": epoch, "secret": base64.b64encode(secret).decode(), "by": by.hex(),
          "sig": sig.hex()}  # fmt: skip
     write_private(state / "rekey", (json.dumps(d, indent=1) + "\n").encode())
+
+
+def save_knocks(state: Path, rows: list[dict[str, object]]) -> None:
+    """[lan] The knocks the running node lists (node hex, name, address, first and last heard, wall seconds)."""
+    write_private(state / "knocks", json.dumps(rows).encode())
+
+
+def load_knocks(state: Path) -> list[dict[str, object]]:
+    try:
+        rows = json.loads((state / "knocks").read_text())
+    except (OSError, ValueError):
+        return []
+    return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
+
+
+def save_approvals(state: Path, approvals: dict[bytes, str]) -> None:
+    """[lan] Tokens `mesh-llm approve` made, per node id, that the running node hands to each at its next knock."""
+    write_private(state / "approvals", json.dumps({n.hex(): t for n, t in approvals.items()}).encode())
+
+
+def load_approvals(state: Path) -> dict[bytes, str]:
+    try:
+        obj = json.loads((state / "approvals").read_text())
+        return {bytes.fromhex(n): str(t) for n, t in obj.items()} if isinstance(obj, dict) else {}
+    except (OSError, ValueError):
+        return {}

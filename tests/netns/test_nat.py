@@ -40,12 +40,13 @@ def lab() -> Iterator[Lab]:
 
 class Node:
     def __init__(
-        self, lab: Lab, where: str, tmp: Path, name: str, *args: str, env: dict[str, str] | None = None
-    ) -> None:
+        self, lab: Lab, where: str, tmp: Path, name: str, *args: str, env: dict[str, str] | None = None,
+        port: int = 9337,
+    ) -> None:  # fmt: skip
         self.name, self.lab, self.where = name, lab, where
         self.state = tmp / name
         self.log = tmp / f"{name}.log"
-        argv = [sys.executable, "-m", "meshllm.cli", *args, "--state-dir", str(self.state), "--port", "9337"]
+        argv = [sys.executable, "-m", "meshllm.cli", *args, "--state-dir", str(self.state), "--port", str(port)]
         self.proc = subprocess.Popen(lab.exec_argv(where, argv), stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})}, start_new_session=True)  # fmt: skip
 
@@ -305,6 +306,49 @@ def test_members_find_each_other_again_after_a_nat_reboot(lab: Lab, tmp_path: Pa
         print(f"\nNAT reboot: every pair connected again {time.monotonic() - t0:.1f} s after natA forgot its "
               f"mappings (A–B {a.peer(b.id)['path']})")  # type: ignore[index]  # fmt: skip
         assert (a.peer(b.id) or {}).get("path") not in (None, "not connected")
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def _approve(a: Node, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "meshllm.cli", "approve", *args, "--state-dir", str(a.state)],
+                          capture_output=True, text=True, timeout=30)  # fmt: skip
+
+
+def test_a_mesh_found_on_the_lan_is_joined_only_with_approval(lab: Lab, tmp_path: Path, tiny_model: Path) -> None:
+    """[lan] 1: A founds a mesh in homeA with memory for half of the model and announces it on its LAN (mDNS); B on
+    the same LAN (homeA2) finds it with --join-lan and knocks, and so does S (a stranger, also on that LAN), and C
+    behind the other NAT (mDNS stays on its LAN: C finds nothing and says so). Approved, B joins and the split
+    serves; S, never approved, is in nothing."""
+    lab.up("cone", "cone", True)
+    half = ("--model", str(tiny_model), "--max-vram", "0.5", "--ctx-size", "1024")
+    nodes: list[Node] = []
+    try:
+        a = Node(lab, "homeA", tmp_path, "a", *half, "--name", "desk-a")
+        nodes.append(a)
+        wait(lambda: "waiting for more peers" in a.log.read_text(), 30, "A to wait for memory", nodes)
+        b = Node(lab, "homeA2", tmp_path, "b", *half, "--join-lan", "--name", "laptop-b")
+        s = Node(lab, "homeA2", tmp_path, "s", "--client", "--join-lan", "--name", "stranger", port=9338)
+        c = Node(lab, "homeB", tmp_path, "c", "--client", "--join-lan", "--name", "far-c")
+        nodes += [b, s, c]
+        for n in (b, s):
+            wait(lambda n=n: "asked to join mesh" in n.log.read_text(), 30, f"{n.name}'s knock", nodes)  # type: ignore[misc]
+        listed = _approve(a).stdout
+        assert "laptop-b" in listed and "stranger" in listed and "far-c" not in listed, listed
+        assert "192.168.1.3:" in listed  # the knocks came over the LAN
+        b_id = next(line.split()[0] for line in listed.splitlines() if "laptop-b" in line)
+        t0 = time.monotonic()
+        assert _approve(a, b_id).returncode == 0
+        took = wait(lambda: "ready:" in a.log.read_text(), 30, "the split over A and B to serve", nodes)
+        assert took <= 10, took
+        assert b.peer(a.id) is not None and str(b.peer(a.id)["path"]).startswith("direct 192.168.1.2:")  # type: ignore[index]
+        assert len(a.status()["plan"]["assignments"]) == 2  # type: ignore[index, arg-type]
+        print(f"\nLAN discovery: approved -> the split over A and B serving in {time.monotonic() - t0:.1f} s")
+        wait(lambda: c.proc.poll() is not None, 40, "C to give up", nodes)
+        assert c.proc.returncode != 0 and "no mesh announces itself on this LAN" in c.log.read_text(), c.tail()
+        assert "joined mesh" not in s.log.read_text() and s.id not in {p["node"] for p in a.status()["peers"]}  # type: ignore[attr-defined]
+        assert "stranger" in _approve(a).stdout
     finally:
         for n in nodes:
             n.stop()

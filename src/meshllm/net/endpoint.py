@@ -64,10 +64,12 @@ STREAM_RPC = 3
 STREAM_HTTP = 4
 STREAM_RPC_KEY = 5  # the host asks a worker for the key of its rpc-server's direct (TLS) listener
 STREAM_FETCH = 6  # a member asks for a model file's manifest or a chunk of it (serve/sharing.py)
+STREAM_KNOCK = 7  # [lan] a node with no token asks to join (proto/knock.py): answered, never authenticated
 STREAM_KINDS = {
     STREAM_AUTH: "auth", STREAM_GOSSIP: "gossip", STREAM_RPC: "rpc", STREAM_HTTP: "http", STREAM_RPC_KEY: "rpc-key",
-    STREAM_FETCH: "fetch",
+    STREAM_FETCH: "fetch", STREAM_KNOCK: "knock",
 }  # fmt: skip
+BEFORE_AUTH = (STREAM_AUTH, STREAM_KNOCK)  # the streams a listener hands out before a connection is authenticated
 MAX_HELD_STREAMS = 8
 MAX_BYTES_BEFORE_AUTH = 256 << 10  # an auth proof is a few hundred bytes: anything near this is not one
 MAX_PENDING = 64  # incoming connections not yet authenticated; more Initials are dropped until some finish
@@ -435,7 +437,7 @@ class Conn:
             kind, data = data[0], data[1:]
             st = Stream(self, sid, kind)
             self.streams[sid] = st
-            if self.authenticated or (kind == STREAM_AUTH and not self.is_client):
+            if self.authenticated or (kind in BEFORE_AUTH and not self.is_client):
                 self._incoming.put_nowait(st)
             else:
                 self._held.append(st)

@@ -22,7 +22,17 @@ from typing import TypeVar, Unpack
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshllm.errors import LocalProtocolError, MeshError, Refused, RemoteProtocolError, UserError
-from meshllm.net.endpoint import STREAM_AUTH, STREAM_GOSSIP, Addr, Conn, DialError, Endpoint, Stream, parse_addr
+from meshllm.net.endpoint import (
+    STREAM_AUTH,
+    STREAM_GOSSIP,
+    STREAM_KNOCK,
+    Addr,
+    Conn,
+    DialError,
+    Endpoint,
+    Stream,
+    parse_addr,
+)  # fmt: skip
 from meshllm.net.netevents import CHANGED, Changed, Connected, MeshEvent, NetEvent
 from meshllm.net.traversal import Traversal, local_ips
 from meshllm.proto import crypto, serving
@@ -42,6 +52,7 @@ from meshllm.proto.auth import (
 )
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import PeerRecord, RecordUpdate, Role
+from meshllm.proto.knock import REFUSED, KnockAnswer, KnockAsk
 from meshllm.proto.meshcore import EventKind, MeshCore, Out
 from meshllm.proto.reach import RELAY_RATE, Observed, PunchRequest, RelayMode
 from meshllm.proto.wire import FrameDecoder, Message, encode
@@ -112,6 +123,7 @@ class MeshNet:
     ) -> None:
         """``relay_rate``: when this node relays, the most it forwards per pair of members, bytes/s (0: no cap)."""
         self.key = key
+        self.on_knock: Callable[[KnockAsk, str], KnockAnswer] | None = None  # [lan] our doorbell (serve/lan.py)
         self.admit_s = admit_s  # how long the admissions we sign hold (--admission)
         self.me = crypto.node_id(key)
         self.m = membership
@@ -495,6 +507,9 @@ class MeshNet:
     async def _on_accept(self, conn: Conn) -> None:
         try:
             st = await asyncio.wait_for(conn.accept(), AUTH_TIMEOUT_S)
+            if st is not None and st.kind == STREAM_KNOCK:
+                await asyncio.wait_for(self._answer_knock(conn, st), AUTH_TIMEOUT_S)
+                return
             if st is None or st.kind != STREAM_AUTH:
                 conn.close("first stream was not auth")
                 return
@@ -506,6 +521,35 @@ class MeshNet:
         if not conn.authenticated:
             return
         self._spawn(self._serve_streams(conn))
+
+    async def _answer_knock(self, conn: Conn, st: Stream) -> None:
+        """[lan] A node with no token asks to join (``proto/knock.py``): one answer, then the connection closes;
+        it never becomes authenticated. No doorbell here (not announcing): refused."""
+        try:
+            ask = await _read_frame(st, FrameDecoder(AUTH_MAX_FRAME), AUTH_TIMEOUT_S)
+            if not isinstance(ask, KnockAsk):
+                raise RemoteProtocolError("expected a knock")
+            addr = f"{conn.addr[0]}:{conn.addr[1]}"
+            no = KnockAnswer(REFUSED, reason="this node takes no knocks")
+            ans = self.on_knock(ask, addr) if self.on_knock else no
+            st.write(encode(ans))
+            st.close()
+            await asyncio.sleep(0.05)
+        finally:
+            conn.close("knock answered")
+
+    async def knock(self, node: NodeId, addrs: list[str], ask: KnockAsk) -> KnockAnswer:
+        """[lan] Ask ``node`` (a member announcing its mesh on the LAN) to let us join: its answer."""
+        conn = await self.dial_any(node, addrs)
+        try:
+            st = conn.open_stream(STREAM_KNOCK)
+            st.write(encode(ask))
+            ans = await _read_frame(st, FrameDecoder(AUTH_MAX_FRAME), AUTH_TIMEOUT_S)
+            if not isinstance(ans, KnockAnswer):
+                raise RemoteProtocolError("expected an answer to the knock")
+            return ans
+        finally:
+            conn.close("knocked")
 
     def _refused(self, conn: Conn, who: NodeId | None, reason: str) -> None:
         line = f"refused {crypto.short(who) if who else '?'} from {conn.addr[0]}:{conn.addr[1]}: {reason}"

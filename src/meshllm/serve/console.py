@@ -1,4 +1,5 @@
-"""The web console: a live view of this node's status object, a chat, the invite token, agent lines.
+"""The web console: a live view of this node's status object, a chat, the invite token, agent lines, and the nodes
+that asked to join from the LAN (approved with a button: ``serve/lan.py``).
 
 Served on 127.0.0.1 only (even with --listen-all), to the processes of the user who started the node (Linux): it
 hands out the invite token. Static files ship in the
@@ -13,13 +14,16 @@ import contextlib
 import json
 from collections.abc import Callable
 from importlib import resources
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 from rich.console import Console as RichConsole
 
 from meshllm.errors import UserError
-from meshllm.serve import webguard
+from meshllm.proto import token as tok
+from meshllm.serve import lan, webguard
+from meshllm.state import load_knocks, load_token
 
 STATIC = ("console.html", "console.js", "console.css")
 MAX_CHAT_TOKENS = 4096  # the console's chat box adds the API key itself: it must not pass on what a page asks
@@ -28,11 +32,11 @@ TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
 
 
 class Console:
-    def __init__(self, status: Callable[[], dict[str, object]], token: Callable[[], str | None], api_url: str,
-                 api_key: str | None, max_tokens: int | None = None) -> None:  # fmt: skip
+    def __init__(self, status: Callable[[], dict[str, object]], state: Path, api_url: str, api_key: str | None,
+                 max_tokens: int | None = None) -> None:  # fmt: skip
         self.max_tokens = max_tokens or MAX_CHAT_TOKENS
         self.status = status
-        self.token = token
+        self.state = state  # the node's state dir: its invite token, the knocks waiting, the approvals
         self.api_url = api_url
         self.api_key = api_key
         self.app = web.Application(middlewares=[webguard.middleware(False, own_user_only=True)])
@@ -41,6 +45,8 @@ class Console:
         self.app.router.add_get("/events", self.events)
         self.app.router.add_get("/token", self.get_token)
         self.app.router.add_post("/chat", self.chat)
+        self.app.router.add_get("/knocks", self.knocks)
+        self.app.router.add_post("/approve", self.approve)
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
 
@@ -83,8 +89,25 @@ class Console:
             pass
         return resp
 
+    async def knocks(self, request: web.Request) -> web.Response:
+        return web.json_response({"knocks": load_knocks(self.state)})
+
+    async def approve(self, request: web.Request) -> web.Response:
+        """``mesh-llm approve NODE --scope SCOPE`` from the page: JSON only (a cross-site form cannot send it)."""
+        if request.content_type != "application/json":
+            return web.json_response({"error": "Content-Type must be application/json"}, status=415)
+        try:
+            got = await request.json()
+            node, scope = str(got["node"]), tok.Scope.parse(str(got.get("scope", "worker")))
+            said = await asyncio.to_thread(lan.approve, self.state, node, scope)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return web.json_response({"error": "expected {node, scope}"}, status=400)
+        except UserError as e:
+            return web.json_response({"error": str(e)}, status=400)
+        return web.json_response({"said": said})
+
     async def get_token(self, request: web.Request) -> web.Response:
-        t = self.token()
+        t = load_token(self.state)
         if t is None:
             raise web.HTTPNotFound(text="no invite token yet")
         return web.json_response({"token": t})
@@ -119,11 +142,11 @@ class Console:
 
 
 async def start_console(
-    port: int, status: Callable[[], dict[str, object]], token: Callable[[], str | None], api_url: str,
-    api_key: str | None, out: RichConsole, max_tokens: int | None = None,
+    port: int, status: Callable[[], dict[str, object]], state: Path, api_url: str, api_key: str | None,
+    out: RichConsole, max_tokens: int | None = None,
 ) -> Console:  # fmt: skip
     """The web console on 127.0.0.1:``port``; one line if the port is taken."""
-    web = Console(status, token, api_url, api_key, max_tokens)
+    web = Console(status, state, api_url, api_key, max_tokens)
     try:
         await web.start(port)
     except OSError as e:

@@ -21,11 +21,12 @@ from meshllm.proto.capacity import Offer
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import ModelFacts, Role
 from meshllm.proto.planner import GB, ModelShape
+from meshllm.serve import lan
 from meshllm.serve.fetching import LayerKeeper, obtain_and_open, obtain_model
 from meshllm.serve.hosting import Hosting
 from meshllm.serve.modelfiles import ModelFiles, find_by_fingerprint
 from meshllm.serve.narration import duration
-from meshllm.serve.options import NodeOptions
+from meshllm.serve.options import NodeOptions, default_name
 from meshllm.state import load_members, load_token, save_addrs, save_members, save_token
 
 
@@ -44,25 +45,31 @@ async def join_first(net: MeshNet, tokens: list[tok.Token], console: Console) ->
     raise UserError("could not join: " + "; ".join(errors))
 
 
-async def enter_mesh(net: MeshNet, tokens: list[tok.Token], state: Path, ttl_s: float, lite: bool,
-                     console: Console) -> asyncio.Future[None] | None:  # fmt: skip
-    """Join through a token, or (a restart) rejoin the members this node knew before it plans alone; then say what
-    its scope lets it do and publish its invite token. The task that keeps dialling the known members, if any."""
-    redial = None
+async def enter_mesh(net: MeshNet, tokens: list[tok.Token], state: Path, o: NodeOptions, lite: bool,
+                     console: Console) -> list[asyncio.Future[None]]:  # fmt: skip
+    """Join through a token (``--join-lan``: the one an approval brings), or (a restart) rejoin the members this node
+    knew before it plans alone; then say what its scope lets it do and publish its invite token; the founder or an
+    admin announces the mesh on the LAN. The tasks that keep dialling the known members and announcing, if any."""
+    tasks: list[asyncio.Future[None]] = []
+    if not tokens and net.m is None and o.join_lan is not None:
+        tokens = [await lan.join_lan(net, o.join_lan, o.name or default_name(), console)]
     if tokens:
         await join_first(net, tokens, console)
     else:
         known = load_members(state)
         await rejoin(net, known, console)
-        redial = asyncio.ensure_future(keep_dialling(net, known))
-    assert net.m is not None
+        tasks.append(asyncio.ensure_future(keep_dialling(net, known)))
+    assert net.m is not None and net.core is not None
     scope = tok.chain_scope(net.m.chain)
     if scope < tok.Scope.HOST and not lite:
         what = {tok.Scope.WORKER: "serves layers for a host-scoped member and is never elected host",
                 tok.Scope.CLIENT: "may use the API only: it serves no layers"}  # fmt: skip
         console.print(f"scope {scope}: this node {what[scope]}")
-    publish_token(net, state, ttl_s, console)
-    return redial
+    publish_token(net, state, o.token_ttl_s, console)
+    if o.announce and (net.m.founder == net.me or net.me in net.core.table.admins):
+        lan.open_doorbell(net, state, console)
+        tasks.append(asyncio.ensure_future(lan.announce(net, o.name or default_name())))
+    return tasks
 
 
 REDIAL_S = 5.0  # a restarted node with no peer dials the members it knew this often

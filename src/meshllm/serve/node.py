@@ -44,7 +44,7 @@ from meshllm.serve.routing import Router
 from meshllm.serve.sharing import Sharing
 from meshllm.serve.startup import start_checks
 from meshllm.serve.telemetry import watch_llama
-from meshllm.state import load_token, save_addrs
+from meshllm.state import save_addrs
 
 if TYPE_CHECKING:
     from meshllm.serve.console import Console as WebConsole
@@ -148,13 +148,12 @@ class Node:
             f"node [bold]{crypto.short(self.me)}[/] listening on UDP {', '.join(addrs)}"
             + (f" — capacity {self.capacity / GB:.1f} GB ({device})" if not self.o.client else " — lite client")
         )
-        redial = await enter_mesh(self.net, tokens, self.state, self.o.token_ttl_s, lite, self.console)
-        self._tasks += [redial] if redial is not None else []
+        self._tasks += await enter_mesh(self.net, tokens, self.state, self.o, lite, self.console)
         if self.o.console_port is not None:
             from meshllm.serve.console import start_console
 
             self.web_console = await start_console(
-                self.o.console_port, lambda: self.status(time.monotonic()), lambda: load_token(self.state),
+                self.o.console_port, lambda: self.status(time.monotonic()), self.state,
                 f"http://127.0.0.1:{self.o.port}/v1", self.o.api_key, self.console, self.o.max_tokens,
             )  # fmt: skip
         self._tasks.append(asyncio.ensure_future(watch_llama(self.net, self.hosting, self.api,

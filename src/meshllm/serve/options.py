@@ -24,6 +24,8 @@ class NodeOptions:
     model: Path | None = None
     client: bool = False
     join: list[str] = field(default_factory=list)
+    join_lan: str | None = None  # --join-lan [MESH]: find a mesh on the LAN and ask to join ("": the only one)
+    announce: bool = True  # --no-announce: the founder (or an admin) does not announce its mesh on the LAN
     state_dir: Path | None = None
     bind_host: str = "0.0.0.0"
     bind_port: int = 0

@@ -56,7 +56,8 @@ def start_checks(o: NodeOptions, state: Path, api_host: str, console: Console) -
     m = load_membership(state)
     tokens = parse_tokens(o.join, now, m.mesh_id if m else None)  # before anything is written
     model = shape = wanted = None
-    if o.model is not None and (tokens or m is not None) and not is_local(str(o.model), o.models_dir):
+    joins = bool(tokens) or (o.join_lan is not None and m is None)  # --join-lan: a token comes with the approval
+    if o.model is not None and (joins or m is not None) and not is_local(str(o.model), o.models_dir):
         wanted = str(o.model)  # a member: from the mesh's members that have it (the hub if none does)
     elif o.model is not None:
         model, shape, note = open_model(o.model, o.models_dir, o.draft, o.no_draft)
@@ -68,7 +69,7 @@ def start_checks(o: NodeOptions, state: Path, api_host: str, console: Console) -
         raise UserError(f"this node's admission to mesh {m.mesh_id.hex()[:8]} ended "
                         f"{int(now - tok.chain_until(m.chain))} s ago (it was away longer than its admission "
                         "held): start it with --join and a new token from a member")  # fmt: skip
-    if m is None and not tokens:
+    if m is None and not joins:
         m = new_mesh(key, now)
         console.print(f"new mesh [bold]{m.mesh_id.hex()[:8]}[/] founded by this node")
     if m is not None:

@@ -120,6 +120,37 @@ document.addEventListener("click", async (ev) => {
   }
 });
 
+// nodes that found the mesh on the LAN and knocked (mesh-llm --join-lan): each approved with a scope, or left out
+let lastKnocks = "";
+async function showKnocks() {
+  let rows = [];
+  try { const r = await fetch("/knocks"); if (r.ok) rows = (await r.json()).knocks; } catch (e) { return; }
+  const seen = JSON.stringify(rows.map((k) => k.node));
+  if (seen === lastKnocks) return;  // the same nodes: keep the scopes being chosen
+  lastKnocks = seen;
+  const ul = $("knocks");
+  ul.replaceChildren();
+  if (!rows.length) { const li = document.createElement("li"); li.textContent = "nobody"; ul.append(li); return; }
+  for (const k of rows) {
+    const li = document.createElement("li");
+    li.textContent = `${k.node.slice(0, 8)} "${k.name}" from ${k.addr} `;
+    const scope = document.createElement("select");
+    for (const s of ["worker", "host", "client"]) { const o = document.createElement("option"); o.textContent = s; scope.append(o); }
+    const ok = document.createElement("button");
+    ok.textContent = "approve"; ok.dataset.node = k.node;
+    ok.onclick = async () => {
+      const r = await fetch("/approve", {method: "POST", headers: {"Content-Type": "application/json"},
+        body: JSON.stringify({node: k.node, scope: scope.value})});
+      const got = await r.json();
+      li.textContent = got.said || got.error;
+    };
+    li.append(scope, ok);
+    ul.append(li);
+  }
+}
+showKnocks();
+setInterval(showKnocks, 3000);
+
 $("show-token").onclick = async () => {
   const r = await fetch("/token");
   $("token").textContent = r.ok ? (await r.json()).token : "no token";
