@@ -280,3 +280,24 @@ def test_a_node_its_model_does_not_use_moves_to_a_model_that_waits_for_memory() 
     assert move_to(me, [replace(gx, host=replace(x_host, planned=())), gy]) is None  # x waits for memory itself
     assert move_to(replace(me, model=None), [gx, gy]) is None
 
+
+
+def test_a_node_whose_election_settles_answers_a_sitting_host_that_plans_it() -> None:
+    """[pipeline] 4: a worker joining a mesh whose host already sits and plans it serves its layers for that host
+    while its own election settles (before: it refused the host's key requests for those 2 s, on every new split).
+    Not a host that does not sit, a replica, one whose plan leaves it out, nor once the election has settled."""
+    from meshllm.proto.election import DEBOUNCE_S
+
+    for role, replica, plans_me, expect in ((Role.HOST, False, True, True), (Role.WORKER, False, True, False),
+                                            (Role.HOST, True, True, False), (Role.HOST, False, False, False)):
+        m = _members(2)
+        core, now = m.core, m.now
+        core.update(now, model=X, role=Role.WORKER, capacity=1)
+        planned = (core.me, m.ids[0]) if plans_me else (m.ids[0],)
+        r = PeerRecord(m.ids[0], 1, 1, role, model=X, chain=m.chains[0], capacity=5, replica=replica, planned=planned)
+        core.table.merge_record(r.to_wire(m.keys[0]), now)
+        core.on_connected(m.ids[0], now)
+        assert core.elected_host(now) is None  # the election settles for its 2 s, as before
+        assert core.sitting_host_for_me(now) == (m.ids[0] if expect else None), (role, replica, plans_me)
+        assert core.elected_host(now + DEBOUNCE_S + 0.1) == m.ids[0]
+        assert core.sitting_host_for_me(now + DEBOUNCE_S + 0.2) is None  # settled: the elected one counts

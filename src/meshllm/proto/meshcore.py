@@ -401,6 +401,19 @@ class MeshCore:
             host = next((h for fp in fps if (h := self._elect(recs, fp)) is not None), None)
         return next((r for r in self.alive(now) if r.node == host), None) if host is not None else None
 
+    def sitting_host_for_me(self, now: float) -> NodeId | None:
+        """While our election settles (None yet): the host it picks now, when that one already sits — it runs a plan
+        that names us (not a replica's). Its key requests need not wait out our debounce: every new split's host
+        waited those 2 s for its worker's key ([pipeline] 4). Our election's own pick, from our table; None else."""
+        fp = self.record.model.fingerprint if self.record.model else None
+        if fp is None or self._election.current is not None:
+            return None
+        recs = self.alive(now)
+        cand = self._elect(recs, fp)
+        rec = next((r for r in recs if r.node == cand), None)
+        sits = rec is not None and rec.role == Role.HOST and not rec.replica and self.me in rec.planned
+        return cand if sits and cand != self.me else None
+
     def elected_host(self, now: float) -> NodeId | None:
         """The debounced host for our model (None: no candidate yet, or still settling)."""
         fp = self.record.model.fingerprint if self.record.model else None

@@ -244,7 +244,7 @@ class Node:
         if routed is not None and routed.node != self._routed:
             self._routed, self.elections = routed.node, self.elections + 1
         adopted = self.replanner.step(now, host, self.shape, self.facts) if self.replanner else None
-        if (layers_for := self.replanner.layer_host(host) if self.replanner else host) != self.host:
+        if (layers_for := self.replanner.layer_host(host, now) if self.replanner else host) != self.host:
             self.host = layers_for  # the host we serve layers for: the elected one, or a replica's (replanning.py)
             hosting.drop_stale_tunnels(layers_for)
         if adopted is not None:

@@ -25,13 +25,16 @@ class Replanner:
         self.plan: Plan | Waiting | None = None
         self._debounce = Debouncer[tuple[Plan | Waiting, Sizing]](PLAN_DEBOUNCE_S, first_at_once=True)
 
-    def layer_host(self, elected: NodeId | None) -> NodeId | None:
+    def layer_host(self, elected: NodeId | None, now: float) -> NodeId | None:
         """The host this node serves its layers for (the only one its rpc-server answers): the elected one, the
         host of a replica that is a split whose plan uses us, or we ourselves while we host a replica (our own
-        llama-server holds our rpc-server: the elected host gets no key until we have left the replica)."""
+        llama-server holds our rpc-server: the elected host gets no key until we have left the replica); while
+        our election settles, a sitting host it picks that plans us (``MeshCore.sitting_host_for_me``)."""
         p = self.plan
         if isinstance(p, Plan) and p.host != elected and any(a.node == self.me for a in p.assignments):
             return p.host
+        if elected is None and self.net.core is not None:
+            return self.net.core.sitting_host_for_me(now)
         return elected
 
     def hosts(self) -> bool:
