@@ -14,7 +14,7 @@ mkdir -p "$dir/whl"
 src=$(.venv/bin/python -c 'from meshllm.llama.build import fetch_pinned_source as f; print(f(say=lambda m: None))')
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  -d "$dir/whl" qh3 cryptography cffi pycparser gguf
+  -d "$dir/whl" qh3 cryptography cffi pycparser gguf zeroconf ifaddr
 cp "$src/models/ggml-vocab-llama-bpe.gguf" "$dir/vocab.gguf"
 # OpenSSL's headers and link-time libraries, for a device without libssl-dev (the patched build's TLS direct path);
 # the binaries load the device's own libssl.so.3 at run time

@@ -98,7 +98,9 @@ class Replanner:
         # at once — its llama-server waits for our rpc-server's key
         runs = (host_rec is not None and host == elected != self.me and isinstance(sized[0], Plan)
                 and host_rec.planned == tuple(a.node for a in sized[0].assignments))  # fmt: skip
-        got = self._debounce.propose(sized, now, urgent=plan_broken(self.plan, alive) or runs)
+        # a plan that can run where none could (we waited for memory): nothing serves that a change would cost
+        ready = isinstance(self.plan, Waiting) and isinstance(sized[0], Plan)
+        got = self._debounce.propose(sized, now, urgent=plan_broken(self.plan, alive) or runs or ready)
         if got is None or (got[0] == self.plan and got[1] == self.hosting.sizing):
             return None
         settled, sizing = got
