@@ -299,6 +299,14 @@ def cmd_approve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_refuse(args: argparse.Namespace) -> int:
+    from meshllm.serve.lan import refuse
+
+    sd, _ = _founder_state(args.state_dir)
+    print(refuse(sd, args.node))
+    return 0
+
+
 def _founder_state(state: Path | None) -> tuple[Path, Membership]:
     """The state dir named (or the default) and its membership; one line when it holds none. Whether the node there
     founded the mesh is checked where the founder's key signs (``revoke``, ``make_rekey``)."""
@@ -816,6 +824,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "host (may be elected host)")  # fmt: skip
     pa.add_argument("--state-dir", type=Path, metavar="DIR", help="the node's state (default ~/.mesh-llm)")
     pa.set_defaults(func=cmd_approve)
+    pf = sub.add_parser("refuse", help="turn away a node that asked to join from the LAN (--join-lan)",
+                        description="Its next knock is answered 'refused': it stops asking and says so.")
+    pf.add_argument("node", metavar="NODE", help="its id as `mesh-llm approve` lists it (4 or more hex digits)")
+    pf.add_argument("--state-dir", type=Path, metavar="DIR", help="the node's state (default ~/.mesh-llm)")
+    pf.set_defaults(func=cmd_refuse)
     pr = sub.add_parser("revoke", help="cut a member off the mesh for good (the founder or an admin)",
                         description="Revoke a member: signed by this node (the mesh's founder or an admin it named), "
                         "written to its state "

@@ -16,6 +16,7 @@ one that names them; everything is written atomically (a temporary file, then re
     rpc-client.keys    host: endpoint, identity, key per directly reached worker  0600, rewritten per start
     knocks             [lan] nodes that asked to join and wait for approval     0600
     approvals          [lan] `mesh-llm approve`: a token per approved node      0600
+    refusals           [lan] `mesh-llm refuse`: nodes whose knocks are refused  0600
     llama-server.log,  the children's output                                    (theirs)
     rpc-server.log
 
@@ -363,6 +364,19 @@ def load_knocks(state: Path) -> list[dict[str, object]]:
     except (OSError, ValueError):
         return []
     return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
+
+
+def save_refusals(state: Path, nodes: set[bytes]) -> None:
+    """[lan] The nodes `mesh-llm refuse` named: their knocks are answered "refused"."""
+    write_private(state / "refusals", json.dumps(sorted(n.hex() for n in nodes)).encode())
+
+
+def load_refusals(state: Path) -> set[bytes]:
+    try:
+        rows = json.loads((state / "refusals").read_text())
+        return {bytes.fromhex(n) for n in rows} if isinstance(rows, list) else set()
+    except (OSError, ValueError, TypeError):
+        return set()
 
 
 def save_approvals(state: Path, approvals: dict[bytes, str]) -> None:

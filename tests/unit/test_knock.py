@@ -67,3 +67,12 @@ def test_the_list_of_knocks_is_bounded_and_forgets_the_silent() -> None:
     fresh = crypto.new_key()
     bell.ring(make_knock(fresh, MESH, "new", late), "10.0.0.9:1", late, {}, set())
     assert list(bell.waiting) == [crypto.node_id(fresh)]  # the others fell silent long ago
+
+
+def test_a_refused_node_is_told_so_and_forgotten_even_if_approved() -> None:
+    bell = Doorbell(MESH, {})
+    k = crypto.new_key()
+    ask = make_knock(k, MESH, "laptop", NOW)
+    assert bell.ring(ask, "10.0.0.9:1", NOW, {}, set()).state == WAITING
+    ans = bell.ring(ask, "10.0.0.9:1", NOW + 2, {crypto.node_id(k): "TOKEN"}, set(), {crypto.node_id(k)})
+    assert ans.state == REFUSED and not ans.token and "refused" in ans.reason and not bell.waiting

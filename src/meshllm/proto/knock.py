@@ -77,15 +77,18 @@ class Doorbell:
     waiting: dict[NodeId, Knocker]
 
     def ring(self, ask: KnockAsk, addr: str, now: float, approved: Mapping[NodeId, str],
-             members: Container[NodeId]) -> KnockAnswer:  # fmt: skip
-        """The answer to ``ask`` from ``addr``: refused when it is not a valid knock for our mesh, or comes from a
-        node that is (or was: revoked) a member — a member joins with its admission; ``approved`` with the token
-        kept for it; else ``waiting`` (listed)."""
+             members: Container[NodeId], refused: Container[NodeId] = ()) -> KnockAnswer:  # fmt: skip
+        """The answer to ``ask`` from ``addr``: refused when it is not a valid knock for our mesh, comes from a
+        node that is (or was: revoked) a member — a member joins with its admission — or from one ``mesh-llm refuse``
+        named; ``approved`` with the token kept for it; else ``waiting`` (listed)."""
         why = self._invalid(ask, now)
         if why:
             return KnockAnswer(REFUSED, reason=why)
         if ask.node in members:
             return KnockAnswer(REFUSED, reason="already a member (or revoked): join with your admission")
+        if ask.node in refused:
+            self.waiting.pop(ask.node, None)
+            return KnockAnswer(REFUSED, reason="the founder or an admin refused this node")
         token = approved.get(ask.node)
         if token:
             self.waiting.pop(ask.node, None)

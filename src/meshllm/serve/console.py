@@ -47,6 +47,7 @@ class Console:
         self.app.router.add_post("/chat", self.chat)
         self.app.router.add_get("/knocks", self.knocks)
         self.app.router.add_post("/approve", self.approve)
+        self.app.router.add_post("/refuse", self.approve)
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
 
@@ -93,13 +94,17 @@ class Console:
         return web.json_response({"knocks": load_knocks(self.state)})
 
     async def approve(self, request: web.Request) -> web.Response:
-        """``mesh-llm approve NODE --scope SCOPE`` from the page: JSON only (a cross-site form cannot send it)."""
+        """``mesh-llm approve NODE --scope SCOPE`` (or ``refuse NODE``) from the page: JSON only (a cross-site form
+        cannot send it)."""
         if request.content_type != "application/json":
             return web.json_response({"error": "Content-Type must be application/json"}, status=415)
         try:
             got = await request.json()
             node, scope = str(got["node"]), tok.Scope.parse(str(got.get("scope", "worker")))
-            said = await asyncio.to_thread(lan.approve, self.state, node, scope)
+            if request.path == "/refuse":
+                said = await asyncio.to_thread(lan.refuse, self.state, node)
+            else:
+                said = await asyncio.to_thread(lan.approve, self.state, node, scope)
         except (ValueError, TypeError, KeyError, AttributeError):
             return web.json_response({"error": "expected {node, scope}"}, status=400)
         except UserError as e:

@@ -34,8 +34,10 @@ from meshllm.state import (
     load_members,
     load_membership,
     load_or_create_key,
+    load_refusals,
     save_approvals,
     save_knocks,
+    save_refusals,
 )  # fmt: skip
 
 log = logging.getLogger("meshllm.lan")
@@ -190,7 +192,8 @@ def open_doorbell(net: MeshNet, state: Path, console: Console) -> None:
         assert net.core is not None
         table = net.core.table
         new = ask.node not in bell.waiting
-        ans = bell.ring(ask, addr, time.time(), load_approvals(state), set(table.entries) | set(table.revoked))
+        ans = bell.ring(ask, addr, time.time(), load_approvals(state), set(table.entries) | set(table.revoked),
+                        load_refusals(state))  # fmt: skip
         save_knocks(state, [{"node": k.node.hex(), "name": k.name, "addr": k.addr, "first": k.first,
                              "last": k.last} for k in bell.waiting.values()])  # fmt: skip
         who = f"{crypto.short(ask.node)} \"{ask.name}\" at {addr}"
@@ -206,21 +209,37 @@ def open_doorbell(net: MeshNet, state: Path, console: Console) -> None:
     net.on_knock = on_knock
 
 
+def _waiting(state: Path, node: str) -> dict[str, object]:
+    """The knock listed in ``state`` that ``node`` (4 or more hex digits) names; one line when none or several."""
+    text = node.strip().lower()
+    rows = load_knocks(state)
+    match = [r for r in rows if str(r.get("node", "")).startswith(text)] if len(text) >= 4 else []
+    if len(match) != 1:
+        raise UserError(f"{node!r} names no single node that waits for approval here: `mesh-llm approve` lists them")
+    return match[0]
+
+
+def refuse(state: Path, node: str) -> str:
+    """``mesh-llm refuse NODE``: its next knock is answered "refused" (it stops asking and says so)."""
+    who = _waiting(state, node)
+    refused = load_refusals(state)
+    refused.add(bytes.fromhex(str(who["node"])))
+    save_refusals(state, refused)
+    return f"refused {str(who['node'])[:8]} \"{who.get('name')}\": its next knock is told so, and it stops asking"
+
+
 def approve(state: Path, node: str | None, scope: tok.Scope, ttl_s: float = APPROVAL_TTL_S) -> str:
     """``mesh-llm approve [NODE]``: the line to print — the knocks waiting (no NODE), or the approval made: a token
     of ``scope`` for that node, which the running node hands it at its next knock."""
-    rows = load_knocks(state)
     if not node:
+        rows = load_knocks(state)
         if not rows:
             return "no node waits for approval (a node asks with `mesh-llm --join-lan`)"
         return "\n".join(f"{str(r.get('node', ''))[:8]}  \"{r.get('name')}\" from {r.get('addr')}" for r in rows)
     m = load_membership(state)
     if m is None:
         raise UserError(f"the node in {state} is not in a mesh yet")
-    text = node.strip().lower()
-    match = [r for r in rows if str(r.get("node", "")).startswith(text)] if len(text) >= 4 else []
-    if len(match) != 1:
-        raise UserError(f"{node!r} names no single node that waits for approval here: `mesh-llm approve` lists them")
+    match = [_waiting(state, node)]
     who = bytes.fromhex(str(match[0]["node"]))
     t = mint_scoped(load_or_create_key(state), m, load_addrs(state), time.time(), ttl_s, scope,
                     list(load_members(state).items()))  # fmt: skip

@@ -136,15 +136,18 @@ async function showKnocks() {
     li.textContent = `${k.node.slice(0, 8)} "${k.name}" from ${k.addr} `;
     const scope = document.createElement("select");
     for (const s of ["worker", "host", "client"]) { const o = document.createElement("option"); o.textContent = s; scope.append(o); }
-    const ok = document.createElement("button");
-    ok.textContent = "approve"; ok.dataset.node = k.node;
-    ok.onclick = async () => {
-      const r = await fetch("/approve", {method: "POST", headers: {"Content-Type": "application/json"},
-        body: JSON.stringify({node: k.node, scope: scope.value})});
-      const got = await r.json();
-      li.textContent = got.said || got.error;
+    const act = (what) => {
+      const b = document.createElement("button");
+      b.textContent = what; b.dataset.node = k.node;
+      b.onclick = async () => {
+        const r = await fetch("/" + what, {method: "POST", headers: {"Content-Type": "application/json"},
+          body: JSON.stringify({node: k.node, scope: scope.value})});
+        const got = await r.json();
+        li.textContent = got.said || got.error;
+      };
+      return b;
     };
-    li.append(scope, ok);
+    li.append(scope, act("approve"), act("refuse"));
     ul.append(li);
   }
 }
