@@ -69,18 +69,27 @@ def test_a_tunnel_listener_takes_clients_of_our_own_user_only() -> None:
     asyncio.run(main())
 
 
-def test_the_console_and_its_token_serve_our_own_user_only() -> None:
-    """The console's /token would give any local user a host-scoped way into the mesh."""
+def test_the_console_and_its_token_serve_our_own_user_only(tmp_path: Path) -> None:
+    """The console's /token would give any local user a host-scoped way into the mesh, and its /approve ([lan])
+    would let any node in."""
     from meshllm.serve.console import Console
+    from meshllm.state import save_token
 
     async def main() -> None:
-        console = Console(lambda: {}, lambda: "mesh1.secret-token", "http://127.0.0.1:1/v1", None)
+        save_token(tmp_path, "mesh1.secret-token")
+        console = Console(lambda: {}, tmp_path, "http://127.0.0.1:1/v1", None)
         port = free_port()
         await console.start(port)
         get = b"GET /token HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+        body = b'{"node": "abcd"}'
+        post = (b"POST /approve HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: "
+                + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)  # fmt: skip
         try:
             assert await asyncio.to_thread(_connect_as, 65534, port, get) == "HTTP/1.1 403 Forbidden"
             assert await asyncio.to_thread(_connect_as, None, port, get) == "HTTP/1.1 200 OK"
+            assert await asyncio.to_thread(_connect_as, 65534, port, post) == "HTTP/1.1 403 Forbidden"
+            # ours gets to the approval itself (no node waits here: a one-line refusal, not a 403)
+            assert await asyncio.to_thread(_connect_as, None, port, post) == "HTTP/1.1 400 Bad Request"
         finally:
             await console.stop()
 
