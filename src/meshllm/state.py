@@ -354,7 +354,7 @@ def save_rekey(state: Path, mesh_id: bytes, epoch: int, secret: bytes, by: bytes
 
 
 def save_knocks(state: Path, rows: list[dict[str, object]]) -> None:
-    """[lan] The knocks the running node lists (node hex, name, address, first and last heard, wall seconds)."""
+    """[lan] The knocks the running node lists (node hex, name, address, first heard: wall seconds)."""
     write_private(state / "knocks", json.dumps(rows).encode())
 
 

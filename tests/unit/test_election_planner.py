@@ -158,6 +158,27 @@ def test_plan_debounce_first_at_once_and_urgent_when_broken() -> None:
     assert d.propose(p1, 3.1, urgent=True) == p1  # a broken plan is replaced at once
 
 
+def test_a_plan_the_host_already_runs_or_one_that_ends_a_wait_is_adopted_at_once() -> None:
+    """[fleet] 3, [pipeline] 4: a worker the host's running plan names follows it without its own debounce (the
+    host's llama-server waits for its key); a node that served nothing while it waited for memory takes the first
+    plan that runs. Otherwise a change waits (a join burst would cost reloads)."""
+    from meshllm.proto.planner import adopt_at_once
+
+    host_cap = host_fixed_bytes(SHAPE, CTX) + 4 * SHAPE.layer_cost(0, CTX)
+    p1 = plan(SHAPE, Slot(A, host_cap), [Slot(B, _fits(8)), Slot(C, _fits(8))], CTX)
+    p2 = plan(SHAPE, Slot(A, host_cap), [Slot(C, _fits(8))], CTX)
+    wait = plan(SHAPE, Slot(A, host_cap), [], CTX)
+    assert isinstance(p1, Plan) and isinstance(p2, Plan) and isinstance(wait, Waiting)
+    alive = {A, B, C}
+    runs = tuple(a.node for a in p2.assignments)
+    assert not adopt_at_once(p1, p2, alive, None)  # a change on the host itself: it waits
+    assert not adopt_at_once(p1, p2, alive, tuple(a.node for a in p1.assignments))  # the host runs another one
+    assert adopt_at_once(p1, p2, alive, runs)  # ... and once it runs this one, we follow at once
+    assert adopt_at_once(wait, p2, alive, None)  # nothing served: the first plan that runs
+    assert not adopt_at_once(wait, wait, alive, None) and not adopt_at_once(p2, wait, alive, None)
+    assert adopt_at_once(p1, p2, {A, C}, None)  # p1's B is gone
+
+
 def test_serving_host_is_a_connected_peer_announcing_the_model() -> None:
     import time
 

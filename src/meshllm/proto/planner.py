@@ -342,6 +342,17 @@ def plan_broken(current: Plan | Waiting | None, alive: set[NodeId]) -> bool:
     return isinstance(current, Plan) and any(a.node not in alive for a in current.assignments)
 
 
+def adopt_at_once(current: Plan | Waiting | None, proposed: Plan | Waiting, alive: set[NodeId],
+                  host_runs: tuple[NodeId, ...] | None) -> bool:  # fmt: skip
+    """Whether ``proposed`` replaces ``current`` without the debounce: ``current`` names a node that is gone; the
+    elected host (another node) already runs ``proposed`` — its record names the same nodes (``host_runs``; None on
+    the host itself), it waited out its own debounce and its llama-server waits for our key; or ``current`` waited
+    for memory and ``proposed`` can run — nothing serves that a later change would cost a reload."""
+    names = tuple(a.node for a in proposed.assignments) if isinstance(proposed, Plan) else None
+    return (plan_broken(current, alive) or (names is not None and host_runs == names)
+            or (isinstance(current, Waiting) and names is not None))  # fmt: skip
+
+
 def slots_for(records: list[PeerRecord], host: NodeId, fingerprint: str) -> tuple[Slot, list[Slot]] | None:
     """The planner's input from live gossip records: the host's slot and every other node holding the same model
     (lite clients and client-scoped members excluded), each with its RTT as the host measured it. None while the

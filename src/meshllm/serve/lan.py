@@ -187,6 +187,7 @@ def open_doorbell(net: MeshNet, state: Path, console: Console) -> None:
     them) and hand an approved node the token ``mesh-llm approve`` left for it in ``approvals``."""
     assert net.m is not None
     bell = Doorbell(net.m.mesh_id, {})
+    listed: list[dict[str, object]] = []
 
     def on_knock(ask: KnockAsk, addr: str) -> KnockAnswer:
         assert net.core is not None
@@ -194,8 +195,11 @@ def open_doorbell(net: MeshNet, state: Path, console: Console) -> None:
         new = ask.node not in bell.waiting
         ans = bell.ring(ask, addr, time.time(), load_approvals(state), set(table.entries) | set(table.revoked),
                         load_refusals(state))  # fmt: skip
-        save_knocks(state, [{"node": k.node.hex(), "name": k.name, "addr": k.addr, "first": k.first,
-                             "last": k.last} for k in bell.waiting.values()])  # fmt: skip
+        rows = [{"node": k.node.hex(), "name": k.name, "addr": k.addr, "first": k.first}
+                for k in bell.waiting.values()]  # fmt: skip
+        if rows != listed:  # a knock repeated every 2 s changes nothing to list
+            save_knocks(state, rows)
+            listed[:] = rows
         who = f"{crypto.short(ask.node)} \"{ask.name}\" at {addr}"
         if ans.state == APPROVED:
             console.print(f"lan: {who} was approved: it joins now")
@@ -239,12 +243,12 @@ def approve(state: Path, node: str | None, scope: tok.Scope, ttl_s: float = APPR
     m = load_membership(state)
     if m is None:
         raise UserError(f"the node in {state} is not in a mesh yet")
-    match = [_waiting(state, node)]
-    who = bytes.fromhex(str(match[0]["node"]))
+    row = _waiting(state, node)
+    who = bytes.fromhex(str(row["node"]))
     t = mint_scoped(load_or_create_key(state), m, load_addrs(state), time.time(), ttl_s, scope,
                     list(load_members(state).items()))  # fmt: skip
     approvals = load_approvals(state)
     approvals[who] = t.encode()
     save_approvals(state, approvals)
-    return (f"approved {crypto.short(who)} \"{match[0].get('name')}\" as a {scope} member: it joins at its next knock "
+    return (f"approved {crypto.short(who)} \"{row.get('name')}\" as a {scope} member: it joins at its next knock "
             f"(within {KNOCK_EVERY_S:.0f} s; the approval lasts {ttl_s / 60:.0f} min)")

@@ -12,7 +12,7 @@ from meshllm.proto import fleet, serving
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.debounce import Debouncer
 from meshllm.proto.gossip import MAX_WHY, ModelFacts, PeerRecord, Role
-from meshllm.proto.planner import ModelShape, Plan, Sizing, Slot, Waiting, plan_broken, size, slots_for
+from meshllm.proto.planner import ModelShape, Plan, Sizing, Slot, Waiting, adopt_at_once, size, slots_for
 from meshllm.serve.hosting import Hosting
 from meshllm.serve.options import NodeOptions
 
@@ -94,13 +94,8 @@ class Replanner:
             keep = serving.keep_first(self.me, host, self.plan, host_rec.planned if host_rec else ())
             sized = sized_for(*slots, keep, fleet.replica_nodes(core.alive(now), host))
         alive = {r.node for r in core.alive(now)}
-        # the elected host already runs this very plan (it waited out its own debounce): a node it names follows
-        # at once — its llama-server waits for our rpc-server's key
-        runs = (host_rec is not None and host == elected != self.me and isinstance(sized[0], Plan)
-                and host_rec.planned == tuple(a.node for a in sized[0].assignments))  # fmt: skip
-        # a plan that can run where none could (we waited for memory): nothing serves that a change would cost
-        ready = isinstance(self.plan, Waiting) and isinstance(sized[0], Plan)
-        got = self._debounce.propose(sized, now, urgent=plan_broken(self.plan, alive) or runs or ready)
+        runs = host_rec.planned if host_rec is not None and host == elected != self.me else None
+        got = self._debounce.propose(sized, now, urgent=adopt_at_once(self.plan, sized[0], alive, runs))
         if got is None or (got[0] == self.plan and got[1] == self.hosting.sizing):
             return None
         settled, sizing = got
