@@ -26,6 +26,7 @@ PROMPT = "Here is a short story about a lighthouse keeper:"
 class Worker:
     bins: Binaries
     gguf: Path | None = None  # --gguf (patched rpc-server only)
+    peer_port: int | None = None  # patch 0011: its listener for its predecessor (GGML_RPC_PEER_LISTEN)
 
 
 @dataclass
@@ -76,8 +77,10 @@ def start_split(
     mine: list[CountingRelay] = []
     ports: list[int] = []
     for i, w in enumerate(workers):
-        port = free_port()
-        child = Child.start(f"rpc{i}", rpc_server_argv(w.bins, port, threads=threads, gguf=w.gguf), tmp / f"rpc{i}.log")
+        port = free_port(avoid=[w.peer_port] if w.peer_port else [])
+        wenv = {**os.environ, "GGML_RPC_PEER_LISTEN": f"127.0.0.1:{w.peer_port}"} if w.peer_port else None
+        argv = rpc_server_argv(w.bins, port, threads=threads, gguf=w.gguf)
+        child = Child.start(f"rpc{i}", argv, tmp / f"rpc{i}.log", env=wenv)
         children.append(child)
         wait_tcp_ready(child, port)
         procs.append(child)
@@ -89,6 +92,11 @@ def start_split(
         mine.append(relay)
         ports.append(relay.port)
     before = [r.snapshot() for r in mine]
+    # patch 0011: llama-server learns each worker's peer listener (by the endpoint it reaches that worker at)
+    pairs = zip(ports, workers, strict=True)
+    peers = ",".join(f"127.0.0.1:{p}=127.0.0.1:{w.peer_port}" for p, w in pairs if w.peer_port)
+    if peers:
+        env = {**(env or {}), "GGML_RPC_PEERS": peers}
     port = free_port()
     argv = llama_server_argv(
         client,

@@ -1,4 +1,5 @@
-"""The llama.cpp RPC wire (protocol 7.0.0 plus mesh-llm's local-file commands), and a counting relay.
+"""The llama.cpp RPC wire (protocol 7.0.0 plus mesh-llm's local-file and worker-to-worker commands), and a counting
+relay.
 
 Client to server: ``| cmd u8 | size u64 LE | payload |``; server to client: ``| size u64 LE | data |`` for the
 commands that answer. :class:`CountingRelay` sits between llama-server and an rpc-server on loopback and counts
@@ -39,6 +40,10 @@ class Cmd(IntEnum):
     NONE = 18  # client-internal, never sent
     SET_TENSOR_GGUF = 19  # mesh-llm patch: fill a tensor from the server's own model file
     GGUF_STATUS = 20  # mesh-llm patch: per-buffer result of those loads
+    PEER_ACCEPT = 21  # mesh-llm patch 0011: the predecessor this server takes activations from (its address, a key)
+    PEER_CONNECT = 22  # mesh-llm patch 0011: connect to the successor's peer listener with a key
+    PEER_SEND = 23  # mesh-llm patch 0011: send a tensor to the successor
+    PEER_RECV = 24  # mesh-llm patch 0011: write what the predecessor sent into a tensor
 
 
 NO_REPLY = frozenset(
@@ -51,6 +56,8 @@ NO_REPLY = frozenset(
         Cmd.GRAPH_RECOMPUTE,
         Cmd.MEMSET_TENSOR,
         Cmd.SET_TENSOR_GGUF,
+        Cmd.PEER_SEND,
+        Cmd.PEER_RECV,
     }
 )
 

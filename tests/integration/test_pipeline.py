@@ -1,0 +1,211 @@
+"""[pipeline] Worker to worker (patch 0011): at a boundary between two rpc-servers of a layer split, the hidden state
+goes from one straight to the next (PEER_SEND / PEER_RECV over a TLS link whose key llama-server made), not through
+llama-server. Real patched and stock binaries, the real model, loopback; openssl's own client as the stranger."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import struct
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from meshllm.llama.build import Binaries
+from meshllm.llama.processes import Child, free_port, rpc_server_argv, wait_tcp_ready
+from meshllm.llama.rpcwire import CONN_CAPS_SIZE, GGUF_CAPS_MAGIC, HEADER, Cmd, CountingRelay, WireStats
+
+from .splitlab import PROMPT, Split, Worker, start_split, stop_split
+
+N = 48  # tokens per answer
+SPLIT = [6.0, 6.0, 7.0]  # layers of rpc0, rpc1 and the last device (the host's own: the output stays there)
+
+
+@pytest.fixture(scope="module")
+def module_children() -> Iterator[list[Child]]:
+    children: list[Child] = []
+    yield children
+    for c in children:
+        c.stop()
+
+
+def _split(tmp: Path, client: Binaries, workers: list[Worker], model: Path, children: list[Child]) -> Split:
+    relays: list[CountingRelay] = []
+    return start_split(tmp, client, workers, model, children, relays, threads=2, tensor_split=SPLIT,
+                       extra=["--fit", "off"])  # fmt: skip
+
+
+def _through_host(s: Split, n: int) -> tuple[str, list[WireStats]]:
+    """The answer, and what crossed llama-server's connections to the two workers while it was made."""
+    before = [r.snapshot() for r in s.relays[:2]]
+    text = s.complete(PROMPT, n)
+    return text, [r.snapshot().minus(b) for r, b in zip(s.relays[:2], before, strict=True)]
+
+
+def _total(w: list[WireStats]) -> int:
+    return sum(x.bytes_up + x.bytes_down for x in w)
+
+
+def _workers(bins: Binaries, model: Path, peers: bool) -> list[Worker]:
+    """rpc0 -> rpc1 with peer listeners when ``peers``; the last device never has one (it plays the host's own)."""
+    ports = [free_port(), free_port()] if peers else [None, None]
+    return [Worker(bins, gguf=model, peer_port=ports[0]), Worker(bins, gguf=model, peer_port=ports[1]),
+            Worker(bins, gguf=model)]  # fmt: skip
+
+
+def test_activations_go_worker_to_worker_with_the_stars_text(
+    tmp_path: Path, tiny_model: Path, patched_bins: Binaries, stock_bins: Binaries, module_children: list[Child]
+) -> None:
+    kids = module_children
+    star = _split(tmp_path / "star", patched_bins, _workers(patched_bins, tiny_model, False), tiny_model, kids)
+    try:
+        text_star, star_w = _through_host(star, N)
+    finally:
+        stop_split(star)
+    ring = _split(tmp_path / "ring", patched_bins, _workers(patched_bins, tiny_model, True), tiny_model, kids)
+    try:
+        text_ring, ring_w = _through_host(ring, N)
+        logs = [(tmp_path / "ring" / f"rpc{i}.log").read_text() for i in range(3)]
+        llama_log = (tmp_path / "ring" / "llama.log").read_text()
+    finally:
+        stop_split(ring)
+    assert text_ring == text_star
+    # rpc0 linked to rpc1 (the key llama-server made, from rpc0's address only); the last device was never asked
+    assert "peer link to 127.0.0.1:" in logs[0] and "connected" in logs[0], logs[0][-2000:]
+    assert "the host allows a predecessor at 127.0.0.1" in logs[1] and "peer link accepted" in logs[1]
+    assert "peer link" not in logs[2]
+    assert llama_log.count(": server to server") == 1, llama_log[-3000:]
+    # what llama-server's process carried for the two workers per token. The star brings each boundary's hidden
+    # state back from rpc0 and sends it on to rpc1; worker to worker, rpc0 sends nothing back but small replies.
+    # (Each worker still gets its own inputs every token, the same for both: positions and attention masks, ~7 KB a
+    # token each on this model, where a hidden state is 2.5 KB: so the total falls less than the hidden states do.)
+    ratio = _total(ring_w) / _total(star_w)
+    print(f"\nbytes through llama-server per token, 2 workers: star {_total(star_w) / N:.0f}, worker to worker "
+          f"{_total(ring_w) / N:.0f} ({ratio:.2f} of the star's); back from rpc0: {star_w[0].bytes_down / N:.0f} "
+          f"-> {ring_w[0].bytes_down / N:.0f}")  # fmt: skip
+    assert ring_w[0].bytes_down <= 0.3 * star_w[0].bytes_down, (ring_w[0], star_w[0])
+    assert ring_w[0].commands[Cmd.PEER_SEND] == ring_w[1].commands[Cmd.PEER_RECV] >= N
+    assert ratio <= 0.9, (ring_w, star_w)
+
+    # the same split loaded the stock way (stock binaries: no local files, no peers) gives the same text
+    stock = _split(tmp_path / "stock", stock_bins, [Worker(stock_bins) for _ in range(3)], tiny_model, kids)
+    try:
+        assert stock.complete(PROMPT, N) == text_star
+    finally:
+        stop_split(stock)
+
+
+def test_a_stock_rpc_server_gets_the_star(
+    tmp_path: Path, tiny_model: Path, patched_bins: Binaries, stock_bins: Binaries, module_children: list[Child]
+) -> None:
+    """Interop: llama-server names a peer listener for a stock rpc-server (which ignores GGML_RPC_PEER_LISTEN and says
+    nothing of peers in HELLO): that boundary goes through llama-server as before, with the same text."""
+    workers = _workers(patched_bins, tiny_model, True)
+    workers[1] = Worker(stock_bins, peer_port=free_port())  # the successor is stock
+    mixed = _split(tmp_path / "mixed", patched_bins, workers, tiny_model, module_children)
+    try:
+        text, _ = _through_host(mixed, N)
+        llama_log = (tmp_path / "mixed" / "llama.log").read_text()
+    finally:
+        stop_split(mixed)
+    assert "server to server" not in llama_log
+    assert "peer link to" not in (tmp_path / "mixed" / "rpc0.log").read_text()
+    ring = _split(tmp_path / "ring2", patched_bins, _workers(patched_bins, tiny_model, True), tiny_model,
+                  module_children)  # fmt: skip
+    try:
+        assert ring.complete(PROMPT, N) == text
+    finally:
+        stop_split(ring)
+
+
+# ------------------------------------------------------------------ who gets through to a peer listener
+
+
+def _send(s: socket.socket, cmd: int, payload: bytes) -> None:
+    s.sendall(HEADER.pack(cmd, len(payload)) + payload)
+
+
+def _recv_reply(s: socket.socket) -> bytes:
+    buf = b""
+    while len(buf) < 8 or len(buf) < 8 + struct.unpack_from("<Q", buf)[0]:
+        chunk = s.recv(4096)
+        if not chunk:
+            raise OSError("closed")
+        buf += chunk
+    return buf[8:]
+
+
+def _as_host(port: int) -> socket.socket:
+    """An RPC client as llama-server would be (HELLO asking for mesh-llm's capabilities): it must hear CAPS_PEERS."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=20)
+    _send(s, Cmd.HELLO, GGUF_CAPS_MAGIC + bytes([1]) + bytes(CONN_CAPS_SIZE - 7))
+    reply = _recv_reply(s)
+    caps = reply[4 : 4 + CONN_CAPS_SIZE]
+    assert caps.startswith(GGUF_CAPS_MAGIC) and caps[7] & 2, reply  # bit 1: it has a peer listener
+    return s
+
+
+def _peer_accept(s: socket.socket, identity: str, key: bytes, ip: str) -> bool:
+    _send(s, Cmd.PEER_ACCEPT, identity.encode().ljust(32, b"\0") + key + ip.encode().ljust(48, b"\0"))
+    return _recv_reply(s) == b"\x01"
+
+
+def _s_client(port: int, identity: str, key: bytes) -> bool:
+    """Whether openssl's TLS 1.3 client with this external PSK completes a handshake with the peer listener."""
+    r = subprocess.run(
+        ["openssl", "s_client", "-connect", f"127.0.0.1:{port}", "-tls1_3", "-ciphersuites", "TLS_AES_128_GCM_SHA256",
+         "-psk_identity", identity, "-psk", key.hex()],
+        input=b"", capture_output=True, timeout=30,
+    )  # fmt: skip
+    said = (r.stdout + r.stderr).decode(errors="replace")
+    return "Cipher is TLS_AES_128_GCM_SHA256" in said
+
+
+def test_only_the_key_the_host_gave_from_the_address_it_named_gets_through(
+    tmp_path: Path, tiny_model: Path, patched_bins: Binaries, module_children: list[Child]
+) -> None:
+    """The test plays the host (an RPC client on the loopback listener) of two rpc-servers A and B with peer
+    listeners. A stranger (no key, a made-up key), the key meant for A used at B (a member that is not B's
+    predecessor), and the right key from another address than the one named are all refused; the right key from the
+    right address gets through; once the host's connection is gone, its key no longer works."""
+    assert shutil.which("openssl"), "openssl is installed by scripts/setup test"
+    servers = []
+    for name in "AB":
+        port, peer = free_port(), free_port()
+        peer = peer if peer != port else free_port(avoid=[port])
+        env = {"GGML_RPC_PEER_LISTEN": f"127.0.0.1:{peer}"}
+        import os
+
+        c = Child.start(name, rpc_server_argv(patched_bins, port, gguf=tiny_model), tmp_path / f"{name}.log",
+                        env={**os.environ, **env})  # fmt: skip
+        module_children.append(c)
+        wait_tcp_ready(c, port)
+        servers.append((c, port, peer))
+    (_, a_port, a_peer), (_, b_port, b_peer) = servers
+    key_a, key_b = bytes(range(32)), bytes(range(100, 132))
+    host_a, host_b = _as_host(a_port), _as_host(b_port)
+    with host_a, host_b:
+        assert not _s_client(a_peer, "peer-x", key_a)  # before the host names anyone: nobody
+        assert _peer_accept(host_a, "peer-a", key_a, "127.0.0.1")
+        assert _peer_accept(host_b, "peer-b", key_b, "127.0.0.1")
+        assert not _s_client(a_peer, "peer-a", bytes(32))  # a made-up key
+        assert not _s_client(b_peer, "peer-a", key_a)  # A's predecessor's key, at B
+        assert _s_client(a_peer, "peer-a", key_a)  # the one the host named
+        with socket.create_connection(("127.0.0.1", b_peer), timeout=20) as s:  # RPC in the clear
+            s.sendall(HEADER.pack(Cmd.HELLO, 0) + bytes(64))
+            try:
+                reply = s.recv(64)
+            except ConnectionResetError:
+                reply = b""
+            assert reply == b"" or reply[0] == 0x15, reply  # closed, or a TLS alert record
+        # the right key, but the host named another address for it
+        assert _peer_accept(host_a, "peer-a2", key_a, "10.9.9.9")
+        assert not _s_client(a_peer, "peer-a2", key_a)
+        assert "peer link refused: no key for its address 127.0.0.1" in (tmp_path / "A.log").read_text()
+    # the host's connection closes; the next client (a new llama-server) starts with no predecessor allowed
+    with _as_host(b_port):
+        assert not _s_client(b_peer, "peer-b", key_b)
+    text = (tmp_path / "B.log").read_text()
+    assert text.count("peer link refused") >= 3 and "Expected HELLO" not in text, text[-3000:]
