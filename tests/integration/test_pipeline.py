@@ -4,6 +4,7 @@ llama-server. Real patched and stock binaries, the real model, loopback; openssl
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import struct
@@ -17,7 +18,11 @@ from meshllm.llama.build import Binaries
 from meshllm.llama.processes import Child, free_port, rpc_server_argv, wait_tcp_ready
 from meshllm.llama.rpcwire import CONN_CAPS_SIZE, GGUF_CAPS_MAGIC, HEADER, Cmd, CountingRelay, WireStats
 
-from .splitlab import PROMPT, Split, Worker, start_split, stop_split
+from .meshlab import NodeProc, wait_for
+from .splitlab import PROMPT, Split, Worker, start_split, stock_split_text, stop_split
+from .test_rpc_direct import _rpc_path
+from .test_serve_split import N as SPLIT_N
+from .test_serve_split import _assignments, complete, text_of
 
 N = 48  # tokens per answer
 SPLIT = [6.0, 6.0, 7.0]  # layers of rpc0, rpc1 and the last device (the host's own: the output stays there)
@@ -176,8 +181,6 @@ def test_only_the_key_the_host_gave_from_the_address_it_named_gets_through(
         port, peer = free_port(), free_port()
         peer = peer if peer != port else free_port(avoid=[port])
         env = {"GGML_RPC_PEER_LISTEN": f"127.0.0.1:{peer}"}
-        import os
-
         c = Child.start(name, rpc_server_argv(patched_bins, port, gguf=tiny_model), tmp_path / f"{name}.log",
                         env={**os.environ, **env})  # fmt: skip
         module_children.append(c)
@@ -209,3 +212,38 @@ def test_only_the_key_the_host_gave_from_the_address_it_named_gets_through(
         assert not _s_client(b_peer, "peer-b", key_b)
     text = (tmp_path / "B.log").read_text()
     assert text.count("peer link refused") >= 3 and "Expected HELLO" not in text, text[-3000:]
+
+
+# ------------------------------------------------------------------ in the mesh
+
+
+def test_a_three_node_mesh_sends_activations_worker_to_worker(
+    tmp_path: Path, tiny_model: Path, stock_bins: Binaries
+) -> None:
+    """Two workers reached on the direct path: the host hands llama-server their predecessor listeners, the first
+    worker's hidden state goes straight to the second, and the answer is the stock split's."""
+    a = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.5", "--ctx-size", "1024")
+    nodes = [a]
+    try:
+        wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
+        token = (a.state / "token").read_text().strip()
+        for name in "bd":  # workers with room for some of the layers each
+            nodes.append(NodeProc(tmp_path, name, tiny_model, "--max-vram", "0.07", "--ctx-size", "1024",
+                                  "--join", token))  # fmt: skip
+        wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 3, 180, "a 3-way split")
+        plan = _assignments(a)
+        workers = [str(x["node"]) for x in plan[:2]]
+        paths = [_rpc_path(a, w) for w in workers]
+        assert all(p.startswith("direct 127.0.0.1:") for p in paths), paths
+        out = text_of(complete(a.port, "/v1/completions"))
+        counts = [float(x["count"]) for x in plan]  # type: ignore[arg-type]
+        assert out == stock_split_text(tmp_path, stock_bins, tiny_model, counts, SPLIT_N)
+        first, second = (p.split()[1] for p in paths)
+        said = a.text_of("llama-server.log")
+        assert f"rpc peer link {first} -> {second}: server to server" in said, said[-3000:]
+        logs = {n.state.name: n.text_of("rpc-server.log") for n in nodes[1:]}
+        assert sum("peer link accepted" in t for t in logs.values()) == 1, logs
+        assert sum("connected" in t for t in logs.values()) == 1, logs
+    finally:
+        for n in nodes:
+            n.stop()

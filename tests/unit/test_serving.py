@@ -157,6 +157,10 @@ def test_the_direct_path_is_tried_only_where_it_can_work() -> None:
 def test_an_rpc_key_round_trips_and_anything_else_is_refused() -> None:
     k = s.RpcKey("38b4552d-1-2", bytes(range(32)), 40123)
     assert s.RpcKey.decode(k.encode()) == k
+    k = s.RpcKey("38b4552d-1-2", bytes(range(32)), 40123, peer=40124)  # with a predecessor listener (0011)
+    assert s.RpcKey.decode(k.encode()) == k
+    older = msgpack.packb({"id": "x", "key": bytes(32), "port": 5})  # a worker from before 0011: no listener
+    assert s.RpcKey.decode(older) == s.RpcKey("x", bytes(32), 5, 0)
     bad = [
         b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"id": "x"}),
         msgpack.packb({"id": "a b", "key": bytes(32), "port": 1}),  # a blank would split the key file's line
@@ -165,6 +169,8 @@ def test_an_rpc_key_round_trips_and_anything_else_is_refused() -> None:
         msgpack.packb({"id": "x", "key": bytes(32), "port": True}),
         msgpack.packb({"id": "x\n", "key": bytes(32), "port": 5}),
         msgpack.packb({"id": "x" * 65, "key": bytes(32), "port": 5}),
+        msgpack.packb({"id": "x", "key": bytes(32), "port": 5, "peer": 70000}),
+        msgpack.packb({"id": "x", "key": bytes(32), "port": 5, "peer": "1"}),
     ]  # fmt: skip
     for raw in bad:
         assert s.RpcKey.decode(raw) is None, raw
@@ -231,3 +237,17 @@ def test_the_host_waits_for_a_worker_s_layers_a_bounded_time() -> None:
     assert w.step(frozenset({W2}), 11) == (frozenset(), [], [])
     assert w.step(frozenset({W1}), 12) == ({W1}, [W1], [])  # W1 lacks layers again (a new plan): a new wait
     assert w.step(frozenset(), 13) == (frozenset(), [], []) and w.step(frozenset({W2}), 14) == ({W2}, [W2], [])
+
+
+def test_peer_listeners_only_between_two_neighbours_reached_directly() -> None:
+    a, b, c = (bytes([i]) * 32 for i in (1, 2, 3))
+    direct = {a: "10.0.0.1:5001", b: "10.0.0.2:5001", c: "10.0.0.3:5001"}
+    peer = {a: "10.0.0.1:6001", b: "10.0.0.2:6001", c: "10.0.0.3:6001"}
+    assert s.peer_listeners([a, b, c], direct, peer) == (
+        "10.0.0.1:5001=10.0.0.1:6001", "10.0.0.2:5001=10.0.0.2:6001", "10.0.0.3:5001=10.0.0.3:6001")
+    # b through its tunnel: a and c are no neighbours, so no worker sends to another
+    assert s.peer_listeners([a, b, c], {a: direct[a], c: direct[c]}, peer) == ()
+    # c with no listener (a build without 0011): a -> b still goes worker to worker
+    assert s.peer_listeners([a, b, c], direct, {a: peer[a], b: peer[b]}) == (
+        "10.0.0.1:5001=10.0.0.1:6001", "10.0.0.2:5001=10.0.0.2:6001")
+    assert s.peer_listeners([a], direct, peer) == ()  # one worker: no boundary between two

@@ -101,6 +101,7 @@ AMX_MARKER = b"AMX is not ready to be used!"  # a string compiled into ggml only
 
 
 TLS_MARKER = b"GGML_RPC_TLS_LISTEN"  # the variable patch 0005's rpc-server reads: only TLS builds carry it
+PEER_MARKER = b"GGML_RPC_PEER_LISTEN"  # patch 0011's (worker to worker): builds from before it lack it
 
 
 def _binary_has(binary: Path, marker: bytes) -> bool:
@@ -116,6 +117,11 @@ def speaks_tls(rpc_server: Path) -> bool:
     """Whether this rpc-server can open the direct RPC listener (TLS 1.3 with pre-shared keys; patch 0005). Read
     once per binary (a build's path names its inputs)."""
     return _binary_has(rpc_server, TLS_MARKER)
+
+
+def speaks_peers(rpc_server: Path) -> bool:
+    """Whether this rpc-server can open a listener for its predecessor in a split (worker to worker; patch 0011)."""
+    return _binary_has(rpc_server, PEER_MARKER)
 
 
 def uses_amx(binary: Path, cpu_flags: frozenset[str]) -> bool:

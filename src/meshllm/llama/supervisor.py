@@ -31,6 +31,7 @@ from meshllm.llama.processes import (
     free_port,
     llama_server_argv,
     rpc_server_argv,
+    speaks_peers,
     speaks_tls,
     uses_amx,
     wait_http_ready,
@@ -185,6 +186,7 @@ class ServerConfig:
     draft_max: int = 8
     draft_device: str | None = None  # the host's own accelerator; None: the CPU
     tls_keys: Path | None = None  # the keys of the rpc endpoints reached directly (TLS), one file per generation
+    peers: tuple[str, ...] = ()  # "ENDPOINT=IP:PORT": workers' listeners for their predecessor (patch 0011)
 
 
 class LocalServer(Supervised):
@@ -194,6 +196,8 @@ class LocalServer(Supervised):
         env = {"LLAMA_SERVER_LOAD_PROGRESS": "1"}  # a line per progress step (patch 0007): load_progress()
         if cfg.tls_keys:
             env["GGML_RPC_TLS_CLIENT_KEYS"] = str(cfg.tls_keys)
+        if cfg.peers:  # worker to worker: llama-server links each pair of neighbours with a key it makes
+            env["GGML_RPC_PEERS"] = ",".join(cfg.peers)
         # its loopback port answers nobody without this key (from a 0600 file, never a command line): another user of
         # the machine cannot go around mesh-llm's API (its key, its caps) to llama-server; only /health is open
         self.key = secrets.token_hex(32)
@@ -276,7 +280,9 @@ class RpcServer(Supervised):
     """This node's ggml-rpc-server, loading weights from its own copy of the model. It listens on loopback (for
     tunnels and the host's own use) and, when the build speaks TLS (patch 0005), on ``tls_port`` on every
     interface for the direct path: there only a client holding a key from ``keys_file`` gets past the handshake.
-    It keeps both ports across restarts: the host's llama-server (or its tunnel) points at them."""
+    With that, when the build has patch 0011, on ``peer_port`` on every interface for its predecessor in a split:
+    there only the worker the host's llama-server named, with the key it made, gets through.
+    It keeps its ports across restarts: the host's llama-server (or its tunnel) points at them."""
 
     def __init__(
         self, bins: Binaries, model: Path, log_dir: Path, device: str | None = None, keys_file: Path | None = None,
@@ -289,11 +295,16 @@ class RpcServer(Supervised):
             wait_tcp_ready(child, port, 30.0)
 
         self.tls_port: int | None = None
+        self.peer_port: int | None = None
         env: dict[str, str] = {}
         if keys_file is not None and speaks_tls(bins.rpc_server):
             self.tls_port = tls_port or free_port(ANY_ADDR)
             env = {"GGML_RPC_TLS_LISTEN": f"{ANY_ADDR}:{self.tls_port}", "GGML_RPC_TLS_SERVER_KEYS": str(keys_file)}
-        port = free_port(avoid=[self.tls_port] if self.tls_port else [])  # neither is bound yet: never the same one
+            if speaks_peers(bins.rpc_server):
+                self.peer_port = free_port(ANY_ADDR, avoid=[self.tls_port])
+                env["GGML_RPC_PEER_LISTEN"] = f"{ANY_ADDR}:{self.peer_port}"
+        taken = [p for p in (self.tls_port, self.peer_port) if p]
+        port = free_port(avoid=taken)  # none is bound yet: never the same one twice
         super().__init__(
             "rpc-server", bins.rpc_server, argv, ready, log_dir / "rpc-server.log", fixed_port=port, env=env
         )

@@ -8,8 +8,9 @@ decision out. Nothing here does I/O or reads a clock.
 
 from __future__ import annotations
 
+import itertools
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -297,14 +298,16 @@ def unreachable_workers(log_tail: str, direct: dict[NodeId, str]) -> list[NodeId
 @dataclass(frozen=True)
 class RpcKey:
     """A worker's answer to its elected host's key request: the identity and pre-shared key its rpc-server's TLS
-    listener accepts now (the only ones), and that listener's port."""
+    listener accepts now (the only ones), and that listener's port; ``peer``: the port of its rpc-server's listener
+    for its predecessor in a split (worker to worker, patch 0011), 0 when it has none."""
 
     identity: str
     key: bytes
     port: int
+    peer: int = 0
 
     def encode(self) -> bytes:
-        return msgpack.packb({"id": self.identity, "key": self.key, "port": self.port})
+        return msgpack.packb({"id": self.identity, "key": self.key, "port": self.port, "peer": self.peer})
 
     @classmethod
     def decode(cls, raw: bytes) -> RpcKey | None:
@@ -322,7 +325,24 @@ class RpcKey:
             return None
         if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
             return None
-        return cls(ident, key, port)
+        peer = d.get("peer", 0)  # absent from a worker of before patch 0011
+        if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < 65536:
+            return None
+        return cls(ident, key, port, peer)
+
+
+def peer_listeners(
+    workers: Sequence[NodeId], direct: Mapping[NodeId, str], peer: Mapping[NodeId, str]
+) -> tuple[str, ...]:
+    """What the host's llama-server needs to send a split's activations from one worker straight to the next
+    (``GGML_RPC_PEERS``, patch 0011): "ENDPOINT=IP:PORT" for each of ``workers`` (in the split's order) that it
+    reaches directly (``direct``: worker -> its endpoint) and whose rpc-server listens for a predecessor (``peer``:
+    worker -> "IP:PORT"). Nothing unless two neighbours both qualify: a worker behind a tunnel keeps the star (its
+    address is not one another worker can reach)."""
+    ok = [n in direct and n in peer for n in workers]
+    if not any(a and b for a, b in itertools.pairwise(ok)):
+        return ()
+    return tuple(f"{direct[n]}={peer[n]}" for n, good in zip(workers, ok, strict=True) if good)
 
 
 def keep_first(

@@ -90,6 +90,7 @@ class Hosting:
         self.rpc_path = rpc_path  # "auto" or "tunnel" (--rpc-path)
         self.rpc_port = rpc_port  # our rpc-server's TLS listener port (--rpc-port; None: any free one)
         self.direct: dict[NodeId, str] = {}
+        self.peer_at: dict[NodeId, str] = {}  # worker -> "ip:port" of its rpc-server's predecessor listener (0011)
         self.direct_failed: dict[NodeId, float] = {}  # worker -> monotonic time until which we do not retry
         self._direct_in_cfg: dict[NodeId, str] = {}  # the direct workers of the configuration being started
         self._closing: set[asyncio.Future[None]] = set()  # listeners of workers that are gone, closing
@@ -200,7 +201,8 @@ class Hosting:
         if self.rpc is None or self.rpc.tls_port is None:
             return None
         self._key_seq += 1
-        key = serving.RpcKey(f"{crypto.short(host)}-{os.getpid()}-{self._key_seq}", os.urandom(32), self.rpc.tls_port)
+        key = serving.RpcKey(f"{crypto.short(host)}-{os.getpid()}-{self._key_seq}", os.urandom(32), self.rpc.tls_port,
+                             self.rpc.peer_port or 0)  # fmt: skip
         state.save_rpc_server_key(self.state_dir, key.identity, key.key, ip)
         self._key_holder = host
         log.info("issued RPC key %s to the host %s", key.identity, crypto.short(host))
@@ -259,6 +261,8 @@ class Hosting:
             log.info("no direct RPC path to %s (%s:%d unreachable): tunnel", crypto.short(worker), ip, key.port)
             return
         self.direct[worker] = f"{ip}:{key.port}"
+        if key.peer:
+            self.peer_at[worker] = f"{ip}:{key.peer}"
         log.info("direct RPC path to %s: %s (TLS)", crypto.short(worker), self.direct[worker])
 
     def _direct_broke(self, worker: NodeId, why: str) -> None:
@@ -272,6 +276,7 @@ class Hosting:
         so when it comes back (its rpc-server on a new port, perhaps) the path to it is probed afresh. Its death
         was no fault of the direct path: before, a worker that came back stayed on the tunnel."""
         self.direct.pop(node, None)
+        self.peer_at.pop(node, None)
         self.direct_failed.pop(node, None)
         self._probed_as.pop(node, None)
         lst = self.rpc_listeners.pop(node, None)
@@ -420,6 +425,7 @@ class Hosting:
             return  # on_listeners (or the next change) reconfigures
         want: ServerConfig | None = None
         direct: dict[NodeId, str] = {}  # workers reached directly (not through their tunnel)
+        peers: tuple[str, ...] = ()
         if w is not None:
             assert self.model is not None
             rpc: tuple[str, ...] = ()
@@ -429,6 +435,7 @@ class Hosting:
                 # our rpc-server on a CPU host, in-process on a GPU host (llama.cpp lists RPC devices first)
                 rpc = tuple(self.direct.get(n) or f"127.0.0.1:{self.rpc_listeners[n].port}" for n in w.workers)
                 direct = {n: self.direct[n] for n in w.workers if n in self.direct}
+                peers = serving.peer_listeners(w.workers, direct, self.peer_at)
                 if w.own_rpc:
                     assert self.rpc is not None
                     rpc += (f"127.0.0.1:{self.rpc.port}",)
@@ -439,7 +446,7 @@ class Hosting:
                 threads=default_threads(), rpc=rpc, tensor_split=w.tensor_split if isinstance(w, serving.Split) else (),
                 extra=extra, draft=self.model.draft, draft_max=self.draft_max,
                 draft_device=first_device(self.device),
-                tls_keys=state.rpc_client_keys(self.state_dir) if direct else None,
+                tls_keys=state.rpc_client_keys(self.state_dir) if direct else None, peers=peers,
             )  # fmt: skip
         if want == self.server_cfg:
             return
