@@ -6,11 +6,14 @@ On a GPU machine with no network (the lent device), after ``benchmarks/gpu_pack.
     python3 benchmarks/gpu_split.py --carry gpuc --load [--parallel 8] [--slot-ctx 9216] [--clients 1,4,8,16]
     python3 benchmarks/gpu_split.py --carry gpuc --replicas [--parallel 16] [--slot-ctx 2048] [--clients 16]
     python3 benchmarks/gpu_split.py --carry gpuc --start [--runs 3]
+    python3 benchmarks/gpu_split.py --carry gpuc --pipeline [--nodes 2,3,4] [--runs 3]
 
 (--prepare builds and makes the model only, so a second call on the still-warm machine has the whole 10 minutes.)
 --load is [team]'s table: many clients at once and long prompts, every setup with the same slots and context.
 --replicas is [fleet]'s: many clients on one model served by one GPU node and by two (the second a replica).
 --start is [pipeline] 4's: a 2-node split's start → ready next to stock's own load of the same split.
+--pipeline is [pipeline] 5's: N nodes × 1 GPU (N = --nodes), the mesh, worker to worker and the stock star with the
+same split, and llama.cpp in one process on N GPUs: one stream's decode, 4 clients at once, a 2,400-token prefill.
 
 It installs the carried wheels (into WORK/site), builds the patched binaries with mesh-llm's own build (CUDA,
 self-tested) from the carried source, builds llama-quantize in the same tree, writes a random-weight F16 GGUF of the
@@ -177,6 +180,60 @@ def start(run_mesh: Any, server: Any, rpc_server: Any, args: argparse.Namespace)
     print(f"\nmesh ÷ stock: {m / k:.2f} (goal ≤ 2)")
 
 
+def pipeline(run_mesh: Any, server: Any, rpc_server: Any, free_port: Any, args: argparse.Namespace) -> None:
+    """[pipeline] 5: for N in --nodes, N nodes × 1 GPU (GPU 0 the host) with one even split (--tensor-split, workers
+    first): the mesh (its default path: direct TLS, worker to worker where both neighbours are direct); the same
+    devices without the mesh, host GPU in-process + N-1 rpc-servers over loopback TCP, worker to worker (GGML_RPC_PEERS)
+    and the star (stock ggml-rpc's: every boundary through llama-server); llama.cpp in one process on N GPUs. Each:
+    one stream's decode (--tokens greedy tokens), 4 clients at once (aggregate), a 2,400-token prompt's prefill; the
+    median of --runs, every server with 4 slots of 3,072 tokens."""
+    parallel, ctx = 4, 3072
+
+    def measure(base: str, path: str) -> dict[str, float]:
+        one(base, path, ids(32, 1), 8)  # warm-up
+        return {"dec": tps(base, path, args.tokens, args.runs),
+                "c4": concurrent(base, path, 4, args.tokens, args.runs, seed=11)[0],
+                "pre": prefill(base, path, 2400, args.runs, seed=7)}  # fmt: skip
+
+    table: list[tuple[int, str, dict[str, float]]] = []
+    for n in [int(x) for x in args.nodes.split(",")]:
+        gpus = [str(i) for i in range(n)]
+        layers = [32 // n + (1 if i < 32 % n else 0) for i in range(n)]
+        split = [float(x) for x in layers]
+        split[-1] += 1  # the host's entry counts the output layer
+        mesh_args = ("--parallel", str(parallel), "--ctx-size", str(ctx), "--tensor-split", ",".join(map(str, layers)))
+        got, st = run_mesh(f"pipe{n}", "auto", [(g, None) for g in gpus], mesh_args, measure)
+        via = "; ".join(x["rpc_path"] for x in st["peers"] if x.get("rpc_path"))  # type: ignore[attr-defined]
+        counts = [a["count"] for a in st["plan"]["assignments"]]  # type: ignore[index]
+        print(f"N={n}: mesh plan {counts} ({via})", flush=True)
+        table.append((n, f"mesh-llm, {len(counts)} nodes", got))
+        peers: list[int] = []
+        for _ in gpus[1:]:
+            peers.append(free_port(avoid=peers))
+        workers = [rpc_server(f"pipe{n}-w{g}", g, peer=p) for g, p in zip(gpus[1:], peers, strict=True)]
+        try:
+            eps = [ep for _, ep in workers]
+            env_ = {"GGML_RPC_PEERS": ",".join(f"{ep}=127.0.0.1:{p}" for ep, p in zip(eps, peers, strict=True))}
+            table.append((n, "worker to worker: host GPU + RPC workers",
+                          server(f"pipe{n}-ring", "0", eps, split, (), measure, ctx, parallel, env_)))  # fmt: skip
+            table.append((n, "stock star: host GPU + RPC workers",
+                          server(f"pipe{n}-star", "0", eps, split, (), measure, ctx, parallel)))  # fmt: skip
+        finally:
+            for c, _ in workers:
+                c.stop()
+        table.append((n, f"llama.cpp in one process, {n} GPUs",
+                      server(f"pipe{n}-inproc", ",".join(gpus), [], split, ("-sm", "layer"), measure, ctx, parallel)))
+    print(f"\n# {args.tokens} greedy tokens (one stream; 4 clients at once: aggregate), a 2,400-token prefill; "
+          f"median of {args.runs}; {parallel} slots × {ctx} tokens; the same even layer split per N")
+    print("| N | setup | decode tok/s | ÷ in-process | ÷ star | 4 clients tok/s | ÷ in-process | prefill tok/s | "
+          "÷ in-process |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for n, name, r in table:
+        base = next(v for m, k, v in table if m == n and k.startswith("llama.cpp in one process"))
+        star = next(v for m, k, v in table if m == n and k.startswith("stock star"))
+        print(f"| {n} | {name} | {r['dec']:.1f} | {r['dec'] / base['dec']:.2f} | {r['dec'] / star['dec']:.2f} | "
+              f"{r['c4']:.1f} | {r['c4'] / base['c4']:.2f} | {r['pre']:.0f} | {r['pre'] / base['pre']:.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--carry", type=Path, default=ROOT / "gpuc")
@@ -216,6 +273,10 @@ def main() -> None:
     ap.add_argument("--start", action="store_true",
                     help="instead: a 2-node split's start → ready (the second node's start → the host says ready), "
                          "next to stock's load of the same split (llama-server --rpc: start → /health 200)")
+    ap.add_argument("--pipeline", action="store_true",
+                    help="instead: N nodes × 1 GPU for each N of --nodes: the mesh, worker to worker (patch 0011) and "
+                         "the stock star with the same even split, llama.cpp in one process on N GPUs")
+    ap.add_argument("--nodes", default="2,3,4", help="--pipeline: node counts, comma-separated")
     ap.add_argument("--prepare", action="store_true", help="only build the binaries and make the model, then stop")
     args = ap.parse_args()
     work: Path = args.work
@@ -299,19 +360,23 @@ def main() -> None:
         return v, counts, path
 
     def server(name: str, dev: str, rpc: list[str], tensor_split: list[float], extra: tuple[str, ...] = (),
-               measure: Any = None, ctx: int = 2048, parallel: int = 1) -> Any:  # fmt: skip
+               measure: Any = None, ctx: int = 2048, parallel: int = 1,
+               env_: dict[str, str] | None = None) -> Any:  # fmt: skip
         port = free_port()
         argv = llama_server_argv(bins, model, port, ctx_size=ctx, parallel=parallel, rpc=rpc, n_gpu_layers=999,
                                  tensor_split=tensor_split, extra=("--fit", "off", *extra))  # fmt: skip
-        with Child.start(name, argv, logs / f"{name}.log", env=gpu(dev)) as c:
+        with Child.start(name, argv, logs / f"{name}.log", env={**gpu(dev), **(env_ or {})}) as c:
             wait_http_ready(c, f"http://127.0.0.1:{port}/health", 600)
             if measure is not None:
                 return measure(f"http://127.0.0.1:{port}", "/v1/completions")
             return tps(f"http://127.0.0.1:{port}", "/completion", args.tokens, args.runs)
 
-    def rpc_server(name: str, dev: str, device: str | None = None) -> tuple[Child, str]:
-        port = free_port()
-        c = Child.start(name, rpc_server_argv(bins, port, device=device), logs / f"{name}.log", env=gpu(dev))
+    def rpc_server(name: str, dev: str, device: str | None = None, peer: int = 0) -> tuple[Child, str]:
+        """``peer``: its listener for a predecessor (patch 0011) on that port."""
+        port = free_port(avoid=[peer])
+        env_ = {"GGML_RPC_PEER_LISTEN": f"127.0.0.1:{peer}"} if peer else {}
+        argv = rpc_server_argv(bins, port, device=device)
+        c = Child.start(name, argv, logs / f"{name}.log", env={**gpu(dev), **env_})
         wait_tcp_ready(c, port, 60)
         return c, f"127.0.0.1:{port}"
 
@@ -329,6 +394,9 @@ def main() -> None:
         return
     if args.start:
         start(run_mesh, server, rpc_server, args)
+        return
+    if args.pipeline:
+        pipeline(run_mesh, server, rpc_server, free_port, args)
         return
     if args.multi:
         multi(run_mesh, server, rpc_server, args.tokens, args.runs)
