@@ -188,6 +188,7 @@ def pipeline(run_mesh: Any, server: Any, rpc_server: Any, free_port: Any, args: 
     one stream's decode (--tokens greedy tokens), 4 clients at once (aggregate), a 2,400-token prompt's prefill; the
     median of --runs, every server with 4 slots of 3,072 tokens."""
     parallel, ctx = 4, 3072
+    n_gpus = len(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip().splitlines())
 
     def measure(base: str, path: str) -> dict[str, float]:
         one(base, path, ids(32, 1), 8)  # warm-up
@@ -197,7 +198,8 @@ def pipeline(run_mesh: Any, server: Any, rpc_server: Any, free_port: Any, args: 
 
     table: list[tuple[int, str, dict[str, float]]] = []
     for n in [int(x) for x in args.nodes.split(",")]:
-        gpus = [str(i) for i in range(n)]
+        # node i on GPU i; with fewer GPUs than nodes they take turns (one stream's decode uses one stage at a time)
+        gpus = [str(i % n_gpus) for i in range(n)]
         layers = [32 // n + (1 if i < 32 % n else 0) for i in range(n)]
         split = [float(x) for x in layers]
         split[-1] += 1  # the host's entry counts the output layer
@@ -206,7 +208,7 @@ def pipeline(run_mesh: Any, server: Any, rpc_server: Any, free_port: Any, args: 
         via = "; ".join(x["rpc_path"] for x in st["peers"] if x.get("rpc_path"))  # type: ignore[attr-defined]
         counts = [a["count"] for a in st["plan"]["assignments"]]  # type: ignore[index]
         print(f"N={n}: mesh plan {counts} ({via})", flush=True)
-        table.append((n, f"mesh-llm, {len(counts)} nodes", got))
+        table.append((n, f"mesh-llm, {len(counts)} nodes on GPUs {','.join(gpus)}", got))
         peers: list[int] = []
         for _ in gpus[1:]:
             peers.append(free_port(avoid=peers))
@@ -221,8 +223,10 @@ def pipeline(run_mesh: Any, server: Any, rpc_server: Any, free_port: Any, args: 
         finally:
             for c, _ in workers:
                 c.stop()
-        table.append((n, f"llama.cpp in one process, {n} GPUs",
-                      server(f"pipe{n}-inproc", ",".join(gpus), [], split, ("-sm", "layer"), measure, ctx, parallel)))
+        used = sorted(set(gpus), key=int)
+        per_gpu = [sum(x for g, x in zip(gpus, split, strict=True) if g == u) for u in used]
+        table.append((n, f"llama.cpp in one process, {len(used)} GPUs",
+                      server(f"pipe{n}-inproc", ",".join(used), [], per_gpu, ("-sm", "layer"), measure, ctx, parallel)))
     print(f"\n# {args.tokens} greedy tokens (one stream; 4 clients at once: aggregate), a 2,400-token prefill; "
           f"median of {args.runs}; {parallel} slots × {ctx} tokens; the same even layer split per N")
     print("| N | setup | decode tok/s | ÷ in-process | ÷ star | 4 clients tok/s | ÷ in-process | prefill tok/s | "
