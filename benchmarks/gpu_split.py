@@ -212,7 +212,7 @@ def pipeline(run_mesh: Any, server: Any, rpc_server: Any, free_port: Any, args: 
         peers: list[int] = []
         for _ in gpus[1:]:
             peers.append(free_port(avoid=peers))
-        workers = [rpc_server(f"pipe{n}-w{g}", g, peer=p) for g, p in zip(gpus[1:], peers, strict=True)]
+        workers = [rpc_server(f"pipe{n}-w{i}", g, peer=p) for i, (g, p) in enumerate(zip(gpus[1:], peers, strict=True))]
         try:
             eps = [ep for _, ep in workers]
             env_ = {"GGML_RPC_PEERS": ",".join(f"{ep}=127.0.0.1:{p}" for ep, p in zip(eps, peers, strict=True))}
