@@ -281,6 +281,10 @@ def main() -> None:
                     help="instead: N nodes × 1 GPU for each N of --nodes: the mesh, worker to worker (patch 0011) and "
                          "the stock star with the same even split, llama.cpp in one process on N GPUs")
     ap.add_argument("--nodes", default="2,3,4", help="--pipeline: node counts, comma-separated")
+    ap.add_argument("--lo-delay-us", type=int, default=0,
+                    help="--pipeline (root): netem on loopback, this delay each way and 1 Gbit/s, so every link "
+                         "between two processes (host-worker, worker-worker) has 2x this RTT, as on a LAN; removed at "
+                         "the end")
     ap.add_argument("--prepare", action="store_true", help="only build the binaries and make the model, then stop")
     args = ap.parse_args()
     work: Path = args.work
@@ -400,7 +404,15 @@ def main() -> None:
         start(run_mesh, server, rpc_server, args)
         return
     if args.pipeline:
-        pipeline(run_mesh, server, rpc_server, free_port, args)
+        if args.lo_delay_us:
+            subprocess.run(["tc", "qdisc", "replace", "dev", "lo", "root", "netem", "delay", f"{args.lo_delay_us}us",
+                            "rate", "1gbit", "limit", "100000"], check=True)  # fmt: skip
+            print(f"loopback: netem delay {args.lo_delay_us} us each way, rate 1 Gbit/s")
+        try:
+            pipeline(run_mesh, server, rpc_server, free_port, args)
+        finally:
+            if args.lo_delay_us:
+                subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], check=False)
         return
     if args.multi:
         multi(run_mesh, server, rpc_server, args.tokens, args.runs)
