@@ -404,15 +404,18 @@ def main() -> None:
         start(run_mesh, server, rpc_server, args)
         return
     if args.pipeline:
+        carried = args.carry.resolve() / "tc"  # gpu_pack.sh: iproute2's tc and its libraries, for a device without
+        tc = [shutil.which("tc") or str(carried / "tc")]
+        tc_env = {**os.environ, "LD_LIBRARY_PATH": str(carried)}
         if args.lo_delay_us:
-            subprocess.run(["tc", "qdisc", "replace", "dev", "lo", "root", "netem", "delay", f"{args.lo_delay_us}us",
-                            "rate", "1gbit", "limit", "100000"], check=True)  # fmt: skip
+            subprocess.run([*tc, "qdisc", "replace", "dev", "lo", "root", "netem", "delay", f"{args.lo_delay_us}us",
+                            "rate", "1gbit", "limit", "100000"], check=True, env=tc_env)  # fmt: skip
             print(f"loopback: netem delay {args.lo_delay_us} us each way, rate 1 Gbit/s")
         try:
             pipeline(run_mesh, server, rpc_server, free_port, args)
         finally:
             if args.lo_delay_us:
-                subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], check=False)
+                subprocess.run([*tc, "qdisc", "del", "dev", "lo", "root"], check=False, env=tc_env)
         return
     if args.multi:
         multi(run_mesh, server, rpc_server, args.tokens, args.runs)
