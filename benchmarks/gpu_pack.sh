@@ -22,10 +22,6 @@ mkdir -p "$dir/openssl/include" "$dir/openssl/lib"
 cp -r /usr/include/openssl "$dir/openssl/include/"
 cp /usr/include/"$(gcc -dumpmachine)"/openssl/*.h "$dir/openssl/include/openssl/" 2>/dev/null || true
 cp -L /usr/lib/"$(gcc -dumpmachine)"/libssl.so "/usr/lib/$(gcc -dumpmachine)/libcrypto.so" "$dir/openssl/lib/"
-# iproute2's tc and the libraries it links (gpu_split.py --pipeline --lo-delay-us, on a device without tc)
-mkdir -p "$dir/tc"
-cp "$(command -v tc)" "$dir/tc/"
-ldd "$(command -v tc)" | awk '$3 ~ /^\// && $1 !~ /^(libc|libm)\.so/ {print $3}' | xargs -I{} cp -L {} "$dir/tc/"
 tar -cJf "$dir/llama-src.tar.xz" -C "$(dirname "$src")" \
   --exclude="$(basename "$src")/docs" --exclude="$(basename "$src")/media" --exclude="$(basename "$src")/models" \
   --exclude="$(basename "$src")/.github" --exclude="$(basename "$src")/benches" \

@@ -49,6 +49,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from delayrelay import DelayRelay  # benchmarks/delayrelay.py: a LAN's RTT on loopback
 from loadgen import concurrent, ids, one, pct, prefill  # benchmarks/loadgen.py: the clients
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,17 +205,23 @@ def pipeline(run_mesh: Any, server: Any, rpc_server: Any, free_port: Any, args: 
         split = [float(x) for x in layers]
         split[-1] += 1  # the host's entry counts the output layer
         mesh_args = ("--parallel", str(parallel), "--ctx-size", str(ctx), "--tensor-split", ",".join(map(str, layers)))
-        got, st = run_mesh(f"pipe{n}", "auto", [(g, None) for g in gpus], mesh_args, measure)
-        via = "; ".join(x["rpc_path"] for x in st["peers"] if x.get("rpc_path"))  # type: ignore[attr-defined]
-        counts = [a["count"] for a in st["plan"]["assignments"]]  # type: ignore[index]
-        print(f"N={n}: mesh plan {counts} ({via})", flush=True)
-        table.append((n, f"mesh-llm, {len(counts)} nodes on GPUs {','.join(gpus)}", got))
+        if not args.rtt_ms:
+            got, st = run_mesh(f"pipe{n}", "auto", [(g, None) for g in gpus], mesh_args, measure)
+            via = "; ".join(x["rpc_path"] for x in st["peers"] if x.get("rpc_path"))  # type: ignore[attr-defined]
+            counts = [a["count"] for a in st["plan"]["assignments"]]  # type: ignore[index]
+            print(f"N={n}: mesh plan {counts} ({via})", flush=True)
+            table.append((n, f"mesh-llm, {len(counts)} nodes on GPUs {','.join(gpus)}", got))
         peers: list[int] = []
         for _ in gpus[1:]:
             peers.append(free_port(avoid=peers))
         workers = [rpc_server(f"pipe{n}-w{i}", g, peer=p) for i, (g, p) in enumerate(zip(gpus[1:], peers, strict=True))]
         try:
             eps = [ep for _, ep in workers]
+            if args.rtt_ms:  # every link through a relay that delays it
+                relays = [DelayRelay(int(ep.rsplit(":", 1)[1]), args.rtt_ms / 2000) for ep in eps]
+                relays += [DelayRelay(p, args.rtt_ms / 2000) for p in peers]
+                eps = [f"127.0.0.1:{r.port}" for r in relays[: len(eps)]]
+                peers = [r.port for r in relays[len(eps) :]]
             env_ = {"GGML_RPC_PEERS": ",".join(f"{ep}=127.0.0.1:{p}" for ep, p in zip(eps, peers, strict=True))}
             table.append((n, "worker to worker: host GPU + RPC workers",
                           server(f"pipe{n}-ring", "0", eps, split, (), measure, ctx, parallel, env_)))  # fmt: skip
@@ -228,7 +235,8 @@ def pipeline(run_mesh: Any, server: Any, rpc_server: Any, free_port: Any, args: 
         table.append((n, f"llama.cpp in one process, {len(used)} GPUs",
                       server(f"pipe{n}-inproc", ",".join(used), [], per_gpu, ("-sm", "layer"), measure, ctx, parallel)))
     print(f"\n# {args.tokens} greedy tokens (one stream; 4 clients at once: aggregate), a 2,400-token prefill; "
-          f"median of {args.runs}; {parallel} slots × {ctx} tokens; the same even layer split per N")
+          f"median of {args.runs}; {parallel} slots × {ctx} tokens; the same even layer split per N"
+          + (f"; every RPC link {args.rtt_ms} ms RTT (delay relays)" if args.rtt_ms else ""))
     print("| N | setup | decode tok/s | ÷ in-process | ÷ star | 4 clients tok/s | ÷ in-process | prefill tok/s | "
           "÷ in-process |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for n, name, r in table:
@@ -281,10 +289,10 @@ def main() -> None:
                     help="instead: N nodes × 1 GPU for each N of --nodes: the mesh, worker to worker (patch 0011) and "
                          "the stock star with the same even split, llama.cpp in one process on N GPUs")
     ap.add_argument("--nodes", default="2,3,4", help="--pipeline: node counts, comma-separated")
-    ap.add_argument("--lo-delay-us", type=int, default=0,
-                    help="--pipeline (root): netem on loopback, this delay each way and 1 Gbit/s, so every link "
-                         "between two processes (host-worker, worker-worker) has 2x this RTT, as on a LAN; removed at "
-                         "the end")
+    ap.add_argument("--rtt-ms", type=float, default=0.0,
+                    help="--pipeline: every link between two processes (llama-server to a worker, worker to worker) "
+                         "through a relay that delays each way by half this (benchmarks/delayrelay.py), as on a LAN; "
+                         "the mesh row is left out (its links are its own)")
     ap.add_argument("--prepare", action="store_true", help="only build the binaries and make the model, then stop")
     args = ap.parse_args()
     work: Path = args.work
@@ -404,18 +412,7 @@ def main() -> None:
         start(run_mesh, server, rpc_server, args)
         return
     if args.pipeline:
-        carried = args.carry.resolve() / "tc"  # gpu_pack.sh: iproute2's tc and its libraries, for a device without
-        tc = [shutil.which("tc") or str(carried / "tc")]
-        tc_env = {**os.environ, "LD_LIBRARY_PATH": str(carried)}
-        if args.lo_delay_us:
-            subprocess.run([*tc, "qdisc", "replace", "dev", "lo", "root", "netem", "delay", f"{args.lo_delay_us}us",
-                            "rate", "1gbit", "limit", "100000"], check=True, env=tc_env)  # fmt: skip
-            print(f"loopback: netem delay {args.lo_delay_us} us each way, rate 1 Gbit/s")
-        try:
-            pipeline(run_mesh, server, rpc_server, free_port, args)
-        finally:
-            if args.lo_delay_us:
-                subprocess.run([*tc, "qdisc", "del", "dev", "lo", "root"], check=False, env=tc_env)
+        pipeline(run_mesh, server, rpc_server, free_port, args)
         return
     if args.multi:
         multi(run_mesh, server, rpc_server, args.tokens, args.runs)
