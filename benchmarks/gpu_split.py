@@ -246,6 +246,52 @@ def pipeline(run_mesh: Any, server: Any, rpc_server: Any, free_port: Any, args: 
               f"{r['c4']:.1f} | {r['c4'] / base['c4']:.2f} | {r['pre']:.0f} | {r['pre'] / base['pre']:.2f} |")
 
 
+def bytes_per_token(server: Any, rpc_server: Any, free_port: Any, args: argparse.Namespace) -> None:
+    """[pipeline] goal 3: what crosses llama-server's connections to two RPC workers per generated token (the host's
+    GPU in-process holds the last layers and the output), the star and worker to worker, counted by a relay in front
+    of each worker; worker to worker's link goes around the relays (that is its point). Same greedy text both ways."""
+    from meshllm.llama.rpcwire import CountingRelay
+
+    split = [11.0, 11.0, 11.0]  # workers first; the host's entry counts the output layer
+    peers: list[int] = []
+    for _ in range(2):
+        peers.append(free_port(avoid=peers))
+    n_gpus = len(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip().splitlines())
+    workers = [rpc_server(f"bytes-w{i}", str((i + 1) % n_gpus), peer=p) for i, p in enumerate(peers)]
+    relays = [CountingRelay(int(ep.rsplit(":", 1)[1])) for _, ep in workers]
+    eps = [f"127.0.0.1:{r.port}" for r in relays]
+    rows = []
+    ring = {"GGML_RPC_PEERS": ",".join(f"{e}=127.0.0.1:{p}" for e, p in zip(eps, peers, strict=True))}
+    try:
+        for name, env_ in (("stock star", {}), ("worker to worker", ring)):
+
+            def measure(base: str, path: str) -> tuple[float, float, str]:
+                tps(base, path, 8, 1)  # warm-up
+                before = [r.snapshot() for r in relays]
+                body = {"prompt": PROMPT, "n_predict": args.tokens, "temperature": 0, "cache_prompt": False,
+                        "ignore_eos": True}  # fmt: skip
+                req = urllib.request.Request(base + "/completion", json.dumps(body).encode(),
+                                             {"Content-Type": "application/json"})  # fmt: skip
+                with urllib.request.urlopen(req, timeout=600) as r:
+                    text = json.loads(r.read())["content"]
+                d = [r.snapshot().minus(b) for r, b in zip(relays, before, strict=True)]
+                up = sum(x.bytes_up for x in d) / args.tokens
+                return up, sum(x.bytes_down for x in d) / args.tokens, text
+
+            rows.append((name, server(f"bytes-{name.split()[-1]}", "0", eps, split, (), measure, env_=env_)))
+    finally:
+        for r in relays:
+            r.close()
+        for c, _ in workers:
+            c.stop()
+    star = rows[0][1]
+    print(f"\n# bytes through llama-server per generated token, 2 RPC workers (11 + 11 layers) + the host GPU (10 + "
+          f"output), {args.tokens} greedy tokens; same text both ways: {rows[0][1][2] == rows[1][1][2]}")
+    print("| setup | to the workers B/token | back B/token | total | ÷ star |\n|---|---:|---:|---:|---:|")
+    for name, (up, down, _) in rows:
+        print(f"| {name} | {up:.0f} | {down:.0f} | {up + down:.0f} | {(up + down) / (star[0] + star[1]):.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--carry", type=Path, default=ROOT / "gpuc")
@@ -289,6 +335,9 @@ def main() -> None:
                     help="instead: N nodes × 1 GPU for each N of --nodes: the mesh, worker to worker (patch 0011) and "
                          "the stock star with the same even split, llama.cpp in one process on N GPUs")
     ap.add_argument("--nodes", default="2,3,4", help="--pipeline: node counts, comma-separated")
+    ap.add_argument("--bytes", action="store_true",
+                    help="instead: bytes through llama-server per token with 2 RPC workers, the star and worker to "
+                         "worker, counted by relays in front of the workers (meshllm.llama.rpcwire.CountingRelay)")
     ap.add_argument("--rtt-ms", type=float, default=0.0,
                     help="--pipeline: every link between two processes (llama-server to a worker, worker to worker) "
                          "through a relay that delays each way by half this (benchmarks/delayrelay.py), as on a LAN; "
@@ -413,6 +462,9 @@ def main() -> None:
         return
     if args.pipeline:
         pipeline(run_mesh, server, rpc_server, free_port, args)
+        return
+    if args.bytes:
+        bytes_per_token(server, rpc_server, free_port, args)
         return
     if args.multi:
         multi(run_mesh, server, rpc_server, args.tokens, args.runs)
