@@ -359,3 +359,50 @@ def test_a_mesh_found_on_the_lan_is_joined_only_with_approval(lab: Lab, tmp_path
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_a_split_over_three_lan_machines_sends_activations_worker_to_worker(
+    lab: Lab, tmp_path: Path, tiny_model: Path
+) -> None:
+    """[pipeline] 2 with real addresses: host A (homeA, 192.168.1.2) and workers B (homeA2, .3) and C (natA, .1) on
+    one LAN. A's llama-server links its two workers; the second takes the key only from the first's address. A, a
+    member that is not that worker, is refused at the second's peer listener even with TLS 1.3 and a key of its
+    own; the split answers throughout."""
+    lab.up("cone", "cone", True)
+    nodes: list[Node] = []
+    try:
+        a = Node(lab, "homeA", tmp_path, "a", "--model", str(tiny_model), "--max-vram", "0.5", "--ctx-size", "1024")
+        nodes.append(a)
+        wait(lambda: (a.state / "token").exists(), 30, "A's token", nodes)
+        token = (a.state / "token").read_text().strip()
+        for where, name in (("homeA2", "b"), ("natA", "c")):
+            nodes.append(Node(lab, where, tmp_path, name, "--model", str(tiny_model), "--max-vram", "0.07",
+                              "--ctx-size", "1024", "--join", token))  # fmt: skip
+        wait(lambda: "ready:" in a.log.read_text() and len(a.status().get("plan", {}).get("assignments", [])) == 3,  # type: ignore[attr-defined]
+             180, "a 3-way split", nodes)  # fmt: skip
+        assert _complete(lab, "homeA", PROMPT).strip()
+        said = (a.state / "llama-server.log").read_text()
+        assert ": server to server" in said, said[-3000:]
+        logs = {n.name: (n.state / "rpc-server.log").read_text() for n in nodes[1:]}
+        second = next(n for n in nodes[1:] if "the host allows a predecessor at" in logs[n.name])
+        first = next(n for n in nodes[1:] if n is not second)
+        first_ip = {"b": "192.168.1.3", "c": "192.168.1.1"}[first.name]
+        second_ip = {"b": "192.168.1.3", "c": "192.168.1.1"}[second.name]
+        assert f"the host allows a predecessor at {first_ip}" in logs[second.name]
+        assert f"peer link to {second_ip}:" in logs[first.name] and "connected" in logs[first.name]
+        port = next(line.split(":")[-1].split()[0] for line in logs[second.name].splitlines()
+                    if "peer endpoint" in line)  # fmt: skip
+        # A (a member, the host even) at the second worker's peer listener: refused before any handshake
+        tried = subprocess.run(
+            lab.exec_argv("homeA", ["openssl", "s_client", "-connect", f"{second_ip}:{port}", "-tls1_3",
+                                    "-ciphersuites", "TLS_AES_128_GCM_SHA256", "-psk_identity", "peer-x",
+                                    "-psk", "11" * 32]),
+            input=b"", capture_output=True, timeout=30,
+        )  # fmt: skip
+        assert b"Cipher is TLS_AES_128_GCM_SHA256" not in tried.stdout, tried.stdout[-2000:]
+        wait(lambda: "peer link refused: no key for its address 192.168.1.2"
+             in (second.state / "rpc-server.log").read_text(), 10, "the refusal", nodes)  # fmt: skip
+        assert _complete(lab, "homeA", PROMPT).strip()
+    finally:
+        for n in nodes:
+            n.stop()
