@@ -241,6 +241,9 @@ def test_a_three_node_mesh_sends_activations_worker_to_worker(
         first, second = (p.split()[1] for p in paths)
         said = a.text_of("llama-server.log")
         assert f"rpc peer link {first} -> {second}: server to server" in said, said[-3000:]
+        # mesh-llm status says so for the first worker, and only for it
+        wait_for(lambda: "straight to the next worker" in _rpc_path(a, workers[0]), 10, "the status to say so")
+        assert "straight" not in _rpc_path(a, workers[1])
         logs = {n.state.name: n.text_of("rpc-server.log") for n in nodes[1:]}
         assert sum("peer link accepted" in t for t in logs.values()) == 1, logs
         assert sum("connected" in t for t in logs.values()) == 1, logs

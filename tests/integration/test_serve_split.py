@@ -211,11 +211,13 @@ def test_children_listen_on_loopback_and_go_with_sigterm(mesh: dict[str, NodePro
     for n in (mesh["a"], mesh["b"], mesh["d"]):
         for p in children(n.proc):
             kids.append(p)
-            # the one exception: a worker's rpc-server's TLS listener (the direct path), where nothing gets past
-            # the handshake without the key (tests/integration/test_rpc_direct.py)
-            tls = p.environ().get("GGML_RPC_TLS_LISTEN", "") if p.name() == "ggml-rpc-server" else ""
+            # the exceptions: a worker's rpc-server's TLS listener (the direct path) and its listener for its
+            # predecessor (worker to worker), where nothing gets past the handshake without the key the host (its
+            # llama-server) gave (tests/integration/test_rpc_direct.py, test_pipeline.py)
+            env = p.environ() if p.name() == "ggml-rpc-server" else {}
+            tls = {env.get("GGML_RPC_TLS_LISTEN", ""), env.get("GGML_RPC_PEER_LISTEN", "")}
             for conn in p.net_connections(kind="tcp"):
-                if conn.status == psutil.CONN_LISTEN and f"{conn.laddr.ip}:{conn.laddr.port}" != tls:
+                if conn.status == psutil.CONN_LISTEN and f"{conn.laddr.ip}:{conn.laddr.port}" not in tls:
                     assert conn.laddr.ip == "127.0.0.1", (p.name(), conn.laddr)
     assert {p.name() for p in kids} >= {"llama-server", "ggml-rpc-server"}
     for n in mesh.values():

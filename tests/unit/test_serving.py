@@ -251,3 +251,12 @@ def test_peer_listeners_only_between_two_neighbours_reached_directly() -> None:
     assert s.peer_listeners([a, b, c], direct, {a: peer[a], b: peer[b]}) == (
         "10.0.0.1:5001=10.0.0.1:6001", "10.0.0.2:5001=10.0.0.2:6001")
     assert s.peer_listeners([a], direct, peer) == ()  # one worker: no boundary between two
+
+
+def test_peer_links_are_read_from_llama_servers_log() -> None:
+    log = ("load_tensors: ...\n"
+           "rpc peer link 10.0.0.2:5001 -> 10.0.0.3:5001: server to server\n"
+           "rpc peer link 10.0.0.3:5001 -> 10.0.0.4:5001: through this process (no link between them)\n"
+           "srv  llama_server: model loaded\n")  # fmt: skip
+    assert s.peer_links(log) == {"10.0.0.2:5001"}
+    assert s.peer_links("") == frozenset()

@@ -331,6 +331,13 @@ class RpcKey:
         return cls(ident, key, port, peer)
 
 
+def peer_links(log: str) -> frozenset[str]:
+    """The rpc endpoints whose hidden state a llama-server sends straight to the next worker, from its log (patch
+    0011 says "rpc peer link A -> B: server to server" once per pair, or "through this process" when the pair has no
+    link)."""
+    return frozenset(m.group(1) for m in re.finditer(r"(?m)^rpc peer link (\S+) -> \S+: server to server$", log))
+
+
 def peer_listeners(
     workers: Sequence[NodeId], direct: Mapping[NodeId, str], peer: Mapping[NodeId, str]
 ) -> tuple[str, ...]:

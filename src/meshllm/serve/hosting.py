@@ -91,6 +91,8 @@ class Hosting:
         self.rpc_port = rpc_port  # our rpc-server's TLS listener port (--rpc-port; None: any free one)
         self.direct: dict[NodeId, str] = {}
         self.peer_at: dict[NodeId, str] = {}  # worker -> "ip:port" of its rpc-server's predecessor listener (0011)
+        self._links_of: LocalServer | None = None  # the llama-server whose peer links ``_links`` are
+        self._links: frozenset[str] = frozenset()
         self.direct_failed: dict[NodeId, float] = {}  # worker -> monotonic time until which we do not retry
         self._direct_in_cfg: dict[NodeId, str] = {}  # the direct workers of the configuration being started
         self._closing: set[asyncio.Future[None]] = set()  # listeners of workers that are gone, closing
@@ -310,10 +312,21 @@ class Hosting:
             return ""
         ep = self._direct_in_cfg.get(worker)
         if ep is not None:
-            return f"{serving.RpcPath.DIRECT} {ep} (TLS)"
+            on = ", its output straight to the next worker" if ep in self._peer_links() else ""
+            return f"{serving.RpcPath.DIRECT} {ep} (TLS){on}"
         conn = self.net.peers.get(worker)
         relayed = conn is not None and not conn.is_direct
         return f"{serving.RpcPath.TUNNEL}{' (relayed)' if relayed else ''}"
+
+    def _peer_links(self) -> frozenset[str]:
+        """The workers (their endpoints) our llama-server links straight to the next one (patch 0011): read from its
+        log once it has said so (it does at its first token, the warm-up)."""
+        srv = self.server
+        if srv is None or not srv.cfg.peers:
+            return frozenset()
+        if self._links_of is not srv or not self._links:
+            self._links_of, self._links = srv, serving.peer_links(srv.log_tail())
+        return self._links
 
     # ---------------------------------------------------------------- API requests between nodes
 
