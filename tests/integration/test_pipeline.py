@@ -250,3 +250,19 @@ def test_a_three_node_mesh_sends_activations_worker_to_worker(
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_a_listener_that_cannot_be_made_fails_the_start(
+    tmp_path: Path, tiny_model: Path, patched_bins: Binaries
+) -> None:
+    """rpc-server's peer or TLS listener on a port already taken: it says so and exits 1 (it exited 0 before, which
+    mesh-llm's supervisor reported as a clean exit)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = f"127.0.0.1:{taken.getsockname()[1]}"
+        for var, said in (("GGML_RPC_PEER_LISTEN", "Failed to create peer server socket"),
+                          ("GGML_RPC_TLS_LISTEN", "Failed to create TLS server socket")):  # fmt: skip
+            argv = rpc_server_argv(patched_bins, free_port(), gguf=tiny_model)
+            r = subprocess.run(argv, env={**os.environ, var: busy}, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 1 and said in r.stderr, (r.returncode, r.stderr[-2000:])
