@@ -37,6 +37,10 @@ def _console(port: int, path: str, body: dict[str, str] | None = None, ctype: st
         return json.loads(e.read()) if e.code == 400 else e.code  # type: ignore[no-any-return]
 
 
+def _announcers(mesh: str) -> set[str]:
+    return {crypto.short(m.node) for m in asyncio.run(browse(2.0)) if m.mesh_id.hex().startswith(mesh)}
+
+
 def _announced(mesh: str) -> bool:
     return any(m.mesh_id.hex().startswith(mesh) for m in asyncio.run(browse(2.0)))
 
@@ -88,6 +92,11 @@ def test_a_node_on_the_lan_asks_to_join_and_only_the_approved_one_gets_in(tmp_pa
         wait_for(lambda: s.proc.poll() is not None, 10, "the stranger to stop")
         assert s.proc.returncode != 0 and "the founder or an admin refused this node" in s.text(), s.text()[-500:]
         assert "stranger" not in _approve(a).stdout
+        # b made an admin while both run: it announces the mesh too (it checks every 2 s), no restart
+        made = subprocess.run([sys.executable, "-m", "meshllm.cli", "admin", b.short(), "--state-dir", str(a.state)],
+                              capture_output=True, text=True, timeout=30)  # fmt: skip
+        assert made.returncode == 0, made.stderr
+        wait_for(lambda: b.short() in _announcers(mesh), 30, "b's announcement as an admin")
     finally:
         for n in nodes:
             n.stop()

@@ -66,9 +66,8 @@ async def enter_mesh(net: MeshNet, tokens: list[tok.Token], state: Path, o: Node
                 tok.Scope.CLIENT: "may use the API only: it serves no layers"}  # fmt: skip
         console.print(f"scope {scope}: this node {what[scope]}")
     publish_token(net, state, o.token_ttl_s, console)
-    if o.announce and (net.m.founder == net.me or net.me in net.core.table.admins):
-        lan.open_doorbell(net, state, console)
-        tasks.append(asyncio.ensure_future(lan.announce(net, o.name or default_name())))
+    if o.announce:  # the founder and admins (also one named later) announce the mesh on the LAN
+        tasks.append(asyncio.ensure_future(lan.keep_announcing(net, state, o.name or default_name(), console)))
     return tasks
 
 

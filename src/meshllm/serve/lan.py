@@ -182,6 +182,36 @@ async def join_lan(net: MeshNet, pick: str, name: str, console: Console) -> tok.
         await asyncio.sleep(KNOCK_EVERY_S)
 
 
+ANNOUNCE_CHECK_S = 2.0  # how often a node checks whether it is the founder or an admin (one named while it runs)
+
+
+def takes_knocks(net: MeshNet) -> bool:
+    """The founder and the admins announce the mesh and answer knocks; nobody else."""
+    return net.m is not None and net.core is not None and (
+        net.m.founder == net.me or net.me in net.core.table.admins)  # fmt: skip
+
+
+async def keep_announcing(net: MeshNet, state: Path, name: str, console: Console) -> None:
+    """Announce the mesh and answer knocks while this node is the founder or an admin (checked every
+    ANNOUNCE_CHECK_S: an admin named while it runs starts, one whose rights end stops); until cancelled."""
+    task: asyncio.Future[None] | None = None
+    try:
+        while True:
+            on = takes_knocks(net)
+            if on and task is None:
+                open_doorbell(net, state, console)
+                task = asyncio.ensure_future(announce(net, name))
+            elif not on and task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                task, net.on_knock = None, None
+            await asyncio.sleep(ANNOUNCE_CHECK_S)
+    finally:
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
 def open_doorbell(net: MeshNet, state: Path, console: Console) -> None:
     """Answer knocks (``proto/knock.py``): list them in the state dir's ``knocks`` (``mesh-llm approve`` shows
     them) and hand an approved node the token ``mesh-llm approve`` left for it in ``approvals``."""
