@@ -82,6 +82,10 @@ def tcp_port(text: str) -> int:
     return _int_in(text, 1, 65535, "a port")
 
 
+def rpc_port(text: str) -> int:
+    return _int_in(text, 1, 65534, "a port below 65535 (the next one is taken too)")
+
+
 def udp_port_or_zero(text: str) -> int:
     return _int_in(text, 0, 65535, "a port (0: any free one)")
 
@@ -622,8 +626,9 @@ def build_parser() -> argparse.ArgumentParser:
         "tunnel; workers open a TLS port on all interfaces) or tunnel (always the tunnel, no extra port)",
     )  # fmt: skip
     p.add_argument(
-        "--rpc-port", type=tcp_port, metavar="PORT",
-        help="this worker's TLS RPC port for the direct path (default: any free one); open it between your machines",
+        "--rpc-port", type=rpc_port, metavar="PORT",
+        help="this worker's TLS RPC port for the direct path, and PORT+1 for the links between workers (default: any "
+             "free ones); open both between your machines",
     )  # fmt: skip
     p.add_argument(
         "--models-dir", type=Path, metavar="DIR", help="where models live (default $MESH_LLM_MODELS or ~/.models)"

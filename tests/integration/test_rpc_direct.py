@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 
 from meshllm.llama.build import Binaries
-from meshllm.llama.processes import free_port
+from meshllm.llama.processes import free_port, port_in_use
 
 from .meshlab import NodeProc, wait_for
 from .splitlab import stock_split_text
@@ -45,6 +45,8 @@ def test_a_split_goes_direct_with_tls_and_only_the_host_gets_through(
 ) -> None:
     assert shutil.which("openssl"), "openssl is installed by scripts/setup test"
     port = free_port("0.0.0.0")  # --rpc-port: the worker's TLS port, as a firewall would need it fixed
+    while port_in_use(port + 1, "0.0.0.0"):  # and PORT+1, its listener for worker-to-worker links
+        port = free_port("0.0.0.0")
     with two_nodes(tmp_path, tiny_model, ("--max-vram", "0.5"), ("--max-vram", "0.3", "--rpc-port", str(port))) as (
         a,
         b,
@@ -53,6 +55,7 @@ def test_a_split_goes_direct_with_tls_and_only_the_host_gets_through(
         worker = str(_assignments(a)[0]["node"])
         path = _rpc_path(a, worker)
         assert path == f"direct 127.0.0.1:{port} (TLS)", path
+        assert f"peer endpoint  : 0.0.0.0:{port + 1}" in b.text_of("rpc-server.log")  # fixed too, for a firewall
         # the same answer as the same split loaded the stock way (stock binaries, plain TCP, weights pushed)
         counts = [float(x["count"]) for x in _assignments(a)]  # type: ignore[arg-type]
         out = text_of(complete(a.port, "/v1/completions"))

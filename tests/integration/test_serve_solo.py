@@ -189,6 +189,12 @@ def test_bad_input_is_one_clear_line(tmp_path: Path) -> None:
         busy.listen()
         r = run("--model", "gemma3-270m", "--rpc-port", str(busy.getsockname()[1]))
     assert r.returncode == 2 and "--rpc-port" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    with socket.socket() as busy:  # PORT+1 (the links between workers) taken
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        r = run("--model", "gemma3-270m", "--rpc-port", str(taken - 1))
+    assert r.returncode == 2 and f"port {taken} is in use" in r.stderr, r.stderr
 
 
 def test_sigterm_leaves_no_children_and_the_same_command_starts_again_at_once(tmp_path: Path) -> None:

@@ -51,8 +51,9 @@ def start_checks(o: NodeOptions, state: Path, api_host: str, console: Console) -
     lock = take_lock(state) if state.is_dir() else None
     if port_in_use(o.port, api_host):
         raise UserError(f"port {o.port} is in use: stop what runs there or pass --port N")
-    if o.rpc_port is not None and port_in_use(o.rpc_port, "0.0.0.0"):
-        raise UserError(f"--rpc-port {o.rpc_port} is in use: stop what runs there or pass another")
+    for taken in (o.rpc_port, o.rpc_port + 1) if o.rpc_port is not None else ():
+        if port_in_use(taken, "0.0.0.0"):  # the direct path's TLS port and the links between workers' (PORT+1)
+            raise UserError(f"--rpc-port {o.rpc_port}: port {taken} is in use: stop what runs there or pass another")
     m = load_membership(state)
     tokens = parse_tokens(o.join, now, m.mesh_id if m else None)  # before anything is written
     model = shape = wanted = None
