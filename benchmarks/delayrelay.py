@@ -1,61 +1,79 @@
-"""A TCP relay on loopback that delays every byte by a fixed time each way: a LAN's round trip between two processes
-of one machine, where netem is not to be had (the lent GPU machine's kernel has no sch_netem).
-
-Each direction has a reader thread, which stamps what it reads, and a writer thread, which sends it when its stamp is
-``delay`` old: bytes in flight overlap (a pipe, not a stop-and-wait), and the rate is what loopback and Python give
-(hundreds of MB/s: more than a 1 Gbit/s LAN). time.sleep's precision (~0.1 ms) bounds the delay's."""
+"""A TCP relay on loopback that delays every byte by a fixed time each way (and caps the rate, if asked): a link's
+round trip between two processes of one machine, where netem is not to be had (the lent GPU machine's kernel has no
+sch_netem). Each direction has a reader thread, which stamps what it reads, and a writer thread, which sends it when
+its stamp is due: bytes in flight overlap (a pipe, not a stop-and-wait). time.sleep's precision (~0.1 ms) bounds the
+delay's. Used by benchmarks/latency.py and benchmarks/gpu_split.py --rtt-ms."""
 
 from __future__ import annotations
 
-import queue
+import contextlib
 import socket
 import threading
 import time
+from collections import deque
 
 
-class DelayRelay:
-    def __init__(self, target_port: int, delay_s: float) -> None:
-        self.target_port, self.delay_s = target_port, delay_s
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.port: int = self.sock.getsockname()[1]
+class DelayProxy:
+    """A loopback TCP proxy in front of one server (an rpc-server, a worker's peer listener): each direction's bytes
+    leave rtt/2 ms after they arrived, no faster than rate MB/s (0: no cap). A benchmark tool, not part of mesh-llm."""
+
+    def __init__(self, upstream_port: int, rtt_ms: float, rate_mb_s: float) -> None:
+        self.upstream = ("127.0.0.1", upstream_port)
+        self.delay = rtt_ms / 2000.0
+        self.rate = rate_mb_s * 1e6
+        self._ls = socket.socket()
+        self._ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._ls.bind(("127.0.0.1", 0))
+        self._ls.listen(16)
+        self.port: int = self._ls.getsockname()[1]
+        self._socks: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
         while True:
             try:
-                a, _ = self.sock.accept()
+                c, _ = self._ls.accept()
             except OSError:
                 return
-            b = socket.create_connection(("127.0.0.1", self.target_port))
-            for s in (a, b):
+            u = socket.create_connection(self.upstream)
+            for s in (c, u):
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._pipe(a, b)
-            self._pipe(b, a)
+            self._socks += [c, u]
+            for a, b in ((c, u), (u, c)):
+                self._pipe(a, b)
 
     def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
-        q: queue.SimpleQueue[tuple[float, bytes]] = queue.SimpleQueue()
+        q: deque[tuple[float, bytes]] = deque()
+        cv = threading.Condition()
 
-        def read() -> None:
+        def reader() -> None:
+            free_at = 0.0
             while True:
                 try:
-                    data = src.recv(1 << 20)
+                    data = src.recv(1 << 16)
                 except OSError:
                     data = b""
-                q.put((time.monotonic() + self.delay_s, data))
+                now = time.monotonic()
+                if self.rate > 0 and data:
+                    free_at = max(now, free_at) + len(data) / self.rate
+                    now = free_at
+                with cv:
+                    q.append((now + self.delay, data))
+                    cv.notify()
                 if not data:
                     return
 
-        def write() -> None:
+        def writer() -> None:
             while True:
-                due, data = q.get()
-                wait = due - time.monotonic()
+                with cv:
+                    while not q:
+                        cv.wait()
+                    t, data = q.popleft()
+                wait = t - time.monotonic()
                 if wait > 0:
                     time.sleep(wait)
-                if not data:
-                    with _quiet():
+                if not data:  # pass the half-close on (close() would not wake the other direction's recv)
+                    with contextlib.suppress(OSError):
                         dst.shutdown(socket.SHUT_WR)
                     return
                 try:
@@ -63,16 +81,11 @@ class DelayRelay:
                 except OSError:
                     return
 
-        threading.Thread(target=read, daemon=True).start()
-        threading.Thread(target=write, daemon=True).start()
+        threading.Thread(target=reader, daemon=True).start()
+        threading.Thread(target=writer, daemon=True).start()
 
     def close(self) -> None:
-        self.sock.close()
-
-
-class _quiet:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return True
+        self._ls.close()
+        for s in self._socks:
+            with contextlib.suppress(OSError):
+                s.close()

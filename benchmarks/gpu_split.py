@@ -49,7 +49,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from delayrelay import DelayRelay  # benchmarks/delayrelay.py: a LAN's RTT on loopback
+from delayrelay import DelayProxy  # benchmarks/delayrelay.py: a LAN's RTT on loopback
 from loadgen import concurrent, ids, one, pct, prefill  # benchmarks/loadgen.py: the clients
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -218,8 +218,8 @@ def pipeline(run_mesh: Any, server: Any, rpc_server: Any, free_port: Any, args: 
         try:
             eps = [ep for _, ep in workers]
             if args.rtt_ms:  # every link through a relay that delays it
-                relays = [DelayRelay(int(ep.rsplit(":", 1)[1]), args.rtt_ms / 2000) for ep in eps]
-                relays += [DelayRelay(p, args.rtt_ms / 2000) for p in peers]
+                relays = [DelayProxy(int(ep.rsplit(":", 1)[1]), args.rtt_ms, 0) for ep in eps]
+                relays += [DelayProxy(p, args.rtt_ms, 0) for p in peers]
                 eps = [f"127.0.0.1:{r.port}" for r in relays[: len(eps)]]
                 peers = [r.port for r in relays[len(eps) :]]
             env_ = {"GGML_RPC_PEERS": ",".join(f"{ep}=127.0.0.1:{p}" for ep, p in zip(eps, peers, strict=True))}

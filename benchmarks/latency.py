@@ -24,18 +24,15 @@ Decode speed is llama-server's own timing (predicted_per_second) of greedy compl
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
-import threading
-import time
 import urllib.request
-from collections import deque
 from pathlib import Path
+
+from delayrelay import DelayProxy  # benchmarks/delayrelay.py
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -63,84 +60,6 @@ def completion(port: int, path: str, n: int) -> float:
                                  headers={"Content-Type": "application/json"})  # fmt: skip
     with urllib.request.urlopen(req, timeout=600) as r:
         return float(json.loads(r.read())["timings"]["predicted_per_second"])
-
-
-class DelayProxy:
-    """A loopback TCP proxy in front of one rpc-server: each direction's bytes leave rtt/2 ms after they arrived,
-    no faster than rate MB/s. A benchmark tool (the stock side of the comparison), not part of mesh-llm."""
-
-    def __init__(self, upstream_port: int, rtt_ms: float, rate_mb_s: float) -> None:
-        self.upstream = ("127.0.0.1", upstream_port)
-        self.delay = rtt_ms / 2000.0
-        self.rate = rate_mb_s * 1e6
-        self._ls = socket.socket()
-        self._ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._ls.bind(("127.0.0.1", 0))
-        self._ls.listen(16)
-        self.port: int = self._ls.getsockname()[1]
-        self._socks: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                c, _ = self._ls.accept()
-            except OSError:
-                return
-            u = socket.create_connection(self.upstream)
-            for s in (c, u):
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._socks += [c, u]
-            for a, b in ((c, u), (u, c)):
-                self._pipe(a, b)
-
-    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
-        q: deque[tuple[float, bytes]] = deque()
-        cv = threading.Condition()
-
-        def reader() -> None:
-            free_at = 0.0
-            while True:
-                try:
-                    data = src.recv(1 << 16)
-                except OSError:
-                    data = b""
-                now = time.monotonic()
-                if self.rate > 0 and data:
-                    free_at = max(now, free_at) + len(data) / self.rate
-                    now = free_at
-                with cv:
-                    q.append((now + self.delay, data))
-                    cv.notify()
-                if not data:
-                    return
-
-        def writer() -> None:
-            while True:
-                with cv:
-                    while not q:
-                        cv.wait()
-                    t, data = q.popleft()
-                wait = t - time.monotonic()
-                if wait > 0:
-                    time.sleep(wait)
-                if not data:  # pass the half-close on (close() would not wake the other direction's recv)
-                    with contextlib.suppress(OSError):
-                        dst.shutdown(socket.SHUT_WR)
-                    return
-                try:
-                    dst.sendall(data)
-                except OSError:
-                    return
-
-        threading.Thread(target=reader, daemon=True).start()
-        threading.Thread(target=writer, daemon=True).start()
-
-    def close(self) -> None:
-        self._ls.close()
-        for s in self._socks:
-            with contextlib.suppress(OSError):
-                s.close()
 
 
 def mesh_run(tmp: Path, model: Path, rtt: float, rate: float, runs: int, n: int) -> tuple[list[float], list[int]]:
