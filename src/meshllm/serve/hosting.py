@@ -320,12 +320,14 @@ class Hosting:
 
     def _peer_links(self) -> frozenset[str]:
         """The workers (their endpoints) our llama-server links straight to the next one (patch 0011): read from its
-        log once it has said so (it does at its first token, the warm-up)."""
+        log until it serves (it says so at its first token, the warm-up before it answers /health), then kept."""
         srv = self.server
         if srv is None or not srv.cfg.peers:
             return frozenset()
-        if self._links_of is not srv or not self._links:
-            self._links_of, self._links = srv, serving.peer_links(srv.log_tail())
+        if self._links_of is not srv:
+            self._links_of, self._links = None, serving.peer_links(srv.log_tail())
+            if srv.state == ChildState.SERVING:
+                self._links_of = srv  # read once more after it serves, never again
         return self._links
 
     # ---------------------------------------------------------------- API requests between nodes
