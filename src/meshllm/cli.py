@@ -142,7 +142,7 @@ def host_port(text: str) -> str:
         ip = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_DGRAM)[0][4][0]
     except (OSError, UnicodeError):
         raise argparse.ArgumentTypeError(f"cannot resolve {host!r} to an IP address") from None
-    return f"[{ip}]:{port}" if ":" in str(ip) else f"{ip}:{port}"
+    return tok.host_port(str(ip), int(port))
 
 
 def python_versions(text: str) -> tuple[str, ...]:
@@ -423,6 +423,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     import urllib.request
 
     from rich.table import Table
+    from rich.text import Text
 
     if args.state_dir is not None:  # what the node last wrote there (it need not be running)
         from meshllm.paths import state_dir
@@ -483,7 +484,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         name = str(p.get("name") or "")[:12]  # a second line under the id: the hostname or --name
         t.add_row(
             p["short"] + (f"\n{name}" if name else ""), p["role"], state, mem, span or "-",
-            p["path"] + (f"\nRPC {p['rpc_path']}" if p.get("rpc_path") else ""),
+            Text(p["path"] + (f"\nRPC {p['rpc_path']}" if p.get("rpc_path") else "")),  # "[v6]:port": not markup
             f"{p['rtt_ms']:.1f}" if p.get("rtt_ms") is not None else "-",
         )  # fmt: skip
     out.print(t)
@@ -562,7 +563,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the founder (or an admin) does not announce its mesh on the LAN (mDNS)")  # fmt: skip
     p.add_argument("--join-file", action="append", metavar="PATH", help="file holding invite token(s)")
     p.add_argument("--state-dir", type=Path, metavar="DIR", help="node state (default $MESH_LLM_HOME or ~/.mesh-llm)")
-    p.add_argument("--bind-host", type=ip_address, default="0.0.0.0", help="UDP address to bind (default all)")
+    p.add_argument("--bind-host", type=ip_address, default="0.0.0.0",
+                   help="UDP address to bind (default all, IPv4 and IPv6)")
     p.add_argument("--bind-port", type=udp_port_or_zero, default=0, help="UDP port for the mesh (default ephemeral)")
     p.add_argument(
         "--advertise", type=host_port, action="append", metavar="HOST:PORT", help="address peers should dial"

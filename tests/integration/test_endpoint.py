@@ -357,3 +357,52 @@ def test_a_relay_caps_what_it_forwards_per_pair_and_other_pairs_still_pass() -> 
             c.close()
 
     asyncio.run(main())
+
+
+def _has_ipv6() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_ipv6(), reason="this machine has no IPv6")
+def test_one_endpoint_takes_ipv4_and_ipv6_peers_and_names_each_as_it_is() -> None:
+    """[lan] 4: the default bind (every interface) is one dual-stack socket: an IPv4 peer reads as its dotted
+    address (never ::ffff:...: keys and tokens name it so), an IPv6 peer as itself, in brackets where shown; probes
+    with a TTL (hole punching) leave in both families; an IPv4-only endpoint cannot reach an IPv6 one and says so
+    as a failed dial, not an error of its socket."""
+
+    async def main() -> None:
+        accepted: asyncio.Queue[Conn] = asyncio.Queue()
+
+        async def on_accept(conn: Conn) -> None:
+            await accepted.put(conn)
+
+        b = Endpoint(crypto.new_key(), on_accept=on_accept)
+        port = (await b.open())[1]
+        assert b.ipv6
+        v4, v6 = Endpoint(crypto.new_key()), Endpoint(crypto.new_key())
+        await v4.open("127.0.0.1", 0)
+        await v6.open("::1", 0)
+        try:
+            for ep, host in ((v4, "127.0.0.1"), (v6, "::1")):
+                conn = await ep.dial((host, port), b.me)
+                got = await asyncio.wait_for(accepted.get(), 5)
+                assert got.addr == ep.local_addr, (got.addr, ep.local_addr)
+                shown = f"[{host}]" if ":" in host else host
+                assert conn.path == f"direct {shown}:{port}" and got.path == f"direct {shown}:{ep.local_addr[1]}"
+                ep_probes: asyncio.Queue[bytes] = asyncio.Queue()
+                ep.on_control = lambda d, _a, q=ep_probes: q.put_nowait(d)  # type: ignore[misc]
+                b.send_control(b"\x01probe", got.addr, ttl=3)
+                assert await asyncio.wait_for(ep_probes.get(), 5) == b"\x01probe"
+            with pytest.raises(DialError):
+                await v4.dial(v6.local_addr, v6.me, timeout=0.5)
+            assert v4.transport is not None and not v4.transport.is_closing()
+        finally:
+            for ep in (b, v4, v6):
+                ep.close()
+
+    asyncio.run(main())

@@ -55,7 +55,7 @@ def test_a_split_goes_direct_with_tls_and_only_the_host_gets_through(
         worker = str(_assignments(a)[0]["node"])
         path = _rpc_path(a, worker)
         assert path == f"direct 127.0.0.1:{port} (TLS)", path
-        assert f"peer endpoint  : 0.0.0.0:{port + 1}" in b.text_of("rpc-server.log")  # fixed too, for a firewall
+        assert f"peer endpoint  : [::]:{port + 1}" in b.text_of("rpc-server.log")  # fixed too, for a firewall
         # the same answer as the same split loaded the stock way (stock binaries, plain TCP, weights pushed)
         counts = [float(x["count"]) for x in _assignments(a)]  # type: ignore[arg-type]
         out = text_of(complete(a.port, "/v1/completions"))

@@ -51,9 +51,9 @@ class Lab:
     def n(self, name: str, *argv: str) -> None:
         sh("ip", "netns", "exec", self.ns(name), *argv)
 
-    def up(self, mode_a: str = "cone", mode_b: str = "cone", neighbour: bool = False) -> Lab:
+    def up(self, mode_a: str = "cone", mode_b: str = "cone", neighbour: bool = False, v6: bool = False) -> Lab:
         """``neighbour``: a third home, homeA2 (192.168.1.3), on homeA's LAN behind natA (one NAT, one public
-        address for both)."""
+        address for both). ``v6``: IPv6 routed to homeA and homeB besides (``_routed_v6``)."""
         for name in ("homeA", "natA", "pub", "rdv", "natB", "homeB", *(("homeA2",) if neighbour else ())):
             sh("ip", "netns", "add", self.ns(name))
             self.names.append(name)
@@ -98,6 +98,46 @@ class Lab:
             self.n(nat, "sysctl", "-qw", "net.ipv4.ip_forward=1")
         self.set_nat("natA", mode_a)
         self.set_nat("natB", mode_b)
+        if v6:
+            self._routed_v6("lanbr" if neighbour else "lan")
+        return self
+
+    def _routed_v6(self, lan_if: str) -> None:
+        """[lan] 4: IPv6 as ISPs hand it out, beside the IPv4 NATs: each home has a global address routed to it (no
+        translation), behind its NAT box's stateful firewall (new connections from the wan dropped, as home routers
+        do). homeA 2001:db8:a::2 via natA (wan 2001:db8:100::2), homeB 2001:db8:b::2 via natB (2001:db8:200::2);
+        the rendezvous stays IPv4-only."""
+        self.n("pub", "sysctl", "-qw", "net.ipv6.conf.all.forwarding=1")
+        self.n("pub", "ip", "-6", "addr", "add", "2001:db8:100::1/64", "dev", "br0", "nodad")
+        self.n("pub", "ip", "-6", "addr", "add", "2001:db8:200::1/64", "dev", "pb", "nodad")
+        for side, wan, up, net in (("A", "2001:db8:100::2", "2001:db8:100::1", "2001:db8:a"),
+                                   ("B", "2001:db8:200::2", "2001:db8:200::1", "2001:db8:b")):  # fmt: skip
+            nat, home = f"nat{side}", f"home{side}"
+            self.n(nat, "sysctl", "-qw", "net.ipv6.conf.all.forwarding=1")
+            self.n(nat, "ip", "-6", "addr", "add", f"{wan}/64", "dev", "wan", "nodad")
+            self.n(nat, "ip", "-6", "route", "add", "default", "via", up)
+            self.n(nat, "ip", "-6", "addr", "add", f"{net}::1/64", "dev", lan_if if side == "A" else "lan", "nodad")
+            self.n(home, "ip", "-6", "addr", "add", f"{net}::2/64", "dev", "eth0", "nodad")
+            self.n(home, "ip", "-6", "route", "add", "default", "via", f"{net}::1")
+            self.n("pub", "ip", "-6", "route", "add", f"{net}::/64", "via", wan)
+            self.n(nat, "ip6tables", "-A", "FORWARD", "-i", "wan", "-m", "conntrack", "--ctstate", "NEW", "-j", "DROP")
+
+    def up_v6(self) -> Lab:
+        """[lan] 4: three hosts on one link with IPv6 addresses only (no IPv4 but loopback): v6a fd00:6::1 (on a
+        bridge in its namespace), v6b fd00:6::2, v6c fd00:6::3; no duplicate address detection (they work at once)."""
+        for name in ("v6a", "v6b", "v6c"):
+            sh("ip", "netns", "add", self.ns(name))
+            self.names.append(name)
+            self.n(name, "ip", "link", "set", "lo", "up")
+        self.n("v6a", "ip", "link", "add", "br0", "type", "bridge")
+        self.n("v6a", "ip", "-6", "addr", "add", "fd00:6::1/64", "dev", "br0", "nodad")
+        self.n("v6a", "ip", "link", "set", "br0", "up")
+        for i, name in ((2, "v6b"), (3, "v6c")):
+            self._veth("v6a", f"p{i}", name, "eth0")
+            self.n("v6a", "ip", "link", "set", f"p{i}", "master", "br0")
+            self.n("v6a", "ip", "link", "set", f"p{i}", "up")
+            self.n(name, "ip", "-6", "addr", "add", f"fd00:6::{i}/64", "dev", "eth0", "nodad")
+            self.n(name, "ip", "link", "set", "eth0", "up")
         return self
 
     def _veth(self, a: str, ia: str, b: str, ib: str) -> None:

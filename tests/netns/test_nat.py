@@ -91,8 +91,10 @@ def start_mesh(lab: Lab, tmp: Path, model: Path, mode_a: str, mode_b: str, stagg
                a_args: tuple[str, ...], b_args: tuple[str, ...], env: dict[str, str] | None = None,
                ) -> tuple[Node, Node, Node, float]:  # fmt: skip
     """rdv founds the mesh; A (in natA itself when 'public') and B join with its token ('same': B on A's LAN, behind
-    natA too)."""
-    lab.up("cone" if mode_a == "public" else mode_a, "cone" if mode_b == "same" else mode_b, mode_b == "same")
+    natA too; '+v6': both homes have routed IPv6 besides, behind a stateful firewall)."""
+    v6 = mode_a.endswith("+v6")
+    mode_a, mode_b = mode_a.removesuffix("+v6"), mode_b.removesuffix("+v6")
+    lab.up("cone" if mode_a == "public" else mode_a, "cone" if mode_b == "same" else mode_b, mode_b == "same", v6)
     rdv = Node(lab, "rdv", tmp, "rdv", "--model", str(model), "--max-vram", "0.01", "--bind-host", RDV,
                "--bind-port", "7000")  # fmt: skip
     nodes = [rdv]
@@ -125,6 +127,9 @@ CELLS = [
     ("blocked", "cone", 0.0, 0, {"relayed"}),
     # [lan] 2: A and B on one LAN behind one NAT (one public address): straight over the LAN
     ("cone", "same", 0.0, 0, {"direct"}),
+    # [lan] 4: the same NATs as random/random, and IPv6 routed to both homes behind stateful firewalls: punched
+    # over IPv6, no relay
+    ("random+v6", "random+v6", 0.0, 0, {"direct"}),
 ]
 
 
@@ -157,6 +162,10 @@ def test_cell(
             shown = subprocess.run([sys.executable, "-m", "meshllm.cli", "status", "--state-dir", str(a.state)],
                                    capture_output=True, text=True, timeout=30, env={**os.environ, "COLUMNS": "200"})
             assert f"direct {str(pa['path']).split()[1]}" in shown.stdout, shown.stdout + shown.stderr
+        if mode_a.endswith("+v6"):
+            assert str(pa["path"]).startswith("direct [2001:db8:b::2]:"), pa
+            assert str(pb["path"]).startswith("direct [2001:db8:a::2]:"), pb
+            assert int(rdv.status()["reach"]["relayed_bytes"]) == 0  # type: ignore[index]
         if mode_a != "public":
             # A learned its public address from a member; it leads A's addresses and A's tokens carry it
             addrs = a.status()["reach"]["addrs"]  # type: ignore[index]
@@ -403,6 +412,60 @@ def test_a_split_over_three_lan_machines_sends_activations_worker_to_worker(
         wait(lambda: "peer link refused: no key for its address 192.168.1.2"
              in (second.state / "rpc-server.log").read_text(), 10, "the refusal", nodes)  # fmt: skip
         assert _complete(lab, "homeA", PROMPT).strip()
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def test_a_split_over_an_ipv6_only_link_connects_and_serves_directly(
+    lab: Lab, tmp_path: Path, tiny_model: Path
+) -> None:
+    """[lan] 4: A (fd00:6::1), B (::2) and C (::3) share a link with no IPv4 on it. A's token names its IPv6
+    address; B and C join with it over QUIC on IPv6; A's llama-server reaches both rpc-servers over TCP + TLS on
+    IPv6 and links them worker to worker (patch 0012 on 0005 and 0011): the split answers at every node, and the
+    key rows name the host and the predecessor by their IPv6 addresses."""
+    lab.up_v6()
+    nodes: list[Node] = []
+    try:
+        a = Node(lab, "v6a", tmp_path, "a", "--model", str(tiny_model), "--max-vram", "0.5", "--ctx-size", "1024")
+        nodes.append(a)
+        wait(lambda: (a.state / "token").exists(), 30, "A's token", nodes)
+        token = (a.state / "token").read_text().strip()
+        named = tok.parse(token).addrs
+        assert any(x.startswith("[fd00:6::1]:") for x in named), named
+        t0 = time.monotonic()
+        b, c = (Node(lab, where, tmp_path, name, "--model", str(tiny_model), "--max-vram", "0.07", "--ctx-size",
+                     "1024", "--join", token) for where, name in (("v6b", "b"), ("v6c", "c")))  # fmt: skip
+        nodes += [b, c]
+        wait(lambda: all(connected(x, y) for x, y in ((a, b), (b, a), (a, c))), 30, "B and C to connect", nodes)
+        took = time.monotonic() - t0
+        ip = {"a": "fd00:6::1", "b": "fd00:6::2", "c": "fd00:6::3"}
+        for x, y in ((a, b), (b, a), (a, c)):
+            assert str(x.peer(y.id)["path"]).startswith(f"direct [{ip[y.name]}]:"), x.peer(y.id)  # type: ignore[index]
+
+        def direct_split() -> bool:
+            rpc = {w.name: str((a.peer(w.id) or {}).get("rpc_path") or "") for w in (b, c)}
+            return "ready:" in a.log.read_text() and all(
+                r.startswith(f"direct [{ip[n]}]:") and "(TLS)" in r for n, r in rpc.items())
+
+        wait(direct_split, 180, "a 3-way split over the direct RPC path on IPv6", nodes)
+        answers = {_complete(lab, where, PROMPT) for where in ("v6a", "v6b", "v6c")}
+        assert len(answers) == 1 and answers.pop().strip(), answers
+        assert ": server to server" in (a.state / "llama-server.log").read_text()
+        said = a.log.read_text()  # addresses in brackets are not taken for the terminal's markup
+        assert "listening on UDP [fd00:6::1]:" in said and f"connected to {b.id[:8]}: direct [fd00:6::2]:" in said
+        shown = subprocess.run([sys.executable, "-m", "meshllm.cli", "status", "--state-dir", str(a.state)],
+                               capture_output=True, text=True, timeout=30, env={**os.environ, "COLUMNS": "200"})
+        assert "direct [fd00:6::2]:" in shown.stdout and "RPC direct [fd00:6::3]:" in shown.stdout, shown.stdout
+        for w in (b, c):  # the host, by the address its TLS connection comes from
+            assert (w.state / "rpc-server.keys").read_text().split()[1] == "fd00:6::1"
+        logs = {w.name: (w.state / "rpc-server.log").read_text() for w in (b, c)}
+        second = next(n for n in "bc" if "the host allows a predecessor at" in logs[n])
+        first = "c" if second == "b" else "b"
+        assert f"the host allows a predecessor at {ip[first]}" in logs[second], logs[second][-2000:]
+        assert f"peer link to [{ip[second]}]:" in logs[first] and "connected" in logs[first], logs[first][-2000:]
+        print(f"\nIPv6-only link: B and C connected to A {took:.1f} s after their start; split served over "
+              f"{a.peer(b.id)['rpc_path']}, B and C linked worker to worker")  # type: ignore[index]
     finally:
         for n in nodes:
             n.stop()

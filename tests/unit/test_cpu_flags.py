@@ -126,12 +126,9 @@ def test_a_port_picked_for_one_listener_is_not_picked_again_for_another(monkeypa
         def __exit__(self, *exc: object) -> None:
             pass
 
-        def bind(self, addr: tuple[str, int]) -> None:
-            pass
-
         def getsockname(self) -> tuple[str, int]:
             return ("127.0.0.1", next(offered))
 
-    monkeypatch.setattr(processes.socket, "socket", lambda *a: Sock())
+    monkeypatch.setattr(processes.sockets, "bound", lambda *a: Sock())
     assert processes.free_port() == 46107
     assert processes.free_port(avoid=[46107]) == 46108

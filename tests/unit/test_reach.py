@@ -141,6 +141,10 @@ def test_observe_keeps_the_two_newest_reflexive_addresses_and_spots_no_nat() -> 
     assert r3 == ["198.51.100.2:5111", "198.51.100.2:6222"]
     assert reach.observe(r, own, "192.168.1.2:4000", local, 4000) == (r, True)  # a LAN member: no NAT between us
     assert reach.advertised(r3, own, 16) == ["198.51.100.2:6222", "198.51.100.2:5111", *own]
+    # [lan] 4: IPv6 is not translated, and a home router's firewall may stand in front of our own address: no relay
+    v6 = "[2001:db8::2]:4000"
+    assert reach.observe(r, [*own, v6], v6, {*local, "2001:db8::2"}, 4000) == (r, False)
+    assert reach.observe(r, own, "[2001:db8::99]:4000", local, 4000) == (r, False)  # nor a reflexive address
 
 
 def test_direct_dial_skips_a_natted_peers_public_address_when_a_punch_is_possible() -> None:

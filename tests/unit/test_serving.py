@@ -146,12 +146,12 @@ def test_the_direct_path_is_tried_only_where_it_can_work() -> None:
         {"mode": "tunnel"},  # --rpc-path tunnel
         {"tls_here": False},  # a build without patch 0005's TLS
         {"quic_direct": False},  # relayed: behind a NAT the worker's TCP port is out of reach
-        {"ip": "fd00::2"},  # ggml-rpc's transport is IPv4-only
         {"ip": ""},
         {"failed_until": 160.0},  # failed lately
     ):
         assert not s.try_direct(**{**ok, **change}), change  # type: ignore[arg-type]
     assert s.try_direct(**{**ok, "failed_until": 100.0})  # type: ignore[arg-type]
+    assert s.try_direct(**{**ok, "ip": "fd00::2"})  # type: ignore[arg-type]  # IPv6 too (patch 0012)
 
 
 def test_an_rpc_key_round_trips_and_anything_else_is_refused() -> None:

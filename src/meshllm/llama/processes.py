@@ -24,12 +24,13 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from meshllm import sockets
 from meshllm.errors import MeshError, UserError
 from meshllm.llama.build import Binaries
 from meshllm.llama.chat import ChatDefault
 
 LOOPBACK = "127.0.0.1"
-ANY_ADDR = "0.0.0.0"  # every IPv4 interface: only the TLS-protected direct RPC listener binds it
+ANY_ADDR = "::"  # every interface, IPv4 and IPv6 (sockets.py): only the TLS-protected RPC listeners bind it
 
 
 class ChildFailed(MeshError):
@@ -53,8 +54,7 @@ def free_port(host: str = LOOPBACK, avoid: Collection[int] = ()) -> int:
     them yet: the kernel may offer the same free port twice). The child binds it; a rare race is reported as a start
     failure."""
     while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
+        with sockets.bound(host, 0, socket.SOCK_STREAM) as s:
             port: int = s.getsockname()[1]
         if port not in avoid:
             return port
@@ -63,26 +63,22 @@ def free_port(host: str = LOOPBACK, avoid: Collection[int] = ()) -> int:
 def port_in_use(port: int, host: str = LOOPBACK) -> bool:
     """Whether something listens on ``port`` (connections of a process just stopped, in TIME-WAIT, do not count:
     our servers bind with SO_REUSEADDR, and so does this check)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-        return False
+    try:
+        sockets.bound(host, port, socket.SOCK_STREAM).close()
+    except OSError:
+        return True
+    return False
 
 
 def udp_free(host: str, port: int) -> bool:
     """Whether a UDP port can be bound now (0: no port to try)."""
     if not port:
         return False
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-        return True
+    try:
+        sockets.bound(host, port, socket.SOCK_DGRAM).close()
+    except OSError:
+        return False
+    return True
 
 
 def describe_exit(returncode: int | None) -> str:

@@ -37,6 +37,7 @@ from meshllm.llama.processes import (
     wait_http_ready,
     wait_tcp_ready,
 )
+from meshllm.proto.token import host_port
 
 log = logging.getLogger("meshllm.supervisor")
 
@@ -311,10 +312,11 @@ class RpcServer(Supervised):
         env: dict[str, str] = {}
         if keys_file is not None and speaks_tls(bins.rpc_server):
             self.tls_port = tls_port or free_port(ANY_ADDR)
-            env = {"GGML_RPC_TLS_LISTEN": f"{ANY_ADDR}:{self.tls_port}", "GGML_RPC_TLS_SERVER_KEYS": str(keys_file)}
+            env = {"GGML_RPC_TLS_LISTEN": host_port(ANY_ADDR, self.tls_port),
+                   "GGML_RPC_TLS_SERVER_KEYS": str(keys_file)}
             if speaks_peers(bins.rpc_server):  # a fixed TLS port (--rpc-port P) fixes this one too: P+1
                 self.peer_port = tls_port + 1 if tls_port else free_port(ANY_ADDR, avoid=[self.tls_port])
-                env["GGML_RPC_PEER_LISTEN"] = f"{ANY_ADDR}:{self.peer_port}"
+                env["GGML_RPC_PEER_LISTEN"] = host_port(ANY_ADDR, self.peer_port)
         taken = [p for p in (self.tls_port, self.peer_port) if p]
         port = free_port(avoid=taken)  # none is bound yet: never the same one twice
         super().__init__(

@@ -38,6 +38,7 @@ from qh3.quic.configuration import QuicConfiguration
 from qh3.quic.connection import QuicConnection, QuicConnectionError
 from qh3.quic.packet import QuicPacketType, pull_quic_header
 
+from meshllm import sockets
 from meshllm.errors import MeshError
 from meshllm.net.netem import LinkShape, Shaper
 from meshllm.proto import crypto, reach
@@ -88,7 +89,7 @@ def parse_addr(text: str) -> Addr:
     if not tok.ip_port(text):
         raise ValueError(f"bad address {text[:80]!r} (an IP address and a port expected)")
     host, _, port = text.rpartition(":")
-    return host.strip("[]"), int(port)
+    return sockets.canonical(host.strip("[]")), int(port)
 
 
 def sendable(addr: Addr) -> bool:
@@ -281,9 +282,9 @@ class Conn:
     def path(self) -> str:
         r, d = self.relay, self.shortcut
         if r is None:
-            return f"direct {self.addr[0]}:{self.addr[1]}"
+            return f"direct {tok.host_port(*self.addr)}"
         if d is not None:
-            return f"direct {d[0]}:{d[1]} (punched, first relayed via {crypto.short(r)})"
+            return f"direct {tok.host_port(*d)} (punched, first relayed via {crypto.short(r)})"
         return f"relayed via {crypto.short(r)}"
 
     @property
@@ -366,7 +367,8 @@ class Conn:
             self._again = True
             while self._again:
                 self._again = False
-                for data, addr in self.quic.datagrams_to_send(now=loop.time()):
+                for data, path in self.quic.datagrams_to_send(now=loop.time()):
+                    addr = (path[0], path[1])  # qh3 gives an IPv6 path as (host, port, flowinfo, scope)
                     if self.relay is not None:
                         addr = self.addr  # the virtual address: _sendto takes it to the relay or the shortcut
                     elif addr != self.addr:
@@ -486,15 +488,18 @@ class UdpSocket:
                 break
             except OSError:
                 continue  # an ICMP error for an earlier send: nothing to do with this read
-            self.ep.datagram_received(data, (addr[0], addr[1]))
+            self.ep.datagram_received(data, (sockets.unmapped(addr[0]), addr[1]))  # IPv4 reads dotted
         self.ep.batch_done()
 
     def is_closing(self) -> bool:
         return self._closing
 
     def sendto(self, data: bytes, addr: Addr) -> None:
+        host = sockets.on_socket(self.sock, addr[0])
+        if host is None:
+            return  # an IPv6 address from an IPv4-only socket: out of reach
         try:
-            self.sock.sendto(data, addr)
+            self.sock.sendto(data, (host, addr[1]))
         except (BlockingIOError, InterruptedError):
             self.dropped += 1
         except OSError as e:
@@ -539,14 +544,18 @@ class Endpoint:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def open(self, host: str = "0.0.0.0", port: int = 0) -> Addr:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        """Bind our UDP socket: every interface (the default) is one socket for IPv4 and IPv6 (sockets.py)."""
         try:
-            sock.bind((host, port))
+            sock = sockets.bound(host, port, socket.SOCK_DGRAM)
         except OSError as e:
-            sock.close()
-            raise MeshError(f"cannot bind UDP {host}:{port}: {e.strerror}") from None
+            raise MeshError(f"cannot bind UDP {tok.host_port(host, port)}: {e.strerror}") from None
         self.transport = UdpSocket(sock, self)
         return self.local_addr
+
+    @property
+    def ipv6(self) -> bool:
+        """Whether our socket reaches IPv6 addresses (it reaches IPv4 ones either way, unless bound to one IPv6)."""
+        return self.transport is not None and self.transport.sock.family == socket.AF_INET6
 
     @property
     def local_addr(self) -> Addr:
@@ -591,13 +600,15 @@ class Endpoint:
             self._sendto(data, addr)
             return
         sock = self.transport.sock
-        default = sock.getsockopt(socket.IPPROTO_IP, socket.IP_TTL)
-        sock.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, ttl)
+        v6 = ":" in addr[0]
+        level, opt = (socket.IPPROTO_IPV6, socket.IPV6_UNICAST_HOPS) if v6 else (socket.IPPROTO_IP, socket.IP_TTL)
+        default = sock.getsockopt(level, opt)
+        sock.setsockopt(level, opt, ttl)
         try:
             self.stats.datagrams_out += 1
-            self._raw_send(data, addr)  # an idle UDP transport sends at once, under this TTL
+            self._raw_send(data, addr)  # an idle UDP transport sends at once, under this TTL (hop limit: IPv6)
         finally:
-            sock.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, default)
+            sock.setsockopt(level, opt, default)
 
     def direct_member(self, node: NodeId) -> Conn | None:
         """Our authenticated direct (not relayed) connection to ``node``."""
@@ -715,8 +726,8 @@ class Endpoint:
             raise
         except TimeoutError:
             conn.close("handshake timed out")
-            raise DialError(f"no answer from {addr[0]}:{addr[1]} within {timeout:.0f} s") from None
+            raise DialError(f"no answer from {tok.host_port(*addr)} within {timeout:.0f} s") from None
         except DialError as e:
             conn.close(str(e))
-            raise DialError(f"{addr[0]}:{addr[1]}: {e}") from None
+            raise DialError(f"{tok.host_port(*addr)}: {e}") from None
         return conn

@@ -79,10 +79,11 @@ GOSSIP_MAX_FRAME = 1 << 20
 StreamHandler = Callable[[Conn, Stream], Awaitable[None]]
 
 
-def local_addresses(port: int) -> list[str]:
-    """host:port for every IPv4 address of this machine, loopback last."""
-    ips = sorted(local_ips(), key=lambda ip: (ip.startswith("127."), ip))
-    return [f"{ip}:{port}" for ip in ips] or [f"127.0.0.1:{port}"]
+def local_addresses(port: int, ipv6: bool) -> list[str]:
+    """host:port for every address of this machine (IPv6 ones too with ``ipv6``), IPv4 first, loopback last."""
+    ips = sorted((ip for ip in local_ips() if ipv6 or ":" not in ip),
+                 key=lambda ip: (ip.startswith("127.") or ip == "::1", ":" in ip, ip))  # fmt: skip
+    return [tok.host_port(ip, port) for ip in ips] or [f"127.0.0.1:{port}"]
 
 
 async def _read_frame(stream: Stream, dec: FrameDecoder, timeout: float) -> Message:
@@ -166,9 +167,9 @@ class MeshNet:
         if self.advertise:
             self.addrs = self.advertise
         elif host not in ("0.0.0.0", "::"):
-            self.addrs = [f"{host}:{port}"]
+            self.addrs = [tok.host_port(host, port)]
         else:
-            self.addrs = local_addresses(port)
+            self.addrs = local_addresses(port, self.ep.ipv6)
         self.ep.relay_server = self.nat.relay_mode == RelayMode.ON
         self._pending_fields["relay"] = self.ep.relay_server
         if self.m is not None:
@@ -529,7 +530,7 @@ class MeshNet:
             ask = await _read_frame(st, FrameDecoder(AUTH_MAX_FRAME), AUTH_TIMEOUT_S)
             if not isinstance(ask, KnockAsk):
                 raise RemoteProtocolError("expected a knock")
-            addr = f"{conn.addr[0]}:{conn.addr[1]}"
+            addr = tok.host_port(*conn.addr)
             no = KnockAnswer(REFUSED, reason="this node takes no knocks")
             ans = self.on_knock(ask, addr) if self.on_knock else no
             st.write(encode(ans))
@@ -552,7 +553,7 @@ class MeshNet:
             conn.close("knocked")
 
     def _refused(self, conn: Conn, who: NodeId | None, reason: str) -> None:
-        line = f"refused {crypto.short(who) if who else '?'} from {conn.addr[0]}:{conn.addr[1]}: {reason}"
+        line = f"refused {crypto.short(who) if who else '?'} from {tok.host_port(*conn.addr)}: {reason}"
         self.refusals.append(line)
         log.warning(line)
 
@@ -589,7 +590,7 @@ class MeshNet:
         st.write(encode(AuthWelcome(chain=tok.chain_to_wire(v.chain))))
         st.close()
         if v.joined:
-            log.info("admitted %s from %s:%d with a token", crypto.short(hello.dialler), *conn.addr)
+            log.info("admitted %s from %s with a token", crypto.short(hello.dialler), tok.host_port(*conn.addr))
         conn.peer = hello.dialler
         conn.set_authenticated()
         self._register(conn, hello.dialler, listener=True)
@@ -620,7 +621,7 @@ class MeshNet:
         self.gossip[node] = st
         self.send(self.core.on_connected(node, self.now))
         if conn.relay is None:
-            self.send([(node, Observed(addr=f"{conn.addr[0]}:{conn.addr[1]}"))])
+            self.send([(node, Observed(addr=tok.host_port(*conn.addr)))])
         rekey = self._rekey()
         if rekey is not None:
             self.send([(node, rekey)])  # a member that was away when the secret rotated learns it here

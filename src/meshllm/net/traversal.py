@@ -9,6 +9,7 @@ through a relay (a member that forwards datagrams). The QUIC connection is end t
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 from typing import Protocol, Unpack
 
@@ -71,7 +72,21 @@ UPGRADE_EVERY_S = 40.0
 
 
 def local_ips() -> set[str]:
-    return {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family.name == "AF_INET"}
+    """This machine's IP addresses: IPv4, and IPv6 but for link-local ones (fe80::/10 means nothing off its link
+    without a zone)."""
+    out = set()
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family.name == "AF_INET" or (a.family.name == "AF_INET6" and not _link_local(a.address)):
+                out.add(a.address)
+    return out
+
+
+def _link_local(ip: str) -> bool:
+    try:
+        return ipaddress.ip_address(ip.partition("%")[0]).is_link_local
+    except ValueError:
+        return True
 
 
 class Traversal:
@@ -250,4 +265,4 @@ class Traversal:
 
 def _seen(conn: Conn) -> list[str]:
     """Where a direct connection's packets come from (what a NAT maps the peer to), as a candidate address."""
-    return [f"{conn.addr[0]}:{conn.addr[1]}"] if conn.relay is None else []
+    return [tok.host_port(*conn.addr)] if conn.relay is None else []

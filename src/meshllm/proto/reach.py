@@ -207,8 +207,12 @@ def parse_relayed_addr(addr: Addr) -> tuple[NodeId, NodeId] | None:
 
 def observe(reflexive: list[str], own: list[str], seen: str, local: set[str], port: int) -> tuple[list[str], bool]:
     """A member saw our packets come from ``seen``: (our reflexive addresses now, newest last; whether ``seen`` is
-    one of our own addresses, i.e. that member reaches us without a NAT in between)."""
+    one of our own addresses, i.e. that member reaches us without a NAT in between). An IPv6 address says neither:
+    it is not translated, and most home routers drop unsolicited IPv6 from outside, so seeing our own address there
+    does not make us a relay (a member uses a relay only where it holds a direct connection to it anyway)."""
     host, _, p = seen.rpartition(":")
+    if host.startswith("["):
+        return reflexive, False
     public = host in local and p == str(port)
     if public or seen in own or seen in reflexive:
         return reflexive, public

@@ -281,9 +281,9 @@ DIRECT_RETRY_S = 300.0  # a direct path that failed is not tried again for this 
 def try_direct(mode: str, tls_here: bool, quic_direct: bool, ip: str, failed_until: float | None, now: float) -> bool:
     """Whether to try the direct path to a worker: ``mode`` "auto" (the default; "tunnel" turns it off), both
     builds speak TLS (``tls_here``; the worker's shows in its key answer), our QUIC connection to it is not relayed
-    (through a NAT a TCP port is out of reach), its address is IPv4 (ggml-rpc's transport is IPv4-only), and the
-    path has not failed lately. The TCP probe and the key exchange decide the rest."""
-    if mode != "auto" or not tls_here or not quic_direct or ":" in ip or not ip:
+    (through a NAT a TCP port is out of reach), we know its address (IPv4 or IPv6: patch 0012), and the path has
+    not failed lately. The TCP probe and the key exchange decide the rest."""
+    if mode != "auto" or not tls_here or not quic_direct or not ip:
         return False
     return failed_until is None or now >= failed_until
 

@@ -20,6 +20,7 @@ import hashlib
 import hmac
 import logging
 import os
+import socket
 import ssl
 import struct
 import time
@@ -32,7 +33,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from meshllm import sockets
 from meshllm.proto.crypto import NodeId
+from meshllm.proto.token import host_port
 from meshllm.state import write_private
 
 log = logging.getLogger("meshllm.fetch")
@@ -75,7 +78,8 @@ class DirectSource:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_3
         ctx.load_cert_chain(cert, key)
-        self._server = await asyncio.start_server(self._client, self.host, 0, ssl=ctx,
+        sock = sockets.bound(self.host, 0, socket.SOCK_STREAM)  # every interface: IPv4 and IPv6 on one port
+        self._server = await asyncio.start_server(self._client, sock=sock, ssl=ctx,
                                                   ssl_handshake_timeout=HELLO_TIMEOUT_S)  # fmt: skip
         self.port = self._server.sockets[0].getsockname()[1]
 
@@ -159,7 +163,7 @@ class DirectLink:
         ssl_obj = writer.get_extra_info("ssl_object")
         der = ssl_obj.getpeercert(binary_form=True) if ssl_obj is not None else None
         if der is None or not hmac.compare_digest(hashlib.sha256(der).hexdigest(), cert):
-            log.warning("a direct fetch connection to %s:%d showed another certificate: not used", ip, port)
+            log.warning("a direct fetch connection to %s showed another certificate: not used", host_port(ip, port))
             writer.close()
             return None
         writer.write(t)

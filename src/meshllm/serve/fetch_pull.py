@@ -379,7 +379,7 @@ class _Links:
         if conn is None or conn.relay is not None:  # through a relay: a TCP port of that member is out of reach
             return None
         raw = await ask(net, source, "ticket", fp, 0, 4096, 10.0)
-        return cls(conn.addr[0].removeprefix("::ffff:"), raw) if raw else None
+        return cls(conn.addr[0], raw) if raw else None
 
     def __bool__(self) -> bool:
         return not self.broken

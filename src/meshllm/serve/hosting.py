@@ -30,6 +30,7 @@ from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import MAX_WHY, ModelFacts, NodeState
 from meshllm.proto.planner import BASE_CTX, Plan, Sizing, Waiting
 from meshllm.proto.serving import LAYER_WAIT_S
+from meshllm.proto.token import host_port
 from meshllm.serve.api import Api, Unavailable, Upstream
 from meshllm.serve.modelfiles import ModelFiles
 from meshllm.serve.sharing import Sharing
@@ -160,7 +161,7 @@ class Hosting:
                 log.warning("refused an RPC key to %s: not the elected host", crypto.short(peer) if peer else "?")
             st.reset()
             return
-        ip = conn.addr[0].removeprefix("::ffff:") if conn.relay is None else None
+        ip = conn.addr[0] if conn.relay is None else None  # an IPv4 address reads dotted (sockets.py)
         key = self.issue_rpc_key(peer, ip)
         with contextlib.suppress(ConnectionError):  # no TLS listener here (--rpc-path tunnel, a build without TLS)
             st.write(key.encode() if key else serving.NO_DIRECT_PATH, end=True)
@@ -260,11 +261,11 @@ class Hosting:
                 _, w = await asyncio.open_connection(ip, key.port)
             w.close()
         except (OSError, TimeoutError):
-            log.info("no direct RPC path to %s (%s:%d unreachable): tunnel", crypto.short(worker), ip, key.port)
+            log.info("no direct RPC path to %s (%s unreachable): tunnel", crypto.short(worker), host_port(ip, key.port))
             return
-        self.direct[worker] = f"{ip}:{key.port}"
+        self.direct[worker] = host_port(ip, key.port)
         if key.peer:
-            self.peer_at[worker] = f"{ip}:{key.peer}"
+            self.peer_at[worker] = host_port(ip, key.peer)
         log.info("direct RPC path to %s: %s (TLS)", crypto.short(worker), self.direct[worker])
 
     def _direct_broke(self, worker: NodeId, why: str) -> None:

@@ -128,7 +128,7 @@ def publish_token(net: MeshNet, state: Path, ttl_s: float, console: Console) -> 
 def addresses_learned(net: MeshNet, state: Path, addrs: list[str], ttl_s: float, console: Console) -> None:
     """Members told us our public addresses: recorded, and the invite token re-minted so that it carries them."""
     save_addrs(state, addrs)
-    console.print(f"addresses as members see them: {', '.join(addrs[:3])}")
+    console.print(f"addresses as members see them: {', '.join(addrs[:3])}", markup=False)  # "[v6]:port"
     if net.m is not None and load_token(state) is not None:
         save_token(state, net.mint_token(ttl_s).encode())
 

@@ -3,6 +3,8 @@ the ready line with its agent launch lines. Formatting only: each function retur
 
 from __future__ import annotations
 
+from rich.markup import escape
+
 from meshllm.proto import crypto
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import PeerRecord
@@ -21,7 +23,7 @@ def event_line(
     who = name(node, me)
     if kind == EventKind.JOINED:
         cap = f"{rec.capacity / GB:.1f} GB" if rec and rec.capacity else "no capacity"
-        return f"[green]+[/] peer {who} joined: {rec.role if rec else '?'}, {cap}, {path}" + (
+        return f"[green]+[/] peer {who} joined: {rec.role if rec else '?'}, {cap}, {escape(path)}" + (
             f", RTT {rtt:.1f} ms" if rtt is not None else ""
         )
     if kind in (EventKind.LEFT, EventKind.DIED):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from rich.console import Console
+from rich.markup import escape
 from rich.text import Text
 
 from meshllm import __version__
@@ -145,7 +146,7 @@ class Node:
         )  # fmt: skip
         save_addrs(self.state, addrs)
         self.console.print(
-            f"node [bold]{crypto.short(self.me)}[/] listening on UDP {', '.join(addrs)}"
+            f"node [bold]{crypto.short(self.me)}[/] listening on UDP {escape(', '.join(addrs))}"  # [v6]: not markup
             + (f" — capacity {self.capacity / GB:.1f} GB ({device})" if not self.o.client else " — lite client")
         )
         self._tasks += await enter_mesh(self.net, tokens, self.state, self.o, lite, self.console)
@@ -210,7 +211,7 @@ class Node:
                 elif isinstance(ev, MeshEvent):
                     self._on_event(ev)
                 elif isinstance(ev, Connected):
-                    self.console.print(f"[cyan]~[/] connected to {narration.name(ev.node, self.me)}: {ev.path}")
+                    self.console.print(f"[cyan]~[/] connected to {narration.name(ev.node, self.me)}: {escape(ev.path)}")
                 elif isinstance(ev, AddrsLearned):
                     addresses_learned(self.net, self.state, list(ev.addrs), self.o.token_ttl_s, self.console)
             except Exception:  # our own bug: loud, and the node goes on with the next event

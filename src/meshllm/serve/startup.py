@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from rich.console import Console
 
 from meshllm.errors import UserError
-from meshllm.llama.processes import port_in_use, udp_free
+from meshllm.llama.processes import ANY_ADDR, port_in_use, udp_free
 from meshllm.net.meshnet import new_mesh
 from meshllm.proto import token as tok
 from meshllm.proto.planner import ModelShape
@@ -52,7 +52,7 @@ def start_checks(o: NodeOptions, state: Path, api_host: str, console: Console) -
     if port_in_use(o.port, api_host):
         raise UserError(f"port {o.port} is in use: stop what runs there or pass --port N")
     for taken in (o.rpc_port, o.rpc_port + 1) if o.rpc_port is not None else ():
-        if port_in_use(taken, "0.0.0.0"):  # the direct path's TLS port and the links between workers' (PORT+1)
+        if port_in_use(taken, ANY_ADDR):  # the direct path's TLS port and the links between workers' (PORT+1)
             raise UserError(f"--rpc-port {o.rpc_port}: port {taken} is in use: stop what runs there or pass another")
     m = load_membership(state)
     tokens = parse_tokens(o.join, now, m.mesh_id if m else None)  # before anything is written

@@ -1,0 +1,70 @@
+"""[lan] 4: sockets for both IP families. A listener on every interface ("0.0.0.0" or "::", the default) is one IPv6
+socket that takes IPv4 too (dual stack): one port, one socket, whatever family a peer uses. On such a socket an IPv4
+peer reads as ``::ffff:a.b.c.d``; ``unmapped`` turns that back into the dotted address that tokens, gossip and key
+files name, and ``on_socket`` does the reverse for a send. A machine without IPv6 gets an IPv4 socket as before."""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import socket
+
+ANY = ("0.0.0.0", "::")
+MAPPED = "::ffff:"
+NO_IPV6 = (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL, errno.EPROTONOSUPPORT)
+
+
+def is_v6(host: str) -> bool:
+    return ":" in host
+
+
+def unmapped(host: str) -> str:
+    """``::ffff:1.2.3.4`` -> ``1.2.3.4``; any other host unchanged."""
+    return host[len(MAPPED):] if host.startswith(MAPPED) and "." in host else host  # fmt: skip
+
+
+def canonical(host: str) -> str:
+    """An IP literal as the socket calls write it, so addresses compare equal: IPv6 compressed and lower-case
+    ("2001:DB8:0::1" -> "2001:db8::1"), an IPv4-mapped one dotted; anything else unchanged."""
+    if not is_v6(host):
+        return host
+    try:
+        ip = ipaddress.IPv6Address(host)
+    except ValueError:
+        return host
+    return str(ip.ipv4_mapped) if ip.ipv4_mapped else str(ip)
+
+
+def on_socket(sock: socket.socket, host: str) -> str | None:
+    """The form of ``host`` that ``sock`` can send to: IPv4 as ``::ffff:a.b.c.d`` on an IPv6 socket; None when the
+    socket cannot reach that family (IPv6 on an IPv4 socket)."""
+    if sock.family == socket.AF_INET6:
+        return host if is_v6(host) else MAPPED + host
+    return None if is_v6(host) else host
+
+
+def bound(host: str, port: int, kind: socket.SocketKind) -> socket.socket:
+    """A socket of ``kind`` (SOCK_DGRAM, SOCK_STREAM) bound to ``host``:``port``; OSError as bind raises it. Every
+    interface (``ANY``) is a dual-stack IPv6 socket, or an IPv4 one where the machine has no IPv6."""
+    if host in ANY:
+        try:
+            return _bind(socket.AF_INET6, "::", port, kind, dual=True)
+        except OSError as e:
+            if e.errno not in NO_IPV6:
+                raise
+        return _bind(socket.AF_INET, "0.0.0.0", port, kind, dual=False)
+    return _bind(socket.AF_INET6 if is_v6(host) else socket.AF_INET, host, port, kind, dual=False)
+
+
+def _bind(family: socket.AddressFamily, host: str, port: int, kind: socket.SocketKind, dual: bool) -> socket.socket:
+    sock = socket.socket(family, kind)
+    try:
+        if kind == socket.SOCK_STREAM:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if dual:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
