@@ -199,7 +199,8 @@ def _complete(lab: Lab, where: str, prompt: str) -> str:
     return str(json.loads(out.stdout)["choices"][0]["text"])
 
 
-@pytest.mark.parametrize(("mode_a", "mode_b", "path"), [("random", "random", "relayed"), ("cone", "cone", "direct")])
+@pytest.mark.parametrize(("mode_a", "mode_b", "path"), [("random", "random", "relayed"), ("cone", "cone", "direct"),
+                                                        ("random+v6", "random+v6", "direct [2001:db8:b::2]")])
 def test_split_completion_across_nats(
     lab: Lab, tmp_path: Path, tiny_model: Path, mode_a: str, mode_b: str, path: str
 ) -> None:
@@ -222,6 +223,8 @@ def test_split_completion_across_nats(
 
         wait(serving, 120, "the host to serve a split with B", nodes)
         assert str(a.peer(b.id)["path"]).startswith(path)  # type: ignore[index]
+        # B's TCP port is behind its NAT (IPv4) or its router's firewall (IPv6): the split takes the QUIC tunnel
+        assert str(a.peer(b.id)["rpc_path"]).split()[0] == "tunnel", a.peer(b.id)  # type: ignore[index]
         cap = subprocess.Popen(lab.exec_argv("rdv", [sys.executable, str(Path(__file__).parent / "capture.py"),
                                                       "eth0", str(capture)]))  # fmt: skip
         time.sleep(0.5)
