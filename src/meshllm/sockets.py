@@ -1,7 +1,8 @@
 """[lan] 4: sockets for both IP families. A listener on every interface ("0.0.0.0" or "::", the default) is one IPv6
 socket that takes IPv4 too (dual stack): one port, one socket, whatever family a peer uses. On such a socket an IPv4
-peer reads as ``::ffff:a.b.c.d``; ``unmapped`` turns that back into the dotted address that tokens, gossip and key
-files name, and ``on_socket`` does the reverse for a send. A machine without IPv6 gets an IPv4 socket as before."""
+peer reads as ``::ffff:a.b.c.d``; the endpoint turns that back into the dotted address that tokens, gossip and key
+files name (``canonical`` does the same for addresses we are given), and the reverse for a send. A machine without
+IPv6 gets an IPv4 socket as before."""
 
 from __future__ import annotations
 
@@ -10,17 +11,11 @@ import ipaddress
 import socket
 
 ANY = ("0.0.0.0", "::")
-MAPPED = "::ffff:"
 NO_IPV6 = (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL, errno.EPROTONOSUPPORT)
 
 
 def is_v6(host: str) -> bool:
     return ":" in host
-
-
-def unmapped(host: str) -> str:
-    """``::ffff:1.2.3.4`` -> ``1.2.3.4``; any other host unchanged."""
-    return host[len(MAPPED):] if host.startswith(MAPPED) and "." in host else host  # fmt: skip
 
 
 def canonical(host: str) -> str:
@@ -33,14 +28,6 @@ def canonical(host: str) -> str:
     except ValueError:
         return host
     return str(ip.ipv4_mapped) if ip.ipv4_mapped else str(ip)
-
-
-def on_socket(sock: socket.socket, host: str) -> str | None:
-    """The form of ``host`` that ``sock`` can send to: IPv4 as ``::ffff:a.b.c.d`` on an IPv6 socket; None when the
-    socket cannot reach that family (IPv6 on an IPv4 socket)."""
-    if sock.family == socket.AF_INET6:
-        return host if is_v6(host) else MAPPED + host
-    return None if is_v6(host) else host
 
 
 def bound(host: str, port: int, kind: socket.SocketKind) -> socket.socket:

@@ -474,6 +474,7 @@ class UdpSocket:
         self.ep = ep
         self._closing = False
         self.dropped = 0
+        self.v6 = sock.family == socket.AF_INET6  # dual stack: IPv4 peers read and are sent to as ::ffff:a.b.c.d
         sock.setblocking(False)
         for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
             with contextlib.suppress(OSError):
@@ -488,16 +489,19 @@ class UdpSocket:
                 break
             except OSError:
                 continue  # an ICMP error for an earlier send: nothing to do with this read
-            self.ep.datagram_received(data, (sockets.unmapped(addr[0]), addr[1]))  # IPv4 reads dotted
+            host = addr[0]
+            if self.v6 and host.startswith("::ffff:") and "." in host:  # an IPv4 peer of a dual-stack socket
+                host = host[7:]
+            self.ep.datagram_received(data, (host, addr[1]))  # an IPv4 peer reads dotted everywhere
         self.ep.batch_done()
 
     def is_closing(self) -> bool:
         return self._closing
 
     def sendto(self, data: bytes, addr: Addr) -> None:
-        host = sockets.on_socket(self.sock, addr[0])
-        if host is None:
-            return  # an IPv6 address from an IPv4-only socket: out of reach
+        host = addr[0]
+        if self.v6 and ":" not in host:  # IPv4 leaves a dual-stack socket as ::ffff:a.b.c.d
+            host = "::ffff:" + host
         try:
             self.sock.sendto(data, (host, addr[1]))
         except (BlockingIOError, InterruptedError):
