@@ -63,22 +63,9 @@ class LanMesh:
 
 
 def _lan_addrs(addrs: list[str]) -> list[tuple[str, int]]:
-    """Our addresses worth announcing on the LAN: IPv4 and IPv6 (a LAN with no IPv4 finds us too), loopback only
-    when there is nothing else (a test on one machine)."""
     parsed = [parse_addr(a) for a in addrs]
-    return [(h, p) for h, p in parsed if not h.startswith("127.") and h != "::1"] or parsed
-
-
-def _zeroconf() -> AsyncZeroconf:
-    """mDNS over IPv4 and IPv6; IPv4 alone where the machine has no IPv6."""
-    try:
-        return AsyncZeroconf(ip_version=IPVersion.All)
-    except (OSError, ZeroconfError):
-        return AsyncZeroconf(ip_version=IPVersion.V4Only)
-
-
-def _packed(ip: str) -> bytes:
-    return socket.inet_pton(socket.AF_INET6 if ":" in ip else socket.AF_INET, ip)
+    v4 = [(h, p) for h, p in parsed if ":" not in h]
+    return [(h, p) for h, p in v4 if not h.startswith("127.")] or v4
 
 
 async def announce(net: MeshNet, name: str) -> None:
@@ -89,12 +76,12 @@ async def announce(net: MeshNet, name: str) -> None:
         return
     short = crypto.short(net.me)
     info = AsyncServiceInfo(
-        SERVICE, f"{short}.{SERVICE}", port=addrs[0][1], addresses=[_packed(h) for h, _ in addrs],
+        SERVICE, f"{short}.{SERVICE}", port=addrs[0][1], addresses=[socket.inet_aton(h) for h, _ in addrs],
         server=f"mesh-llm-{short}.local.",
         properties={"v": "1", "mesh": net.m.mesh_id.hex(), "node": net.me.hex(), "name": name[:63]},
     )  # fmt: skip
     try:
-        zc = _zeroconf()
+        zc = AsyncZeroconf(ip_version=IPVersion.V4Only)
     except (OSError, ZeroconfError) as e:
         log.warning("cannot announce the mesh on the LAN (mDNS): %s; --join TOKEN still works", e)
         return
@@ -119,15 +106,14 @@ def _parse(info: AsyncServiceInfo) -> LanMesh | None:
         return None
     if props.get("v") != "1" or len(node) != crypto.NODE_ID_LEN or not info.port:
         return None
-    addrs = tuple(tok.host_port(ip, info.port) for ip in info.parsed_addresses(IPVersion.All)
-                  if tok.ip_port(tok.host_port(ip, info.port)))
+    addrs = tuple(f"{ip}:{info.port}" for ip in info.parsed_addresses(IPVersion.V4Only))
     return LanMesh(mesh, node, props.get("name", "?")[:63], addrs) if addrs else None
 
 
 async def browse(wait_s: float = BROWSE_S) -> list[LanMesh]:
     """The announcements heard within ``wait_s``."""
     try:
-        zc = _zeroconf()
+        zc = AsyncZeroconf(ip_version=IPVersion.V4Only)
     except (OSError, ZeroconfError) as e:
         raise UserError(f"cannot look for meshes on the LAN (mDNS): {e}; join with --join TOKEN instead") from None
     names: set[str] = set()
