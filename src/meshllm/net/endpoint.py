@@ -559,7 +559,7 @@ class Endpoint:
     @property
     def ipv6(self) -> bool:
         """Whether our socket reaches IPv6 addresses (it reaches IPv4 ones either way, unless bound to one IPv6)."""
-        return self.transport is not None and self.transport.sock.family == socket.AF_INET6
+        return self.transport is not None and self.transport.v6
 
     @property
     def local_addr(self) -> Addr:
