@@ -9,6 +9,9 @@ from __future__ import annotations
 import errno
 import ipaddress
 import socket
+from typing import TypeVar
+
+A = TypeVar("A")
 
 ANY = ("0.0.0.0", "::")
 NO_IPV6 = (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL, errno.EPROTONOSUPPORT)
@@ -55,3 +58,21 @@ def _bind(family: socket.AddressFamily, host: str, port: int, kind: socket.Socke
         sock.close()
         raise
     return sock
+
+
+GSO_SEGMENTS = 40  # datagrams per send at most: 40 full QUIC datagrams (~1,450 bytes) stay under UDP's 65,507
+
+
+def gso_runs(datagrams: list[tuple[bytes, A]]) -> list[tuple[A, list[bytes]]]:
+    """Datagrams in order, cut into runs that one UDP GSO send can carry: one address, every datagram the size of
+    the first but the last, which may be shorter (the kernel cuts the run at the first one's size), at most
+    GSO_SEGMENTS."""
+    out: list[tuple[A, list[bytes]]] = []
+    for data, addr in datagrams:
+        if out:
+            at, run = out[-1]
+            if at == addr and len(run) < GSO_SEGMENTS and len(data) <= len(run[0]) == len(run[-1]):
+                run.append(data)
+                continue
+        out.append((addr, [data]))
+    return out

@@ -5,8 +5,10 @@ What strangers can do before authentication (junk, floods, parked bytes): tests/
 from __future__ import annotations
 
 import asyncio
+import errno
 import socket
 import ssl
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -404,5 +406,62 @@ def test_one_endpoint_takes_ipv4_and_ipv6_peers_and_names_each_as_it_is() -> Non
         finally:
             for ep in (b, v4, v6):
                 ep.close()
+
+    asyncio.run(main())
+
+
+class _NoSegmentation:
+    """A UDP socket whose segmented sends fail as on an interface that cannot segment (EIO)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.refused = 0
+
+    def sendmsg(self, *args: object) -> int:
+        self.refused += 1
+        raise OSError(errno.EIO, "Input/output error")
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._sock, name)
+
+
+@pytest.mark.parametrize("segmentation", ["on", "refused"])
+def test_bulk_bytes_arrive_whole_in_segmented_sends_and_without_them(segmentation: str) -> None:
+    """[pipeline] 3: a stream of 8 MB both ways. Sends leave in runs (UDP GSO) and reads take coalesced runs (GRO)
+    on Linux; where the kernel refuses a segmented send the socket sends one datagram per call from then on."""
+
+    async def main() -> None:
+        a, b, accepted, addr = await _pair()
+        try:
+            assert a.transport is not None and b.transport is not None
+            if segmentation == "refused":
+                a.transport.sock = _NoSegmentation(a.transport.sock)  # type: ignore[assignment]
+            conn = await a.dial(addr, b.me)
+            conn.set_authenticated()
+            server = await asyncio.wait_for(accepted.get(), 5)
+            server.set_authenticated()
+            blob = bytes(range(256)) * (8 << 12)  # 8 MiB, not one repeated byte: misplaced bytes would show
+            st = conn.open_stream(STREAM_GOSSIP)
+            st.write(blob, end=True)
+            peer = await asyncio.wait_for(server.accept(), 5)
+            assert peer is not None
+            got = bytearray()
+            while chunk := await asyncio.wait_for(peer.read(), 20):
+                got += chunk
+            assert got == blob
+            peer.write(bytes(got), end=True)
+            back = bytearray()
+            while chunk := await asyncio.wait_for(st.read(), 20):
+                back += chunk
+            assert back == blob
+            if sys.platform == "linux":
+                assert b.transport.gso and b.transport.gro  # the answering side segmented its sends
+                if segmentation == "refused":
+                    assert not a.transport.gso and a.transport.sock.refused == 1  # type: ignore[attr-defined]
+                else:
+                    assert a.transport.gso
+        finally:
+            a.close()
+            b.close()
 
     asyncio.run(main())

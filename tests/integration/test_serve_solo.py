@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -74,6 +75,20 @@ def solo(tmp_path: Path) -> Iterator[Solo]:
     s.stop()
 
 
+def _readme_examples() -> list[tuple[str, dict[str, object], str]]:
+    """The README's curl examples under "## Serving": (path, JSON body, the answer text its comment shows)."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    lines = text.split("## Serving", 1)[1].split("```bash", 1)[1].split("```", 1)[0].splitlines()
+    out: list[tuple[str, dict[str, object], str]] = []
+    for i, line in enumerate(lines):
+        if line.startswith("curl "):
+            path = re.search(r":9337(/v1/\S+)", line).group(1)  # type: ignore[union-attr]
+            body = json.loads(re.search(r"-d '(.*)'", lines[i + 1]).group(1))  # type: ignore[union-attr]
+            shown = re.search(r'"(?:content|text)":("(?:[^"\\]|\\.)*")', lines[i + 2]).group(1)  # type: ignore[union-attr]
+            out.append((path, body, json.loads(shown)))
+    return out
+
+
 def _llama_server_port(pid: int) -> int:
     for child in psutil.Process(pid).children(recursive=True):
         if "llama-server" in child.name():
@@ -98,12 +113,17 @@ def test_solo_answers_like_llama_server_itself(solo: Solo) -> None:
     chat = {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 8, "temperature": 0}
     code, out = _post(solo.port, "/v1/chat/completions", chat)
     assert code == 200 and out["choices"][0]["message"]["content"]  # type: ignore[index]
-    # [face-2] 1: the README's first chat (no max_tokens) answers and stops, though the tiny model is a base model
-    first = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0}
-    code, out = _post(solo.port, "/v1/chat/completions", first)
-    choice = out["choices"][0]  # type: ignore[index]
-    assert code == 200 and choice["message"]["content"] == " The capital of France is Paris.", out
-    assert choice["finish_reason"] == "stop" and out["usage"]["completion_tokens"] < 16, out  # type: ignore[index]
+    # [face-2] 1: the README's first examples print what the README shows: its chat (no max_tokens) answers and
+    # stops, though the tiny model is a base model; its completion prints the text shown
+    examples = _readme_examples()
+    assert [path for path, _, _ in examples] == ["/v1/chat/completions", "/v1/completions"], examples
+    for path, req, shown in examples:
+        code, out = _post(solo.port, path, req)
+        choice = out["choices"][0]  # type: ignore[index]
+        got = choice["message"]["content"] if "message" in choice else choice["text"]
+        assert code == 200 and got == shown, (path, out)
+        if "message" in choice:
+            assert choice["finish_reason"] == "stop" and out["usage"]["completion_tokens"] < 16, out  # type: ignore[index]
     # one model served: another name reaches it too (as with llama-server), and the answer names the real one
     code, out = _post(solo.port, "/v1/completions", {**body, "model": "no-such-model"})
     assert code == 200 and out["model"] == "gemma3-270m", out

@@ -1,4 +1,5 @@
-"""[lan] 4: one socket for both IP families, and the address forms on it."""
+"""[lan] 4: one socket for both IP families, and the address forms on it; [pipeline] 3: runs of datagrams that
+one segmented (GSO) send carries."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import errno
 import socket
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from meshllm import sockets
 from meshllm.net.endpoint import parse_addr
@@ -58,3 +61,15 @@ def test_a_machine_without_ipv6_gets_an_ipv4_socket(monkeypatch: pytest.MonkeyPa
         assert s.family == socket.AF_INET and s.getsockname()[0] == "0.0.0.0"
     with pytest.raises(OSError):
         sockets.bound("::1", 0, socket.SOCK_DGRAM)  # asked for IPv6 by name: no quiet fallback
+
+
+@given(st.lists(st.tuples(st.integers(1, 1500), st.sampled_from(["a", "b"])), max_size=120))
+def test_gso_runs_keep_order_and_hold_what_one_segmented_send_can(items: list[tuple[int, str]]) -> None:
+    datagrams = [(bytes([i % 251]) * size, addr) for i, (size, addr) in enumerate(items)]
+    runs = sockets.gso_runs(datagrams)
+    assert [(d, a) for a, run in runs for d in run] == datagrams  # every datagram, in order, to its address
+    for _addr, run in runs:
+        assert 1 <= len(run) <= sockets.GSO_SEGMENTS
+        assert all(len(d) == len(run[0]) for d in run[:-1]) and len(run[-1]) <= len(run[0])
+    full = [(b"x" * 1400, "a")] * 100 + [(b"y" * 90, "a")]
+    assert [len(r) for _, r in sockets.gso_runs(full)] == [40, 40, 21]  # as few sends as the limit allows

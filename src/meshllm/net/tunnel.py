@@ -50,20 +50,45 @@ class TunnelStats:
 
 
 class _Decoder:
-    def __init__(self) -> None:
-        self.buf = bytearray()
+    """Frames out of the stream's chunks, as they arrive: a DATA frame's payload is handed on in pieces (slices of
+    the chunk it came in, no copy, never held back until the frame is whole: at 100+ MB/s reassembling 1 MB frames
+    was a fifth of the receiver's time). Only a header or a CREDIT frame split across chunks is buffered."""
 
-    def feed(self, data: bytes) -> list[tuple[int, bytes]]:
-        self.buf += data
-        out = []
-        while len(self.buf) >= HDR.size:
-            typ, n = HDR.unpack_from(self.buf)
-            if typ not in (DATA, CREDIT) or n > MAX_FRAME:
-                raise RemoteProtocolError("bad tunnel frame")
-            if len(self.buf) < HDR.size + n:
-                break
-            out.append((typ, bytes(self.buf[HDR.size : HDR.size + n])))
-            del self.buf[: HDR.size + n]
+    def __init__(self) -> None:
+        self.head = b""  # a header's first bytes
+        self.typ = -1  # the frame being read, -1 between frames
+        self.left = 0  # its payload bytes still to come
+        self.credit = b""  # a CREDIT frame's payload so far
+
+    def feed(self, data: bytes) -> list[tuple[int, bytes | memoryview]]:
+        out: list[tuple[int, bytes | memoryview]] = []
+        view = memoryview(data)
+        i, n = 0, len(data)
+        while i < n:
+            if self.typ < 0:
+                need = HDR.size - len(self.head)
+                self.head += data[i : i + need]
+                i += need
+                if len(self.head) < HDR.size:
+                    break
+                typ, size = HDR.unpack(self.head)
+                self.head = b""
+                if typ not in (DATA, CREDIT) or size > MAX_FRAME or (typ == CREDIT and size != 4):
+                    raise RemoteProtocolError("bad tunnel frame")
+                self.typ, self.left = typ, size
+            take = min(self.left, n - i)
+            if self.typ == DATA:
+                if take:
+                    out.append((DATA, view[i : i + take]))
+            else:
+                self.credit += data[i : i + take]
+            i += take
+            self.left -= take
+            if self.left == 0:
+                if self.typ == CREDIT:
+                    out.append((CREDIT, self.credit))
+                    self.credit = b""
+                self.typ = -1
         return out
 
 
@@ -91,7 +116,7 @@ class Bridge(asyncio.Protocol):
         self.up_done = False
         # QUIC -> TCP
         self.dec = _Decoder()
-        self.uncredited = 0  # bytes from the peer not granted back yet; over WINDOW + MAX_FRAME is a broken peer
+        self.uncredited = 0  # bytes from the peer not granted back yet; over WINDOW is a broken peer
         self.taken = 0  # of those, bytes our TCP socket took while it was not backed up
         self.backed_up = False  # the TCP socket's buffer is over its high-water mark: grant nothing
         self.down_done = False
@@ -159,7 +184,7 @@ class Bridge(asyncio.Protocol):
                 self._flush_held()
                 continue
             self.uncredited += len(payload)
-            if self.uncredited > WINDOW + MAX_FRAME:
+            if self.uncredited > WINDOW:  # a peer that keeps to its credit never has more than WINDOW unacknowledged
                 log.debug("tunnel %d: the peer ignored flow control", self.stream.id)
                 self.stream.reset()
                 self.close()
