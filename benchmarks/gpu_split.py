@@ -516,8 +516,11 @@ def main() -> None:
 def load(run_mesh: Any, server: Any, rpc_server: Any, args: Any) -> None:
     """[team]: every setup with --parallel slots of --slot-ctx tokens and the same layer split (the mesh's host on GPU
     0, its worker on GPU 1; --tensor-split forces the split, as the issue's 13/19): aggregate tok/s of --tokens greedy
-    tokens at each client count and the time to first token, then the prefill of a 2k and an 8k prompt."""
+    tokens at each client count and the time to first token, then the prefill of a 2k and an 8k prompt. On a machine
+    of one GPU every process shares GPU 0 (the mesh's paths side by side; "in one process" is llama.cpp on it)."""
     clients = [int(x) for x in args.clients.split(",")]
+    n_gpus = len(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip().splitlines())
+    second, both = ("1", "0,1") if n_gpus > 1 else ("0", "0")
     w, h = (int(x) for x in args.split.split(","))
     p, ctx = args.parallel, args.slot_ctx
 
@@ -533,21 +536,21 @@ def load(run_mesh: Any, server: Any, rpc_server: Any, args: Any) -> None:
     results: list[tuple[str, dict[str, object]]] = []
     mesh_args = ("--parallel", str(p), "--ctx-size", str(ctx), "--tensor-split", f"{w},{h}")
     for path_name in ("auto", "tunnel"):
-        got, st = run_mesh(f"load-{path_name}", path_name, [("0", None), ("1", None)], mesh_args, measure)
+        got, st = run_mesh(f"load-{path_name}", path_name, [("0", None), (second, None)], mesh_args, measure)
         via = "; ".join(x["rpc_path"] for x in st["peers"] if x.get("rpc_path"))  # type: ignore[attr-defined]
         print(f"mesh ({path_name}): plan {[a['count'] for a in st['plan']['assignments']]}, {via}, "  # type: ignore[index]
               f"slots {st.get('slots')}", flush=True)
         results.append((f"mesh-llm, {'default path' if path_name == 'auto' else 'tunnel'} ({via})", got))
     ts = [float(w), float(h + 1)]
-    worker, at = rpc_server("rpc-load", "1")
+    worker, at = rpc_server("rpc-load", second)
     try:
         tcp = server("load-tcp", "0", [at], ts, (), measure, ctx, p)
         results.append(("stock: host GPU + worker over TCP RPC", tcp))
     finally:
         worker.stop()
-    inproc = server("load-inproc", "0,1", [], ts, ("-sm", "layer"), measure, ctx, p)
-    results.append(("llama.cpp in one process, 2 GPUs", inproc))
-    base = dict(results)["llama.cpp in one process, 2 GPUs"]
+    inproc_name = f"llama.cpp in one process, {min(n_gpus, 2)} GPU{'s' if n_gpus > 1 else ''}"
+    results.append((inproc_name, server("load-inproc", both, [], ts, ("-sm", "layer"), measure, ctx, p)))
+    base = dict(results)[inproc_name]
     print(f"\n# {args.tokens} greedy tokens per client, --parallel {p}, {ctx} tokens per slot, split {w}/{h}; "
           f"aggregate: median of {args.runs} runs; time to first token over all requests of those runs")
     print("| setup | clients | aggregate tok/s | ÷ in-process | TTFT p50 s | TTFT p95 s |")
