@@ -6,7 +6,7 @@ On a GPU machine with no network (the lent device), after ``benchmarks/gpu_pack.
     python3 benchmarks/gpu_split.py --carry gpuc --load [--parallel 8] [--slot-ctx 9216] [--clients 1,4,8,16]
     python3 benchmarks/gpu_split.py --carry gpuc --replicas [--parallel 16] [--slot-ctx 2048] [--clients 16]
     python3 benchmarks/gpu_split.py --carry gpuc --start [--runs 3]
-    python3 benchmarks/gpu_split.py --carry gpuc --pipeline [--nodes 2,3,4] [--runs 3]
+    python3 benchmarks/gpu_split.py --carry gpuc --pipeline [--nodes 2,3,4] [--runs 3] [--rtt-ms 1 | --tunnel]
 
 (--prepare builds and makes the model only, so a second call on the still-warm machine has the whole 10 minutes.)
 --load is [team]'s table: many clients at once and long prompts, every setup with the same slots and context.
@@ -205,31 +205,39 @@ def pipeline(run_mesh: Any, server: Any, rpc_server: Any, free_port: Any, args: 
         split = [float(x) for x in layers]
         split[-1] += 1  # the host's entry counts the output layer
         mesh_args = ("--parallel", str(parallel), "--ctx-size", str(ctx), "--tensor-split", ",".join(map(str, layers)))
-        if not args.rtt_ms:
+        if args.tunnel:  # the mesh through tunnels: worker to worker through the mesh, then the star
+            for path, name in (("tunnel-host", "worker to worker through the mesh"), ("tunnel", "star")):
+                got, st = run_mesh(f"pipe{n}-{path}", path, [(g, None) for g in gpus], mesh_args, measure)
+                via = "; ".join(x["rpc_path"] for x in st["peers"] if x.get("rpc_path"))  # type: ignore[attr-defined]
+                print(f"N={n} {path}: {via}", flush=True)
+                table.append((n, f"mesh-llm through tunnels, {name}", got))
+        elif not args.rtt_ms:
             got, st = run_mesh(f"pipe{n}", "auto", [(g, None) for g in gpus], mesh_args, measure)
             via = "; ".join(x["rpc_path"] for x in st["peers"] if x.get("rpc_path"))  # type: ignore[attr-defined]
             counts = [a["count"] for a in st["plan"]["assignments"]]  # type: ignore[index]
             print(f"N={n}: mesh plan {counts} ({via})", flush=True)
             table.append((n, f"mesh-llm, {len(counts)} nodes on GPUs {','.join(gpus)}", got))
-        peers: list[int] = []
-        for _ in gpus[1:]:
-            peers.append(free_port(avoid=peers))
-        workers = [rpc_server(f"pipe{n}-w{i}", g, peer=p) for i, (g, p) in enumerate(zip(gpus[1:], peers, strict=True))]
-        try:
-            eps = [ep for _, ep in workers]
-            if args.rtt_ms:  # every link through a relay that delays it
-                relays = [DelayProxy(int(ep.rsplit(":", 1)[1]), args.rtt_ms, 0) for ep in eps]
-                relays += [DelayProxy(p, args.rtt_ms, 0) for p in peers]
-                eps = [f"127.0.0.1:{r.port}" for r in relays[: len(eps)]]
-                peers = [r.port for r in relays[len(eps) :]]
-            env_ = {"GGML_RPC_PEERS": ",".join(f"{ep}=127.0.0.1:{p}" for ep, p in zip(eps, peers, strict=True))}
-            table.append((n, "worker to worker: host GPU + RPC workers",
-                          server(f"pipe{n}-ring", "0", eps, split, (), measure, ctx, parallel, env_)))  # fmt: skip
-            table.append((n, "stock star: host GPU + RPC workers",
-                          server(f"pipe{n}-star", "0", eps, split, (), measure, ctx, parallel)))  # fmt: skip
-        finally:
-            for c, _ in workers:
-                c.stop()
+        if not args.tunnel:  # the same devices without the mesh: worker to worker and the star
+            peers: list[int] = []
+            for _ in gpus[1:]:
+                peers.append(free_port(avoid=peers))
+            workers = [rpc_server(f"pipe{n}-w{i}", g, peer=p)
+                       for i, (g, p) in enumerate(zip(gpus[1:], peers, strict=True))]
+            try:
+                eps = [ep for _, ep in workers]
+                if args.rtt_ms:  # every link through a relay that delays it
+                    relays = [DelayProxy(int(ep.rsplit(":", 1)[1]), args.rtt_ms, 0) for ep in eps]
+                    relays += [DelayProxy(p, args.rtt_ms, 0) for p in peers]
+                    eps = [f"127.0.0.1:{r.port}" for r in relays[: len(eps)]]
+                    peers = [r.port for r in relays[len(eps) :]]
+                env_ = {"GGML_RPC_PEERS": ",".join(f"{ep}=127.0.0.1:{p}" for ep, p in zip(eps, peers, strict=True))}
+                table.append((n, "worker to worker: host GPU + RPC workers",
+                              server(f"pipe{n}-ring", "0", eps, split, (), measure, ctx, parallel, env_)))  # fmt: skip
+                table.append((n, "stock star: host GPU + RPC workers",
+                              server(f"pipe{n}-star", "0", eps, split, (), measure, ctx, parallel)))  # fmt: skip
+            finally:
+                for c, _ in workers:
+                    c.stop()
         used = sorted(set(gpus), key=int)
         per_gpu = [sum(x for g, x in zip(gpus, split, strict=True) if g == u) for u in used]
         table.append((n, f"llama.cpp in one process, {len(used)} GPUs",
@@ -241,7 +249,7 @@ def pipeline(run_mesh: Any, server: Any, rpc_server: Any, free_port: Any, args: 
           "÷ in-process |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for n, name, r in table:
         base = next(v for m, k, v in table if m == n and k.startswith("llama.cpp in one process"))
-        star = next(v for m, k, v in table if m == n and k.startswith("stock star"))
+        star = next(v for m, k, v in table if m == n and (k.endswith("star") or k.startswith("stock star")))
         print(f"| {n} | {name} | {r['dec']:.1f} | {r['dec'] / base['dec']:.2f} | {r['dec'] / star['dec']:.2f} | "
               f"{r['c4']:.1f} | {r['c4'] / base['c4']:.2f} | {r['pre']:.0f} | {r['pre'] / base['pre']:.2f} |")
 
@@ -342,6 +350,9 @@ def main() -> None:
                     help="--pipeline: every link between two processes (llama-server to a worker, worker to worker) "
                          "through a relay that delays each way by half this (benchmarks/delayrelay.py), as on a LAN; "
                          "the mesh row is left out (its links are its own)")
+    ap.add_argument("--tunnel", action="store_true",
+                    help="--pipeline: the mesh's rows only, through tunnels (the host on --rpc-path tunnel): worker "
+                         "to worker through the mesh, and the star (every node on --rpc-path tunnel)")
     ap.add_argument("--prepare", action="store_true", help="only build the binaries and make the model, then stop")
     args = ap.parse_args()
     work: Path = args.work
@@ -377,7 +388,9 @@ def main() -> None:
     def run_mesh(name: str, rpc_path: str, spec: list[tuple[str, float | None]], extra: tuple[str, ...] = (),
                  measure: Any = None, everyone: bool = False) -> tuple[Any, dict[str, object]]:  # fmt: skip
         """``measure(base_url)``: what to measure at the host's API (default: single-stream decode tok/s);
-        ``everyone``: once every node's llama-server serves (replicas), at the first node's API."""
+        ``everyone``: once every node's llama-server serves (replicas), at the first node's API. ``rpc_path``
+        "tunnel-host": the first node (the host) on --rpc-path tunnel, the others on auto (their rpc-servers keep
+        the predecessor listener worker to worker through the mesh needs)."""
         nodes, ports = [], [free_port() for _ in spec]
         state = work / f"mesh-{name}"
         shutil.rmtree(state, ignore_errors=True)
@@ -387,7 +400,8 @@ def main() -> None:
         try:
             for i, ((gpus, cap), port) in enumerate(zip(spec, ports, strict=True)):
                 cmd = [sys.executable, "-m", "meshllm.cli", "--model", str(model), "--state-dir", str(state / f"n{i}"),
-                       "--port", str(port), "--bind-host", "127.0.0.1", "--rpc-path", rpc_path,
+                       "--port", str(port), "--bind-host", "127.0.0.1",
+                       "--rpc-path", ("auto" if i else "tunnel") if rpc_path == "tunnel-host" else rpc_path,
                        *(extra or ("--ctx-size", "2048", "--parallel", "1"))]  # fmt: skip
                 cmd += ["--max-vram", str(cap)] if cap is not None else []
                 if i:

@@ -4,13 +4,18 @@ llama-server. Real patched and stock binaries, the real model, loopback; openssl
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import socket
 import struct
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -250,6 +255,105 @@ def test_a_three_node_mesh_sends_activations_worker_to_worker(
         logs = {n.state.name: n.text_of("rpc-server.log") for n in nodes[1:]}
         assert sum("peer link accepted" in t for t in logs.values()) == 1, logs
         assert sum("connected" in t for t in logs.values()) == 1, logs
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def test_workers_behind_tunnels_send_activations_worker_to_worker_through_the_mesh(
+    tmp_path: Path, tiny_model: Path, stock_bins: Binaries
+) -> None:
+    """[pipeline] 2 where no direct path exists (the host on ``--rpc-path tunnel``: every worker through its QUIC
+    tunnel): the host asks the first worker for a loopback port that leads to the second over the mesh, and the
+    hidden state goes that way, TLS with llama-server's key inside; the same text as the stock split. A member that
+    is not the first worker, and a stranger, get nothing from the second worker; a member that is not the host gets
+    no forwarder from the first."""
+    import asyncio
+
+    from meshllm.net.endpoint import STREAM_PEER, STREAM_PEER_OPEN, Endpoint
+    from meshllm.proto import crypto
+    from meshllm.proto import token as tok
+    from meshllm.proto.auth import AuthWelcome, make_proof
+    from tests.integration.test_mesh import _handshake_as
+
+    a = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.5", "--ctx-size", "1024", "--rpc-path", "tunnel")
+    nodes = [a]
+    try:
+        wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
+        token = (a.state / "token").read_text().strip()
+        for name in "bd":
+            nodes.append(NodeProc(tmp_path, name, tiny_model, "--max-vram", "0.07", "--ctx-size", "1024",
+                                  "--join", token))  # fmt: skip
+        wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 3, 180, "a 3-way split")
+        plan = _assignments(a)
+        workers = [str(x["node"]) for x in plan[:2]]
+        assert all(_rpc_path(a, w).startswith("tunnel") for w in workers), [_rpc_path(a, w) for w in workers]
+        out = text_of(complete(a.port, "/v1/completions"))
+        counts = [float(x["count"]) for x in plan]  # type: ignore[arg-type]
+        assert out == stock_split_text(tmp_path, stock_bins, tiny_model, counts, SPLIT_N)
+        said = a.text_of("llama-server.log")
+        link = r"(?m)^rpc peer link 127\.0\.0\.1:\d+ -> 127\.0\.0\.1:\d+: server to server$"
+        assert re.search(link, said), said[-3000:]
+        wait_for(lambda: "next worker through the mesh" in _rpc_path(a, workers[0]), 10, "the status to say so")
+        assert "next worker" not in _rpc_path(a, workers[1])
+        by_id = {crypto.node_id(n.key()).hex(): n for n in nodes}
+        first, second = by_id[workers[0]], by_id[workers[1]]
+        assert "peer link accepted" in second.text_of("rpc-server.log")
+        assert re.search(r"peer link to 127\.0\.0\.1:\d+: connected", first.text_of("rpc-server.log"))
+
+        # the attempts: a member (admitted with a worker-scoped token) and a stranger
+        minted = subprocess.run([sys.executable, "-m", "meshllm.cli", "token", "--state-dir", str(a.state), "--scope",
+                                 "worker"], capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert minted.returncode == 0, minted.stderr
+        member_token = tok.parse(minted.stdout.strip().splitlines()[-1])
+        addr_of = {n: json.loads((n.state / "node.json").read_text())["addrs"][0] for n in (first, second)}
+
+        async def attempts() -> tuple[bytes, bytes, bytes]:
+            async def member_to(n: NodeProc) -> Any:
+                key = crypto.new_key()
+                ep = Endpoint(key)
+                await ep.open("127.0.0.1", 0)
+                n_id = crypto.node_id(n.key())
+                welcome, _, conn = await _handshake_as(
+                    ep, addr_of[n], n_id, member_token.mesh_id,
+                    lambda k, ch: make_proof(k, member_token.secret, ch, n_id, token=member_token), key)  # fmt: skip
+                assert isinstance(welcome, AuthWelcome), welcome
+                conn.peer = n_id
+                conn.set_authenticated()
+                return ep, conn
+
+            async def read(st: Any) -> bytes:
+                try:
+                    return bytes(await asyncio.wait_for(st.read(), 10))
+                except (ConnectionError, TimeoutError):
+                    return b""
+
+            ep1, c1 = await member_to(second)  # not the worker before it: its hidden state is refused
+            peer = c1.open_stream(STREAM_PEER)
+            peer.write(b"\x16\x03\x01")  # the first bytes of a TLS ClientHello
+            ep2, c2 = await member_to(first)  # not the host: no forwarder
+            ask = c2.open_stream(STREAM_PEER_OPEN)
+            ask.write(crypto.node_id(second.key()), end=True)
+            ep3 = Endpoint(crypto.new_key())  # a stranger: dials, never authenticates
+            await ep3.open("127.0.0.1", 0)
+            host, port = addr_of[second].rsplit(":", 1)
+            c3 = await ep3.dial((host, int(port)), crypto.node_id(second.key()))
+            stranger = c3.open_stream(STREAM_PEER)
+            stranger.write(b"\x16\x03\x01")
+            try:
+                return await read(peer), await read(ask), await read(stranger)
+            finally:
+                for ep in (ep1, ep2, ep3):
+                    ep.close()
+
+        seen = second.text_of("rpc-server.log")
+        assert asyncio.run(attempts()) == (b"", b"", b"")
+        time.sleep(1)
+        after = second.text_of("rpc-server.log")
+        assert after.count("peer link") == seen.count("peer link"), after[-2000:]  # no byte reached its listener
+        wait_for(lambda: "refused a worker-to-worker stream from" in second.text(), 10, "the second worker to say")
+        wait_for(lambda: "refused a worker-to-worker link asked by" in first.text(), 10, "the first worker to say")
+        assert text_of(complete(a.port, "/v1/completions")) == out
     finally:
         for n in nodes:
             n.stop()

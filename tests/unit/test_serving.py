@@ -239,6 +239,33 @@ def test_the_host_waits_for_a_worker_s_layers_a_bounded_time() -> None:
     assert w.step(frozenset(), 13) == (frozenset(), [], []) and w.step(frozenset({W2}), 14) == ({W2}, [W2], [])
 
 
+def test_tunnel_peer_entries_name_each_forwarder_on_loopback_or_nothing() -> None:
+    """[pipeline] 2 over the mesh: a worker's entry is the port on its predecessor's machine that leads to it; the
+    first worker's says only its address (127.0.0.1: where its own connections come from at its successor)."""
+    a, b, c = (bytes([i]) * 32 for i in (1, 2, 3))
+    eps = {a: "127.0.0.1:5001", b: "127.0.0.1:5002", c: "127.0.0.1:5003"}
+    fwd = {(a, b): 7001, (b, c): 7002, (c, a): 7003}
+    assert s.tunnel_peer_entries([a, b, c], eps, fwd) == (
+        "127.0.0.1:5001=127.0.0.1:1", "127.0.0.1:5002=127.0.0.1:7001", "127.0.0.1:5003=127.0.0.1:7002")
+    assert s.tunnel_peer_entries([a, b, c], eps, {(a, b): 7001}) == ()  # a pair without one: the star for all
+    assert s.tunnel_peer_entries([a, c, b], eps, fwd) == ()  # (a, c) has none: order matters
+    assert s.tunnel_peer_entries([a], eps, fwd) == ()
+
+
+def test_only_the_worker_before_us_in_our_hosts_plan_may_send_us_a_hidden_state() -> None:
+    w3 = bytes([3]) * 32
+    plan = Plan(ME, (Assignment(W1, 0, 4, 1), Assignment(W2, 4, 4, 1), Assignment(w3, 8, 4, 1),
+                     Assignment(ME, 12, 6, 1)), ())  # fmt: skip
+    assert s.predecessor(plan, W2) == W1 and s.predecessor(plan, w3) == W2
+    assert s.predecessor(plan, W1) is None and s.predecessor(plan, ME) is None and s.predecessor(plan, STRANGER) is None
+    assert s.may_open_peer(W1, W2, plan, ME)
+    assert not s.may_open_peer(W1, w3, plan, ME)  # not the neighbour
+    assert not s.may_open_peer(ME, W1, plan, ME)  # the host is no worker's predecessor
+    assert not s.may_open_peer(W2, W1, plan, ME)  # the other way round
+    assert not s.may_open_peer(W1, W2, plan, HOST)  # a plan of a host we did not elect
+    assert not s.may_open_peer(W1, W2, Waiting(2, 1), ME) and not s.may_open_peer(None, W2, plan, ME)
+
+
 def test_peer_listeners_only_between_two_neighbours_reached_directly() -> None:
     a, b, c = (bytes([i]) * 32 for i in (1, 2, 3))
     direct = {a: "10.0.0.1:5001", b: "10.0.0.2:5001", c: "10.0.0.3:5001"}

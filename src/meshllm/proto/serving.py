@@ -352,6 +352,40 @@ def peer_listeners(
     return tuple(f"{direct[n]}={peer[n]}" for n, good in zip(workers, ok, strict=True) if good)
 
 
+def tunnel_peer_entries(
+    workers: Sequence[NodeId], endpoints: Mapping[NodeId, str], forwarders: Mapping[tuple[NodeId, NodeId], int]
+) -> tuple[str, ...]:
+    """``GGML_RPC_PEERS`` for a split whose workers the host reaches through their tunnels: each worker's hidden
+    state goes to the next one over the mesh (a loopback forwarder on the sender's machine, ``forwarders[(a, b)]``,
+    whose streams the receiver's node bridges to its rpc-server's predecessor listener). Patch 0011 reads one
+    "ENDPOINT=IP:PORT" per worker (``endpoints``: the host's rpc endpoint for it) as both where its predecessor
+    connects and the address its own connections come from at its successor: here both are 127.0.0.1 (a forwarder,
+    and a bridge on loopback). The first worker has no predecessor: its port is never dialled. All or nothing: a
+    pair without a forwarder would be tried and refused; then the whole split keeps the star."""
+    if len(workers) < 2 or not all(pair in forwarders for pair in itertools.pairwise(workers)):
+        return ()
+    out = [f"{endpoints[workers[0]]}=127.0.0.1:1"]
+    out += [f"{endpoints[b]}=127.0.0.1:{forwarders[(a, b)]}" for a, b in itertools.pairwise(workers)]
+    return tuple(out)
+
+
+def predecessor(plan: Plan | Waiting | None, me: NodeId) -> NodeId | None:
+    """The worker right before ``me`` in ``plan``'s split (whose hidden state ``me`` takes), if any."""
+    if not isinstance(plan, Plan):
+        return None
+    order = [a.node for a in plan.workers]
+    i = order.index(me) if me in order else 0
+    return order[i - 1] if i > 0 else None
+
+
+def may_open_peer(peer: NodeId | None, me: NodeId, plan: Plan | Waiting | None, elected: NodeId | None) -> bool:
+    """Whether ``peer`` may send our rpc-server a hidden state through the mesh (worker to worker over tunnels): only
+    the worker right before us in the plan of the host we elected ourselves. The rpc-server then still wants the
+    key the host's llama-server made for that pair."""
+    return (peer is not None and isinstance(plan, Plan) and plan.host == elected
+            and predecessor(plan, me) == peer)  # fmt: skip
+
+
 def keep_first(
     me: NodeId, host: NodeId, current: Plan | Waiting | None, host_planned: tuple[NodeId, ...]
 ) -> set[NodeId]:

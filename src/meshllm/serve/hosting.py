@@ -21,7 +21,16 @@ from meshllm.llama.build import Binaries
 from meshllm.llama.processes import ChildFailed, Tuning, speaks_tls
 from meshllm.llama.rpcwire import Cmd, WireStats
 from meshllm.llama.supervisor import ChildState, LocalServer, RpcServer, ServerConfig, default_threads
-from meshllm.net.endpoint import STREAM_FETCH, STREAM_HTTP, STREAM_RPC, STREAM_RPC_KEY, Conn, Stream
+from meshllm.net.endpoint import (
+    STREAM_FETCH,
+    STREAM_HTTP,
+    STREAM_PEER,
+    STREAM_PEER_OPEN,
+    STREAM_RPC,
+    STREAM_RPC_KEY,
+    Conn,
+    Stream,
+)
 from meshllm.net.meshnet import MeshNet
 from meshllm.net.tunnel import TunnelListener, TunnelStats, connect_and_bridge
 from meshllm.proto import crypto, serving
@@ -33,6 +42,7 @@ from meshllm.proto.serving import LAYER_WAIT_S
 from meshllm.proto.token import host_port
 from meshllm.serve.api import Api, Unavailable, Upstream
 from meshllm.serve.modelfiles import ModelFiles
+from meshllm.serve.peerlinks import PeerLinks
 from meshllm.serve.sharing import Sharing
 from meshllm.serve.slotgate import SlotGate
 
@@ -102,6 +112,10 @@ class Hosting:
         # worker side: who holds the key our rpc-server's TLS listener accepts now
         self._key_holder: NodeId | None = None
         self._key_seq = 0
+        self.plan: Plan | Waiting | None = None  # this node's current plan (reconfigure)
+        # worker to worker where the workers are reached through tunnels (serve/peerlinks.py)
+        self.links = PeerLinks(net, elected, lambda: self.plan, lambda: self.rpc.peer_port if self.rpc else None,
+                               self._opener, on_listeners)  # fmt: skip
 
     # ---------------------------------------------------------------- our rpc-server
 
@@ -137,7 +151,8 @@ class Hosting:
     def take_streams(self) -> None:
         """Peers' streams to our rpc-server, for its key, and API requests for our llama-server come here."""
         self.net.stream_handlers.update({STREAM_RPC: self.on_rpc_stream, STREAM_RPC_KEY: self.on_rpc_key_stream,
-                                         STREAM_HTTP: self.on_http_stream})  # fmt: skip
+                                         STREAM_HTTP: self.on_http_stream, STREAM_PEER_OPEN: self.links.on_open,
+                                         STREAM_PEER: self.links.on_peer})  # fmt: skip
         if self.sharing is not None:  # members fetching our model file
             self.net.stream_handlers[STREAM_FETCH] = self.sharing.on_stream
 
@@ -280,6 +295,7 @@ class Hosting:
         was no fault of the direct path: before, a worker that came back stayed on the tunnel."""
         self.direct.pop(node, None)
         self.peer_at.pop(node, None)
+        self.links.forget([node])
         self.direct_failed.pop(node, None)
         self._probed_as.pop(node, None)
         lst = self.rpc_listeners.pop(node, None)
@@ -317,7 +333,9 @@ class Hosting:
             return f"{serving.RpcPath.DIRECT} {ep} (TLS){on}"
         conn = self.net.peers.get(worker)
         relayed = conn is not None and not conn.is_direct
-        return f"{serving.RpcPath.TUNNEL}{' (relayed)' if relayed else ''}"
+        onward = f"127.0.0.1:{self.rpc_listeners[worker].port}" in self._peer_links()  # over the mesh (peerlinks)
+        return (f"{serving.RpcPath.TUNNEL}{' (relayed)' if relayed else ''}"
+                f"{', its output to the next worker through the mesh' if onward else ''}")  # fmt: skip
 
     def _peer_links(self) -> frozenset[str]:
         """The workers (their endpoints) our llama-server links straight to the next one (patch 0011): read from its
@@ -424,6 +442,7 @@ class Hosting:
 
     def reconfigure(self, plan: Plan | Waiting | None, me: NodeId) -> None:
         """Run llama-server as the plan says, restarting it only when its configuration changes."""
+        self.plan = plan
         can_host = self.bins is not None and self.model is not None
         for n, inc in list(self._probed_as.items()):  # a worker restarted (quicker than a death is declared)
             rec = self.net.record(n)
@@ -452,6 +471,11 @@ class Hosting:
                 rpc = tuple(self.direct.get(n) or f"127.0.0.1:{self.rpc_listeners[n].port}" for n in w.workers)
                 direct = {n: self.direct[n] for n in w.workers if n in self.direct}
                 peers = serving.peer_listeners(w.workers, direct, self.peer_at)
+                if not direct and len(w.workers) > 1:  # every worker through its tunnel: links through the mesh
+                    ports = self.links.ports_for(w.workers)
+                    if ports is None:
+                        return  # the workers are asked for their forwarders; on_listeners reconfigures
+                    peers = serving.tunnel_peer_entries(w.workers, dict(zip(w.workers, rpc, strict=True)), ports)
                 if w.own_rpc:
                     assert self.rpc is not None
                     rpc += (f"127.0.0.1:{self.rpc.port}",)
@@ -577,6 +601,7 @@ class Hosting:
             await self.rpc.stop()
         for lst in [*self.rpc_listeners.values(), *self.http_listeners.values()]:
             await lst.close()
+        await self.links.close()
 
 
 def _weights_and_trips(st: TunnelStats) -> tuple[int, int, int]:
