@@ -589,7 +589,8 @@ class UdpSocket:
         if self.v6 and ":" not in host:
             host = "::ffff:" + host
         try:
-            self.sock.sendmsg([b"".join(run)], [(SOL_UDP, UDP_SEGMENT, struct.pack("=H", len(run[0])))], 0,
+            # the datagrams as they are, one buffer each (the kernel gathers them): no copy into one
+            self.sock.sendmsg(run, [(SOL_UDP, UDP_SEGMENT, struct.pack("=H", len(run[0])))], 0,
                               (host, addr[1]))  # fmt: skip
         except (BlockingIOError, InterruptedError):
             self.dropped += len(run)
