@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -209,12 +210,28 @@ def test_bad_input_is_one_clear_line(tmp_path: Path) -> None:
         busy.listen()
         r = run("--model", "gemma3-270m", "--rpc-port", str(busy.getsockname()[1]))
     assert r.returncode == 2 and "--rpc-port" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    with socket.socket() as busy:  # PORT+1 (the links between workers) taken
-        busy.bind(("0.0.0.0", 0))
-        busy.listen()
-        taken = busy.getsockname()[1]
+    with _port_with_next_taken() as taken:  # PORT+1 (the links between workers) taken, PORT itself free
         r = run("--model", "gemma3-270m", "--rpc-port", str(taken - 1))
     assert r.returncode == 2 and f"port {taken} is in use" in r.stderr, r.stderr
+
+
+@contextlib.contextmanager
+def _port_with_next_taken() -> Iterator[int]:
+    """Holds a listening port whose predecessor was free a moment ago (an ephemeral port's neighbour may belong to
+    another process: CI once found it taken)."""
+    for _ in range(50):
+        with socket.socket() as busy:
+            busy.bind(("0.0.0.0", 0))
+            busy.listen()
+            taken = busy.getsockname()[1]
+            with socket.socket() as probe:
+                try:
+                    probe.bind(("0.0.0.0", taken - 1))
+                except OSError:
+                    continue
+            yield taken
+            return
+    raise AssertionError("no port with a free predecessor in 50 tries")
 
 
 def test_sigterm_leaves_no_children_and_the_same_command_starts_again_at_once(tmp_path: Path) -> None:
