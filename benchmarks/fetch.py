@@ -165,7 +165,7 @@ def split_from_nothing(n: int) -> None:
     sys.path.insert(0, str(ROOT / "src"))
     from tests.fakes.hub_standin import HubFile, HubStandin
 
-    from meshllm.llama.gguf import layer_of, read_header
+    from meshllm.llama.gguf import held_with_layer, read_header
     from meshllm.llama.processes import free_port
     from meshllm.models.tiny import tiny_model_path
 
@@ -218,7 +218,7 @@ def split_from_nothing(n: int) -> None:
             a = next(x for x in plan["assignments"] if x["node"] == ids[i])
             layers = range(int(a["first"]), int(a["first"]) + int(a["count"]))
             used = sum(p.stat().st_blocks * 512 for p in (tmp / f"m{i}").rglob("*") if p.is_file())
-            need = hdr.data_offset + sum(t.nbytes for t in hdr.tensors if layer_of(t.name) in layers)
+            need = hdr.data_offset + sum(t.nbytes for t in hdr.tensors if held_with_layer(t.name) in layers)
             what = "host (the whole file: it may host)" if i == 0 else "worker"
             span = f"{layers.start}-{layers.stop - 1}" if len(layers) else "- (+ output)"
             got = re.findall(r"fetched layers (\S+) of", (tmp / f"n{i}.log").read_text(errors="replace"))

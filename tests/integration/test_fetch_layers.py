@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from meshllm.llama.build import Binaries
-from meshllm.llama.gguf import layer_of, model_fingerprint, read_header
+from meshllm.llama.gguf import held_with_layer, model_fingerprint, read_header
 from tests.fakes.hub_standin import HubStandin
 
 from .meshlab import NodeProc, wait_for
@@ -81,7 +81,7 @@ def test_a_worker_fetches_only_its_layers_and_the_split_pushes_no_weight(
         assert not (models / tiny_model.name).exists() and part.stat().st_size == tiny_model.stat().st_size
         hdr = read_header(tiny_model)
         layers = range(first, first + count)
-        layer_bytes = sum(t.nbytes for t in hdr.tensors if layer_of(t.name) in layers)
+        layer_bytes = sum(t.nbytes for t in hdr.tensors if held_with_layer(t.name) in layers)  # + the embedding
         used = part.stat().st_blocks * 512
         print(f"\nworker's disk: {used / 1e6:.1f} MB for layers {first}-{first + count - 1} ({layer_bytes / 1e6:.1f} "
               f"MB) + header {hdr.data_offset / 1e6:.1f} MB; the model {hdr.file_size / 1e6:.1f} MB")  # fmt: skip

@@ -30,6 +30,8 @@ from .test_serve_split import N as SPLIT_N
 from .test_serve_split import _assignments, complete, text_of
 
 N = 48  # tokens per answer
+N_EMBD = 640  # the tiny model's hidden size
+MB = 1_000_000
 SPLIT = [6.0, 6.0, 7.0]  # layers of rpc0, rpc1 and the last device (the host's own: the output stays there)
 
 
@@ -41,9 +43,11 @@ def module_children() -> Iterator[list[Child]]:
         c.stop()
 
 
-def _split(tmp: Path, client: Binaries, workers: list[Worker], model: Path, children: list[Child]) -> Split:
+def _split(tmp: Path, client: Binaries, workers: list[Worker], model: Path, children: list[Child],
+           env: dict[str, str] | None = None) -> Split:  # fmt: skip
     relays: list[CountingRelay] = []
-    return start_split(tmp, client, workers, model, children, relays, threads=2, tensor_split=SPLIT,
+    env = {"LLAMA_INPUT_ON_FIRST_RPC": "0", **(env or {})}  # the token embedding on llama-server's CPU (stock)
+    return start_split(tmp, client, workers, model, children, relays, env=env, threads=2, tensor_split=SPLIT,
                        extra=["--fit", "off"])  # fmt: skip
 
 
@@ -98,6 +102,23 @@ def test_activations_go_worker_to_worker_with_the_stars_text(
     assert ring_w[0].bytes_down <= 0.3 * star_w[0].bytes_down, (ring_w[0], star_w[0])
     assert ring_w[0].commands[Cmd.PEER_SEND] == ring_w[1].commands[Cmd.PEER_RECV] >= N
     assert ratio <= 0.9, (ring_w, star_w)
+
+    # patch 0013: the token embedding on rpc0 with layer 0 (as mesh-llm runs it): rpc0 gets a token id, not the
+    # embedding's row (n_embd floats) per token, loads the matrix from its own file, and the text is the same
+    env = {"LLAMA_INPUT_ON_FIRST_RPC": "1"}
+    embd = _split(tmp_path / "embd", patched_bins, _workers(patched_bins, tiny_model, True), tiny_model, kids, env)
+    try:
+        text_embd, embd_w = _through_host(embd, N)
+        pushed = embd.load[0].bytes_up
+        said = (tmp_path / "embd" / "llama.log").read_text()
+        assert f"token embedding on 127.0.0.1:{embd.relays[0].port}, with layer 0\n" in said, said[-3000:]
+    finally:
+        stop_split(embd)
+    assert text_embd == text_star
+    row = 4 * N_EMBD  # one f32 row of the embedding
+    print(f"to rpc0 per token: {ring_w[0].bytes_up / N:.0f} -> {embd_w[0].bytes_up / N:.0f} with the embedding there")
+    assert embd_w[0].bytes_up <= ring_w[0].bytes_up - 0.9 * row * N, (embd_w[0], ring_w[0])
+    assert pushed < 4 * MB, pushed  # the 170 MB matrix came from rpc0's own copy, not over the wire
 
     # the same split loaded the stock way (stock binaries: no local files, no peers) gives the same text
     stock = _split(tmp_path / "stock", stock_bins, [Worker(stock_bins) for _ in range(3)], tiny_model, kids)

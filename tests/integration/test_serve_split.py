@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from meshllm.llama.build import Binaries
+from meshllm.llama.gguf import read_header
 from meshllm.proto import token as tok
 
 from .meshlab import NodeProc, children, wait_for
@@ -242,16 +243,32 @@ def two_nodes(tmp: Path, model: Path, a_args: tuple[str, ...], b_args: tuple[str
             n.stop()
 
 
-def test_a_split_with_a_draft_keeps_the_draft_on_the_host(tmp_path: Path, tiny_model: Path) -> None:
+def test_a_split_with_a_draft_keeps_the_draft_on_the_host(
+    tmp_path: Path, tiny_model: Path, stock_bins: Binaries
+) -> None:
+    """The draft model stays on the host. [pipeline] The worker has room for the token embedding beside its layers,
+    so it holds that too (patch 0013), loaded from its own file; the answer is the stock split's."""
     host_args = ("--max-vram", "0.5", "--draft", str(tiny_model), "--rpc-path", "tunnel")  # counted bytes
-    with two_nodes(tmp_path, tiny_model, host_args, ("--max-vram", "0.3")) as (a, _):
+    with two_nodes(tmp_path, tiny_model, host_args, ("--max-vram", "0.45")) as (a, _):
         wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 120, "a split with a draft")
         assert "--spec-draft-device none" in (a.state / "llama-server.log").read_text()
         worker = _assignments(a)[0]
-        text_of(complete(a.port, "/v1/completions", max_tokens=32))
+        out = text_of(complete(a.port, "/v1/completions"))
         tun = next(p for p in a.status()["peers"] if p["node"] == worker["node"])["tunnel"]  # type: ignore[attr-defined, index]
         # a draft model on the worker would have added its ~250 MB of buffers there
         assert tun["load_allocated"] < 1.15 * int(worker["bytes"]), (tun, worker)  # type: ignore[call-overload]
+        # the embedding on the worker (llama-server says so; mesh-llm status too), loaded from the worker's own file:
+        # it was asked to allocate room for the 178 MB matrix beside its layers, and no weight crossed the tunnel
+        plan = a.status()["plan"]
+        assert isinstance(plan, dict) and plan["embd_first"] is True, plan
+        said = (a.state / "llama-server.log").read_text()
+        assert re.search(r"(?m)^token embedding on 127\.0\.0\.1:\d+, with layer 0$", said), said[-3000:]
+        peer = next(p for p in a.status()["peers"] if p["node"] == worker["node"])  # type: ignore[attr-defined]
+        assert "with the token embedding" in peer["rpc_path"], peer
+        embd = next(t.nbytes for t in read_header(tiny_model).tensors if t.name == "token_embd.weight")
+        assert tun["load_allocated"] > embd and tun["load_weight_bytes"] <= 1_000_000, tun
+        counts = [float(x) for x in plan["tensor_split"]]
+        assert out == stock_split_text(tmp_path / "ref", stock_bins, tiny_model, counts, N)
 
 
 def test_a_host_with_no_layers_keeps_the_output_and_the_logits(tmp_path: Path, tiny_model: Path) -> None:

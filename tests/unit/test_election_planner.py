@@ -122,6 +122,31 @@ def test_not_enough_memory_says_how_much() -> None:
     assert w.message().startswith("waiting for more peers — need ")
 
 
+def test_the_token_embedding_goes_to_the_first_worker_where_it_has_room() -> None:
+    """Patch 0013: the first worker takes the embedding when it has room for it beside its layers; the layout is the
+    same either way, and the host, which keeps room for it, no longer counts it."""
+    host_cap = host_fixed_bytes(SHAPE, CTX) + 4 * SHAPE.layer_cost(0, CTX)
+    tight = plan(SHAPE, Slot(A, host_cap), [Slot(B, _fits(6), rtt_ms=1)], CTX)
+    roomy = plan(SHAPE, Slot(A, host_cap), [Slot(B, _fits(6) + SHAPE.embd_bytes, rtt_ms=1)], CTX)
+    assert isinstance(tight, Plan) and isinstance(roomy, Plan)
+    assert not tight.embd_first and roomy.embd_first
+    assert [(a.node, a.first, a.count) for a in tight.assignments] == [(a.node, a.first, a.count)
+                                                                       for a in roomy.assignments]  # fmt: skip
+    assert roomy.assignments[0].bytes == tight.assignments[0].bytes + SHAPE.embd_bytes
+    assert roomy.assignments[1].bytes == tight.assignments[1].bytes - SHAPE.embd_bytes
+    short = plan(SHAPE, Slot(A, host_cap), [Slot(B, _fits(6) + SHAPE.embd_bytes - 1, rtt_ms=1)], CTX)
+    assert isinstance(short, Plan) and not short.embd_first  # a byte short
+    alone = plan(SHAPE, Slot(A, 10 * GB), [Slot(B, 10 * GB)], CTX)
+    assert isinstance(alone, Plan) and not alone.embd_first  # no worker: the host has it
+    # --tensor-split: the same rule for the first node it names
+    given = plan(SHAPE, Slot(A, GB), [Slot(B, GB, rtt_ms=1), Slot(C, GB, rtt_ms=2)], CTX, split=[1, 1, 3])
+    assert isinstance(given, Plan) and given.embd_first
+    small = plan(SHAPE, Slot(A, GB), [Slot(B, _fits(2), rtt_ms=1), Slot(C, _fits(2), rtt_ms=2)], CTX, split=[1, 1, 3])
+    assert isinstance(small, Plan) and not small.embd_first
+    none = plan(SHAPE, Slot(A, GB), [Slot(B, GB, rtt_ms=1), Slot(C, GB, rtt_ms=2)], CTX, split=[0, 1, 3])
+    assert isinstance(none, Plan) and not none.embd_first  # the first node named takes no layer: not layer 0 either
+
+
 def test_tensor_split_override() -> None:
     p = plan(SHAPE, Slot(A, GB), [Slot(B, GB, rtt_ms=1), Slot(C, GB, rtt_ms=2)], CTX, split=[1, 1, 3])
     assert isinstance(p, Plan) and [(a.node, a.count) for a in p.assignments] == [(B, 2), (C, 2), (A, 6)]

@@ -3,6 +3,8 @@ two connections survives. Pure functions, each with its negative cases."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import msgpack
 from hypothesis import given
 from hypothesis import strategies as st
@@ -84,6 +86,9 @@ def test_a_split_waits_for_tunnels_and_connections() -> None:
     # a GPU host runs its layers in-process (llama.cpp puts its GPU after the RPC devices): no hop to itself
     gpu = want(SPLIT, listeners=frozenset({W1, W2}), connected=frozenset({W1, W2}), has_accelerator=True)
     assert gpu == s.Split((W1, W2), (6, 6, 7), own_rpc=False)
+    # the plan's placement of the token embedding (patch 0013) reaches llama-server's configuration
+    embd = want(replace(SPLIT, embd_first=True), listeners=frozenset({W1, W2}), connected=frozenset({W1, W2}))
+    assert embd == s.Split((W1, W2), (6, 6, 7), own_rpc=True, embd_first=True)
 
 
 def test_rpc_admission() -> None:
@@ -280,10 +285,12 @@ def test_peer_listeners_only_between_two_neighbours_reached_directly() -> None:
     assert s.peer_listeners([a], direct, peer) == ()  # one worker: no boundary between two
 
 
-def test_peer_links_are_read_from_llama_servers_log() -> None:
+def test_peer_links_and_the_embedding_are_read_from_llama_servers_log() -> None:
     log = ("load_tensors: ...\n"
+           "token embedding on [fd00::2]:5001, with layer 0\n"
            "rpc peer link 10.0.0.2:5001 -> 10.0.0.3:5001: server to server\n"
            "rpc peer link 10.0.0.3:5001 -> 10.0.0.4:5001: through this process (no link between them)\n"
            "srv  llama_server: model loaded\n")  # fmt: skip
-    assert s.peer_links(log) == {"10.0.0.2:5001"}
-    assert s.peer_links("") == frozenset()
+    assert s.log_facts(log) == s.LogFacts(frozenset({"10.0.0.2:5001"}), "[fd00::2]:5001")
+    assert s.log_facts("") == s.LogFacts(frozenset(), None)
+    assert s.log_facts("x token embedding on 1.2.3.4:5, with layer 0\n").embedding is None  # a whole line only

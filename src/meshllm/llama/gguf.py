@@ -233,6 +233,12 @@ def layer_of(name: str) -> int | None:
     return int(m[1]) if m else None
 
 
+def held_with_layer(name: str) -> int | None:
+    """The layer a worker's copy holds a tensor for: its own layer, and layer 0 for the token embedding (the first
+    worker looks tokens up: patch 0013); None for the rest (the host's: output, norms)."""
+    return 0 if name == "token_embd.weight" else layer_of(name)
+
+
 def model_fingerprint(first: Path, samples: Callable[[int], bytes] | None = None) -> str:
     """The model fingerprint (hex SHA-256) of a GGUF model, all parts included. See the module docstring.
     ``samples`` (a one-part model): each tensor's sampled bytes, given rather than read from the file."""

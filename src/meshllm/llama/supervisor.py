@@ -188,6 +188,7 @@ class ServerConfig:
     draft_device: str | None = None  # the host's own accelerator; None: the CPU
     tls_keys: Path | None = None  # the keys of the rpc endpoints reached directly (TLS), one file per generation
     peers: tuple[str, ...] = ()  # "ENDPOINT=IP:PORT": workers' listeners for their predecessor (patch 0011)
+    embd_first: bool = False  # the token embedding on the first RPC server, with layer 0 (patch 0013)
 
 
 class LocalServer(Supervised):
@@ -197,6 +198,10 @@ class LocalServer(Supervised):
         env = {"LLAMA_SERVER_LOAD_PROGRESS": "1"}  # a line per progress step (patch 0007): load_progress()
         if cfg.tls_keys:
             env["GGML_RPC_TLS_CLIENT_KEYS"] = str(cfg.tls_keys)
+        # patch 0013: the token embedding on the first worker where the plan has room for it there (that worker then
+        # gets token ids, not embedding rows); LLAMA_INPUT_ON_FIRST_RPC=0 in our environment keeps it here (A/B)
+        on_first = cfg.embd_first and os.environ.get("LLAMA_INPUT_ON_FIRST_RPC") != "0"
+        env["LLAMA_INPUT_ON_FIRST_RPC"] = "1" if on_first else "0"
         if cfg.peers:  # worker to worker: llama-server links each pair of neighbours with a key it makes
             env["GGML_RPC_PEERS"] = ",".join(cfg.peers)
         # its loopback port answers nobody without this key (from a 0600 file, never a command line): another user of

@@ -2,7 +2,9 @@
 
 llama.cpp gives each device a contiguous range of layers in device order, and the output layer to the last
 device. The host lists the workers first and its own device last, so workers get the first layers and the host
-the last ones plus the output: logits never cross the network. The token embedding stays in the host's RAM.
+the last ones plus the output: logits never cross the network. The token embedding stays in the host's RAM, or,
+where the first worker has room for it beside its layers, goes there (``Plan.embd_first``, patch 0013): that worker
+looks tokens up, so a batch sends it token ids instead of embedding rows. The layout is the same either way.
 
 Use as few nodes as the model needs: the host first (it has the most capacity), then the others by RTT to the
 host (lowest first), skipping nodes beyond MAX_RTT_MS while nearer ones suffice. The rest stand by.
@@ -28,7 +30,7 @@ COMPUTE_BASE = 22 * MiB  # per device: graph and scratch buffers beyond what sca
 class ModelShape:
     n_layer: int
     layer_bytes: tuple[int, ...]  # weights of each repeating layer
-    embd_bytes: int  # token embedding: host RAM
+    embd_bytes: int  # token embedding: host RAM (or the first worker's: Plan.embd_first)
     output_bytes: int  # output matrix (a copy of the embedding when tied): host device
     other_bytes: int  # norms and the like: host
     kv_bytes_per_token_layer: int  # K + V cache, one token, one layer (f16)
@@ -76,6 +78,7 @@ class Plan:
     host: NodeId
     assignments: tuple[Assignment, ...]  # llama.cpp device order: workers, then the host last
     standby: tuple[NodeId, ...]
+    embd_first: bool = False  # the token embedding on the first worker (counted in its bytes), not the host
 
     @property
     def workers(self) -> tuple[Assignment, ...]:
@@ -209,7 +212,25 @@ def plan(
     assignments.append(Assignment(host.node, first, host_count, host_bytes, host.shares))
     used_nodes = {a.node for a in assignments}
     standby = tuple(sorted(s.node for s in others if s.node not in used_nodes))
-    return Plan(host=host.node, assignments=tuple(assignments), standby=standby)
+    return _embd_first(shape, Plan(host=host.node, assignments=tuple(assignments), standby=standby), others)
+
+
+def _embd_first(shape: ModelShape, p: Plan, slots: list[Slot]) -> Plan:
+    """``p`` with the token embedding on its first worker when that has room for it beyond what the plan gives it
+    (the host keeps its room for it: it holds the embedding when it runs alone, and when no worker has room)."""
+    if len(p.assignments) < 2:
+        return p
+    first = p.assignments[0]
+    cap = next(s.capacity for s in slots if s.node == first.node)
+    if first.count == 0 or cap - first.bytes < shape.embd_bytes:
+        return p
+    *middle, host = p.assignments[1:]
+    moved = (
+        replace(first, bytes=first.bytes + shape.embd_bytes),
+        *middle,
+        replace(host, bytes=host.bytes - shape.embd_bytes),
+    )
+    return replace(p, assignments=moved, embd_first=True)
 
 
 def _plan_override(shape: ModelShape, host: Slot, ordered: list[Slot], ctx: int, split: list[float]) -> Plan | Waiting:
@@ -232,7 +253,8 @@ def _plan_override(shape: ModelShape, host: Slot, ordered: list[Slot], ctx: int,
         assignments.append(Assignment(s.node, first, c, b, s.shares))
         first += c
     used = {a.node for a in assignments}
-    return Plan(host.node, tuple(assignments), tuple(sorted(s.node for s in ordered if s.node not in used)))
+    p = Plan(host.node, tuple(assignments), tuple(sorted(s.node for s in ordered if s.node not in used)))
+    return _embd_first(shape, p, nodes)
 
 
 # KV cache types llama-server takes (--cache-type-k/-v): bytes per block, elements per block (ggml's layouts)

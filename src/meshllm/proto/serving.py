@@ -120,6 +120,7 @@ class Split:
     workers: tuple[NodeId, ...]
     tensor_split: tuple[int, ...]
     own_rpc: bool = True
+    embd_first: bool = False  # the plan's: the token embedding on the first worker (patch 0013)
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,7 @@ def wanted_server(
         return NeedTunnels(())  # listeners are up but a worker's connection is not (yet): wait
     if any(n in lacking for n in workers):
         return NeedLayers(tuple(n for n in workers if n in lacking))
-    return Split(workers, tuple(plan.tensor_split), own_rpc=not has_accelerator)
+    return Split(workers, tuple(plan.tensor_split), own_rpc=not has_accelerator, embd_first=plan.embd_first)
 
 
 # ------------------------------------------------------------------------------------------------ RPC admission
@@ -331,11 +332,20 @@ class RpcKey:
         return cls(ident, key, port, peer)
 
 
-def peer_links(log: str) -> frozenset[str]:
-    """The rpc endpoints whose hidden state a llama-server sends straight to the next worker, from its log (patch
-    0011 says "rpc peer link A -> B: server to server" once per pair, or "through this process" when the pair has no
-    link)."""
-    return frozenset(m.group(1) for m in re.finditer(r"(?m)^rpc peer link (\S+) -> \S+: server to server$", log))
+@dataclass(frozen=True)
+class LogFacts:
+    """What a llama-server's log says of its rpc endpoints: those whose hidden state goes straight to the next worker
+    (patch 0011 says "rpc peer link A -> B: server to server" once per pair, or "through this process" when the pair
+    has no link), and the one holding the token embedding (patch 0013: "token embedding on EP, with layer 0")."""
+
+    links: frozenset[str]
+    embedding: str | None
+
+
+def log_facts(log: str) -> LogFacts:
+    links = frozenset(m.group(1) for m in re.finditer(r"(?m)^rpc peer link (\S+) -> \S+: server to server$", log))
+    embd = re.search(r"(?m)^token embedding on (\S+), with layer 0$", log)
+    return LogFacts(links, embd.group(1) if embd else None)
 
 
 def peer_listeners(

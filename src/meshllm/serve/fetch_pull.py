@@ -27,7 +27,7 @@ from pathlib import Path
 import msgpack
 
 from meshllm.errors import UserError
-from meshllm.llama.gguf import GGUFHeader, layer_of, model_fingerprint, model_shape, read_header, sampled
+from meshllm.llama.gguf import GGUFHeader, held_with_layer, model_fingerprint, model_shape, read_header, sampled
 from meshllm.net.endpoint import STREAM_FETCH
 from meshllm.net.meshnet import MeshNet
 from meshllm.proto import crypto
@@ -178,7 +178,7 @@ class PartialCopy:
     def __post_init__(self) -> None:
         for i in range(model_shape(self.header).n_layer):
             self.by_layer[i] = self.manifest.covering((t.offset, t.nbytes) for t in self.header.tensors
-                                                      if layer_of(t.name) == i)  # fmt: skip
+                                                      if held_with_layer(t.name) == i)  # fmt: skip
 
     def chunks_of(self, layers: set[int]) -> set[int]:
         """The chunks holding the tensors of ``layers``."""
@@ -203,6 +203,7 @@ class PartialCopy:
         plan = core.Fetch(m, set(self.have), want=want)
         r = as_ranges(layers)
         what = ", ".join(f"{f}–{f + c - 1}" if c > 1 else str(f) for f, c in r)
+        what += " (with the token embedding)" if 0 in layers else ""
         prog = Progress(f"layers {what} of {self.name}", need, 0, len(self.trusted))
         fd = os.open(self.path, os.O_RDWR)
         written = set(self.have)

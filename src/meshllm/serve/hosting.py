@@ -102,8 +102,8 @@ class Hosting:
         self.rpc_port = rpc_port  # our rpc-server's TLS listener port (--rpc-port; None: any free one)
         self.direct: dict[NodeId, str] = {}
         self.peer_at: dict[NodeId, str] = {}  # worker -> "ip:port" of its rpc-server's predecessor listener (0011)
-        self._links_of: LocalServer | None = None  # the llama-server whose peer links ``_links`` are
-        self._links: frozenset[str] = frozenset()
+        self._links_of: LocalServer | None = None  # the llama-server whose log ``_links`` is read from
+        self._links = serving.LogFacts(frozenset(), None)
         self.direct_failed: dict[NodeId, float] = {}  # worker -> monotonic time until which we do not retry
         self._direct_in_cfg: dict[NodeId, str] = {}  # the direct workers of the configuration being started
         self._closing: set[asyncio.Future[None]] = set()  # listeners of workers that are gone, closing
@@ -327,24 +327,29 @@ class Hosting:
         """How our llama-server reaches ``worker`` now, for status (empty when it is not one of our workers)."""
         if self.server_cfg is None or not self.server_cfg.rpc or worker not in self.rpc_listeners:
             return ""
+        facts = self._log_facts()
         ep = self._direct_in_cfg.get(worker)
         if ep is not None:
-            on = ", its output straight to the next worker" if ep in self._peer_links() else ""
-            return f"{serving.RpcPath.DIRECT} {ep} (TLS){on}"
+            on = ", its output straight to the next worker" if ep in facts.links else ""
+            embd = ", with the token embedding" if ep == facts.embedding else ""
+            return f"{serving.RpcPath.DIRECT} {ep} (TLS){embd}{on}"
         conn = self.net.peers.get(worker)
         relayed = conn is not None and not conn.is_direct
-        onward = f"127.0.0.1:{self.rpc_listeners[worker].port}" in self._peer_links()  # over the mesh (peerlinks)
+        at = f"127.0.0.1:{self.rpc_listeners[worker].port}"
+        onward = at in facts.links  # over the mesh (peerlinks)
         return (f"{serving.RpcPath.TUNNEL}{' (relayed)' if relayed else ''}"
+                f"{', with the token embedding' if at == facts.embedding else ''}"
                 f"{', its output to the next worker through the mesh' if onward else ''}")  # fmt: skip
 
-    def _peer_links(self) -> frozenset[str]:
-        """The workers (their endpoints) our llama-server links straight to the next one (patch 0011): read from its
-        log until it serves (it says so at its first token, the warm-up before it answers /health), then kept."""
+    def _log_facts(self) -> serving.LogFacts:
+        """What our llama-server says of its workers (peer links, patch 0011; the token embedding, patch 0013): read
+        from its log until it serves (the links show at its first token, the warm-up before it answers /health),
+        then kept."""
         srv = self.server
-        if srv is None or not srv.cfg.peers:
-            return frozenset()
+        if srv is None or not srv.cfg.rpc:
+            return serving.LogFacts(frozenset(), None)
         if self._links_of is not srv:
-            self._links_of, self._links = None, serving.peer_links(srv.log_tail())
+            self._links_of, self._links = None, serving.log_facts(srv.log_tail())
             if srv.state == ChildState.SERVING:
                 self._links_of = srv  # read once more after it serves, never again
         return self._links
@@ -487,6 +492,7 @@ class Hosting:
                 extra=extra, draft=self.model.draft, draft_max=self.draft_max,
                 draft_device=first_device(self.device),
                 tls_keys=state.rpc_client_keys(self.state_dir) if direct else None, peers=peers,
+                embd_first=isinstance(w, serving.Split) and w.embd_first,
             )  # fmt: skip
         if want == self.server_cfg:
             return

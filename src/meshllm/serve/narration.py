@@ -63,8 +63,9 @@ def plan_line(p: Plan | Waiting, me: NodeId, elected: NodeId | None = None) -> s
     if isinstance(p, Waiting):
         hint = "" if p.why else " — to add one: `mesh-llm token` here, then `mesh-llm --model MODEL --join TOKEN` there"
         return f"[yellow]{p.message()}[/]{hint}"
-    parts = [f"{name(a.node, me)} layers {a.first}-{a.first + a.count - 1} ({a.bytes / GB:.2f} GB)"
-             for a in p.assignments if a.count]  # fmt: skip
+    parts = [f"{name(a.node, me)} layers {a.first}-{a.first + a.count - 1}"
+             f"{' + token embedding' if p.embd_first and i == 0 else ''} ({a.bytes / GB:.2f} GB)"
+             for i, a in enumerate(p.assignments) if a.count]  # fmt: skip
     standby = f"; standby: {', '.join(name(n, me) for n in p.standby)}" if p.standby else ""
     return f"[bold]plan:[/] {'; '.join(parts)} + output on host{standby}"
 

@@ -204,6 +204,7 @@ class Report:
                 ],
                 "standby": [n.hex() for n in p.standby],
                 "tensor_split": list(p.tensor_split),  # what llama-server is given: one entry per device
+                "embd_first": p.embd_first,  # the token embedding on the first worker (patch 0013)
             }
         elif isinstance(p, Waiting):
             plan_obj = {"waiting": p.message(), "need": p.need, "have": p.have}
