@@ -221,7 +221,7 @@ def split_from_nothing(n: int) -> None:
             need = hdr.data_offset + sum(t.nbytes for t in hdr.tensors if held_with_layer(t.name) in layers)
             what = "host (the whole file: it may host)" if i == 0 else "worker"
             span = f"{layers.start}-{layers.stop - 1}" if len(layers) else "- (+ output)"
-            got = re.findall(r"fetched layers (\S+) of", (tmp / f"n{i}.log").read_text(errors="replace"))
+            got = re.findall(r"fetched layers (.+?) of", (tmp / f"n{i}.log").read_text(errors="replace"))
             rows.append((f"n{i} {what}", span + (f" (fetched {', '.join(got)})" if got else ""), used, need))
     finally:
         for p in procs:
@@ -233,7 +233,7 @@ def split_from_nothing(n: int) -> None:
     size = model.stat().st_size
     print(f"\n# {n} nodes on this machine's loopback ({os.cpu_count()} cores), the tiny model ({size / 1e6:.1f} MB), "
           "none with the file at start; hub = a local stand-in")  # fmt: skip
-    print("| node | layers | disk MB | its layers + header MB | ÷ |")
+    print("| node | layers | disk MB | its layers (layer 0: + the token embedding) + header MB | ÷ |")
     print("|---|---|---:|---:|---:|")
     for name, span, used, need in rows:
         ratio = f"{used / need:.3f}" if "worker" in name else "-"
