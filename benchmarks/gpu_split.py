@@ -12,6 +12,8 @@ On a GPU machine with no network (the lent device), after ``benchmarks/gpu_pack.
 --load is [team]'s table: many clients at once and long prompts, every setup with the same slots and context.
 --replicas is [fleet]'s: many clients on one model served by one GPU node and by two (the second a replica).
 --start is [pipeline] 4's: a 2-node split's start → ready next to stock's own load of the same split.
+--embd is [pipeline] 3's A/B of patch 0013: --load's 2-node split through the tunnel with the token embedding on the
+worker and on the host (LLAMA_INPUT_ON_FIRST_RPC=0), and on the default (direct) path: 2k and 8k prefill, one stream.
 --pipeline is [pipeline] 5's: N nodes × 1 GPU (N = --nodes), the mesh, worker to worker and the stock star with the
 same split, and llama.cpp in one process on N GPUs: one stream's decode, 4 clients at once, a 2,400-token prefill.
 
@@ -353,6 +355,9 @@ def main() -> None:
     ap.add_argument("--tunnel", action="store_true",
                     help="--pipeline: the mesh's rows only, through tunnels (the host on --rpc-path tunnel): worker "
                          "to worker through the mesh, and the star (every node on --rpc-path tunnel)")
+    ap.add_argument("--embd", action="store_true",
+                    help="instead: patch 0013's A/B on --load's split: 2k/8k prefill and decode through the tunnel "
+                         "with the token embedding on the worker and on the host, and on the direct path")
     ap.add_argument("--prepare", action="store_true", help="only build the binaries and make the model, then stop")
     args = ap.parse_args()
     work: Path = args.work
@@ -474,6 +479,9 @@ def main() -> None:
     if args.start:
         start(run_mesh, server, rpc_server, args)
         return
+    if args.embd:
+        embd(run_mesh, env, args)
+        return
     if args.pipeline:
         pipeline(run_mesh, server, rpc_server, free_port, args)
         return
@@ -579,6 +587,42 @@ def load(run_mesh: Any, server: Any, rpc_server: Any, args: Any) -> None:
     for name, r in results:
         a, b2 = r["p2k"], r["p8k"]
         print(f"| {name} | {a:.0f} | {a / base['p2k']:.2f} | {b2:.0f} | {b2 / base['p8k']:.2f} |")  # type: ignore[operator]
+
+
+def embd(run_mesh: Any, env: dict[str, str], args: Any) -> None:
+    """Patch 0013 A/B on --load's split (host GPU 0, worker the second GPU or GPU 0 too): the tunnel with the token
+    embedding on the worker (the mesh's default where it has room), the direct path the same way, then the tunnel
+    with the embedding on the host (``LLAMA_INPUT_ON_FIRST_RPC=0`` in the host's environment). Each row printed as
+    it is measured."""
+    n_gpus = len(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip().splitlines())
+    second = "1" if n_gpus > 1 else "0"
+    w, h = (int(x) for x in args.split.split(","))
+    mesh_args = ("--parallel", str(args.parallel), "--ctx-size", str(args.slot_ctx), "--tensor-split", f"{w},{h}")
+
+    def measure(base: str, path: str) -> dict[str, float]:
+        one(base, path, ids(32, 1), 8)  # warm-up
+        return {"p2k": prefill(base, path, 2000, args.runs, seed=7), "p8k": prefill(base, path, 8000, args.runs,
+                seed=9), "dec": tps(base, path, args.tokens, args.runs)}  # fmt: skip
+
+    rows: dict[str, dict[str, float]] = {}
+    print("| setup | embedding | 2k prefill tok/s | 8k prefill tok/s | decode tok/s |\n|---|---|---:|---:|---:|")
+    for path_name, on in (("tunnel", True), ("auto", True), ("tunnel", False)):
+        if not on:
+            env["LLAMA_INPUT_ON_FIRST_RPC"] = "0"
+        try:
+            got, st = run_mesh(f"embd-{path_name}-{on}", path_name, [("0", None), (second, None)], mesh_args, measure)
+        finally:
+            env.pop("LLAMA_INPUT_ON_FIRST_RPC", None)
+        where = "worker" if st["plan"].get("embd_first") and on else "host"  # type: ignore[union-attr]
+        rows[f"{path_name} {on}"] = got
+        print(f"| {path_name} | {where} | {got['p2k']:.0f} | {got['p8k']:.0f} | {got['dec']:.1f} |", flush=True)
+    d = rows.get("auto True")
+    if d:
+        for k in ("tunnel True", "tunnel False"):
+            if k in rows:
+                r = rows[k]
+                print(f"{k}: tunnel ÷ direct: 2k {r['p2k'] / d['p2k']:.2f}, 8k {r['p8k'] / d['p8k']:.2f}, decode "
+                      f"{r['dec'] / d['dec']:.2f}")  # fmt: skip
 
 
 def replicas(run_mesh: Any, server: Any, args: Any) -> None:
