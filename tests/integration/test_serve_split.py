@@ -93,6 +93,9 @@ def test_plan_splits_and_every_node_gives_the_hosts_answer(
     a = mesh["a"]
     plan = a.status()["plan"]
     assert isinstance(plan, dict) and len(plan["assignments"]) == 3, plan
+    # the host started llama-server once its workers had elected it: none refused it, it never failed
+    assert "llama-server exited" not in a.text(), a.text()[-3000:]
+    assert not any("not the elected host" in mesh[n].text() for n in "bd"), [mesh[n].text()[-2000:] for n in "bd"]
     workers = [x for x in plan["assignments"][:-1]]
     counts = [x["count"] for x in plan["assignments"]]
     # the host's own llama-server, asked directly

@@ -91,6 +91,24 @@ def test_a_split_waits_for_tunnels_and_connections() -> None:
     assert embd == s.Split((W1, W2), (6, 6, 7), own_rpc=True, embd_first=True)
 
 
+def test_a_split_waits_for_its_workers_to_elect_the_host() -> None:
+    """A worker that has not elected us yet refuses our llama-server's connections (it would fail at its first): the
+    split waits for its record to name us, HOST_WAIT_S at most."""
+    names = {W1: ME, W2: HOST}
+    assert s.not_electing(SPLIT, ME, names.get) == {W2}
+    assert s.not_electing(SPLIT, ME, {W1: ME, W2: ME}.get) == frozenset()
+    assert s.not_electing(SPLIT, ME, {}.get) == {W1, W2}  # records that name no host (yet, or an older version)
+    assert s.not_electing(SPLIT, HOST, {}.get) == frozenset()  # not our plan to host
+    assert s.not_electing(Waiting(1, 0), ME, {}.get) == frozenset()
+    up = {"listeners": frozenset({W1, W2}), "connected": frozenset({W1, W2})}
+    assert want(SPLIT, electing=frozenset({W2}), **up) == s.NeedElected((W2,))
+    assert want(SPLIT, lacking=frozenset({W1}), electing=frozenset({W2}), **up) == s.NeedLayers((W1,))
+    assert want(SPLIT, electing=frozenset({STRANGER}), **up) == s.Split((W1, W2), (6, 6, 7), own_rpc=True)
+    patience = s.LayerWait(s.HOST_WAIT_S)
+    assert patience.step(frozenset({W2}), 100.0)[0] == {W2}
+    assert patience.step(frozenset({W2}), 100.0 + s.HOST_WAIT_S)[0] == frozenset()  # then it starts anyway
+
+
 def test_rpc_admission() -> None:
     assert s.may_open_rpc(HOST, HOST, True)
     assert not s.may_open_rpc(HOST, HOST, False)  # our rpc-server is down

@@ -139,6 +139,24 @@ class NeedLayers:
     workers: tuple[NodeId, ...]
 
 
+@dataclass(frozen=True)
+class NeedElected:
+    """The plan wants a split, but these workers have not elected us yet (their records name another host, or
+    none): they would refuse our llama-server's connections, and it would fail at its first. Keep whatever runs now
+    until they do (HOST_WAIT_S at most)."""
+
+    workers: tuple[NodeId, ...]
+
+
+def not_electing(plan: Plan | Waiting | None, me: NodeId, host_of: Callable[[NodeId], NodeId | None]
+                 ) -> frozenset[NodeId]:  # fmt: skip
+    """The workers of ``plan`` (ours to host) whose records (``host_of``: the host each serves layers for) do not
+    name us."""
+    if not isinstance(plan, Plan) or plan.host != me:
+        return frozenset()
+    return frozenset(a.node for a in plan.workers if host_of(a.node) != me)
+
+
 def lacking_layers(plan: Plan | Waiting | None, held: Callable[[NodeId], tuple[tuple[int, int], ...] | None]
                    ) -> frozenset[NodeId]:  # fmt: skip
     """The workers of ``plan`` whose partial copy (``held``: the layers each holds; None: the whole file) lacks a
@@ -154,12 +172,14 @@ def lacking_layers(plan: Plan | Waiting | None, held: Callable[[NodeId], tuple[t
 
 
 LAYER_WAIT_S = 600.0  # how long a split waits for a worker fetching its layers before it loads without them
+HOST_WAIT_S = 5.0  # how long it waits for a worker to elect it (a worker of an older version never says)
 
 
 @dataclass
 class LayerWait:
     """The host's patience with workers still fetching their layers: it waits for each up to ``limit_s`` from when it
-    began to (then it loads without them: their missing weights go over the network, the stock way)."""
+    began to (then it loads without them: their missing weights go over the network, the stock way). The same with
+    workers that have not elected it yet (``HOST_WAIT_S``: then it starts llama-server anyway)."""
 
     limit_s: float = LAYER_WAIT_S
     since: dict[NodeId, float] = field(default_factory=dict)
@@ -196,7 +216,7 @@ def as_ranges(layers: Iterable[int]) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-ServerWant = Solo | Split | NeedTunnels | NeedLayers | None  # None: run no llama-server
+ServerWant = Solo | Split | NeedTunnels | NeedLayers | NeedElected | None  # None: run no llama-server
 
 
 def wanted_server(
@@ -207,12 +227,13 @@ def wanted_server(
     connected: frozenset[NodeId],
     has_accelerator: bool = False,
     lacking: frozenset[NodeId] = frozenset(),
+    electing: frozenset[NodeId] = frozenset(),
 ) -> ServerWant:
     """The llama-server this node should run for ``plan``. ``can_host``: we have binaries and the model file;
     ``listeners``: workers we have tunnel listeners for; ``connected``: peers with a live connection;
     ``has_accelerator``: this node has a GPU (or other device) llama.cpp can run its layers on in-process;
     ``lacking``: workers still fetching their layers (the split waits for them, or their weights would go over
-    the network)."""
+    the network); ``electing``: workers that have not elected us yet (the split waits for them)."""
     if not isinstance(plan, Plan) or plan.host != me or not can_host:
         return None
     if not plan.workers:
@@ -225,6 +246,8 @@ def wanted_server(
         return NeedTunnels(())  # listeners are up but a worker's connection is not (yet): wait
     if any(n in lacking for n in workers):
         return NeedLayers(tuple(n for n in workers if n in lacking))
+    if any(n in electing for n in workers):
+        return NeedElected(tuple(n for n in workers if n in electing))
     return Split(workers, tuple(plan.tensor_split), own_rpc=not has_accelerator, embd_first=plan.embd_first)
 
 

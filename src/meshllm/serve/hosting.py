@@ -108,6 +108,7 @@ class Hosting:
         self._direct_in_cfg: dict[NodeId, str] = {}  # the direct workers of the configuration being started
         self._closing: set[asyncio.Future[None]] = set()  # listeners of workers that are gone, closing
         self._layer_wait = serving.LayerWait()  # workers still fetching their layers, that a split waits for
+        self._host_wait = serving.LayerWait(serving.HOST_WAIT_S)  # workers that have not elected us yet, the same
         self._probed_as: dict[NodeId, int] = {}  # worker -> its incarnation when we made its listener and probed
         # worker side: who holds the key our rpc-server's TLS listener accepts now
         self._key_holder: NodeId | None = None
@@ -199,10 +200,12 @@ class Hosting:
             if task is not None:
                 mine.discard(task)
 
-    def drop_stale_tunnels(self, host: NodeId | None) -> None:
-        """When the host changes, close every RPC tunnel from another node at once, so the new host's load never
-        waits on a dead connection, and withdraw the direct path's key from a former host (its open connection, if
-        any, ends when its llama-server stops or, if it vanished, by TCP keepalive)."""
+    def serve_layers_for(self, host: NodeId | None) -> None:
+        """The host we serve layers for changed: our record says so (that host waits for it before it starts its
+        llama-server, which we would otherwise refuse); every RPC tunnel from another node closes at once, so the
+        new host's load never waits on a dead connection, and a former host's key for the direct path is withdrawn
+        (its open connection, if any, ends when its llama-server stops or, if it vanished, by TCP keepalive)."""
+        self.net.update(host=host)
         for peer, tasks in self._rpc_tunnels.items():
             if peer != host:
                 for t in list(tasks):
@@ -456,9 +459,10 @@ class Hosting:
         w = serving.wanted_server(
             plan, me, can_host, frozenset(self.rpc_listeners), frozenset(self.net.peers), self.device is not None,
             self._still_fetching(plan) if isinstance(plan, Plan) and plan.host == me else frozenset(),
+            self._host_wait.step(serving.not_electing(plan, me, self._host_of), time.monotonic())[0],
         )
-        if isinstance(w, serving.NeedLayers):
-            return  # the next change (their record naming the layers held) reconfigures
+        if isinstance(w, serving.NeedLayers | serving.NeedElected):
+            return  # the next change (their record naming the layers held, or us) reconfigures
         if isinstance(w, serving.NeedTunnels):
             if w.missing and (self._rpc_listener_task is None or self._rpc_listener_task.done()):
                 self._rpc_listener_task = asyncio.ensure_future(self._make_rpc_listeners(list(w.missing)))
@@ -498,6 +502,10 @@ class Hosting:
             return
         self.server_cfg = want
         self._reconfig_task = asyncio.ensure_future(self._restart_server(want, direct))
+
+    def _host_of(self, n: NodeId) -> NodeId | None:
+        rec = self.net.record(n)
+        return rec.host if rec is not None else None
 
     def _still_fetching(self, plan: Plan | Waiting | None) -> frozenset[NodeId]:
         """The workers of ``plan`` still fetching their layers, that the split waits for (LAYER_WAIT_S at most:

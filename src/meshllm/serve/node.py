@@ -247,7 +247,7 @@ class Node:
         adopted = self.replanner.step(now, host, self.shape, self.facts) if self.replanner else None
         if (layers_for := self.replanner.layer_host(host, now) if self.replanner else host) != self.host:
             self.host = layers_for  # the host we serve layers for: the elected one, or a replica's (replanning.py)
-            hosting.drop_stale_tunnels(layers_for)
+            hosting.serve_layers_for(layers_for)
         if adopted is not None:
             self._say(narration.plan_line(adopted, self.me, host), "plan")
         if self.adoption is not None and (found := self.adoption.step(now, self.facts)):
