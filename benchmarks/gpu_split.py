@@ -7,6 +7,7 @@ On a GPU machine with no network (the lent device), after ``benchmarks/gpu_pack.
     python3 benchmarks/gpu_split.py --carry gpuc --replicas [--parallel 16] [--slot-ctx 2048] [--clients 16]
     python3 benchmarks/gpu_split.py --carry gpuc --start [--runs 3]
     python3 benchmarks/gpu_split.py --carry gpuc --pipeline [--nodes 2,3,4] [--runs 3] [--rtt-ms 1 | --tunnel]
+    python3 benchmarks/gpu_split.py --carry gpuc --embd [--runs 3]        (patch 0013's A/B; --bytes has its row too)
 
 (--prepare builds and makes the model only, so a second call on the still-warm machine has the whole 10 minutes.)
 --load is [team]'s table: many clients at once and long prompts, every setup with the same slots and context.
@@ -273,7 +274,8 @@ def bytes_per_token(server: Any, rpc_server: Any, free_port: Any, args: argparse
     rows = []
     ring = {"GGML_RPC_PEERS": ",".join(f"{e}=127.0.0.1:{p}" for e, p in zip(eps, peers, strict=True))}
     try:
-        for name, env_ in (("stock star", {}), ("worker to worker", ring)):
+        embd = {**ring, "LLAMA_INPUT_ON_FIRST_RPC": "1"}  # patch 0013: the first worker looks tokens up
+        for name, env_ in (("stock star", {}), ("worker to worker", ring), ("+ token embedding on worker 1", embd)):
 
             def measure(base: str, path: str) -> tuple[float, float, str]:
                 tps(base, path, 8, 1)  # warm-up
@@ -288,7 +290,7 @@ def bytes_per_token(server: Any, rpc_server: Any, free_port: Any, args: argparse
                 up = sum(x.bytes_up for x in d) / args.tokens
                 return up, sum(x.bytes_down for x in d) / args.tokens, text
 
-            rows.append((name, server(f"bytes-{name.split()[-1]}", "0", eps, split, (), measure, env_=env_)))
+            rows.append((name, server(f"bytes-{len(rows)}", "0", eps, split, (), measure, env_=env_)))
     finally:
         for r in relays:
             r.close()
@@ -296,7 +298,7 @@ def bytes_per_token(server: Any, rpc_server: Any, free_port: Any, args: argparse
             c.stop()
     star = rows[0][1]
     print(f"\n# bytes through llama-server per generated token, 2 RPC workers (11 + 11 layers) + the host GPU (10 + "
-          f"output), {args.tokens} greedy tokens; same text both ways: {rows[0][1][2] == rows[1][1][2]}")
+          f"output), {args.tokens} greedy tokens; the same text every way: {len({r[1][2] for r in rows}) == 1}")
     print("| setup | to the workers B/token | back B/token | total | ÷ star |\n|---|---:|---:|---:|---:|")
     for name, (up, down, _) in rows:
         print(f"| {name} | {up:.0f} | {down:.0f} | {up + down:.0f} | {(up + down) / (star[0] + star[1]):.2f} |")
