@@ -102,8 +102,8 @@ class Hosting:
         self.rpc_port = rpc_port  # our rpc-server's TLS listener port (--rpc-port; None: any free one)
         self.direct: dict[NodeId, str] = {}
         self.peer_at: dict[NodeId, str] = {}  # worker -> "ip:port" of its rpc-server's predecessor listener (0011)
-        self._links_of: LocalServer | None = None  # the llama-server whose log ``_links`` is read from
-        self._links = serving.LogFacts(frozenset(), None)
+        self._facts_of: LocalServer | None = None  # the llama-server whose log ``_facts`` were read from
+        self._facts = serving.LogFacts(frozenset(), None)
         self.direct_failed: dict[NodeId, float] = {}  # worker -> monotonic time until which we do not retry
         self._direct_in_cfg: dict[NodeId, str] = {}  # the direct workers of the configuration being started
         self._closing: set[asyncio.Future[None]] = set()  # listeners of workers that are gone, closing
@@ -351,11 +351,11 @@ class Hosting:
         srv = self.server
         if srv is None or not srv.cfg.rpc:
             return serving.LogFacts(frozenset(), None)
-        if self._links_of is not srv:
-            self._links_of, self._links = None, serving.log_facts(srv.log_tail())
+        if self._facts_of is not srv:
+            self._facts_of, self._facts = None, serving.log_facts(srv.log_tail())
             if srv.state == ChildState.SERVING:
-                self._links_of = srv  # read once more after it serves, never again
-        return self._links
+                self._facts_of = srv  # read once more after it serves, never again
+        return self._facts
 
     # ---------------------------------------------------------------- API requests between nodes
 
