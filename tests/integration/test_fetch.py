@@ -215,3 +215,42 @@ def test_a_model_no_member_serves_comes_from_the_hub(mesh: dict[str, object], ti
     wait_for(lambda: (tmp / "g-models" / "tiny.gguf").exists() or "error" in g.text(), 120, "the download")
     assert "no member serves someorg/tiny/tiny.gguf: downloading it from the hub" in g.text(), g.text()[-2000:]
     assert hub.resolves > before and _sha(tmp / "g-models" / "tiny.gguf") == _sha(tiny_model)
+
+
+def test_share_off_answers_no_request_of_any_kind(mesh: dict[str, object], tiny_model: Path) -> None:
+    """[trust-3] 6 (the mutation audit found only "chunk" checked it): a member with --share off answers neither a
+    manifest, nor tensor samples, nor a ticket for the direct path, nor a chunk — asked over real QUIC by a member;
+    the same asks of a, which shares, are answered."""
+    import asyncio
+
+    from meshllm.net.meshnet import MeshNet
+    from meshllm.proto import token as tok
+    from meshllm.serve.fetch_pull import ask
+
+    a, b, tmp = mesh["a"], mesh["b"], mesh["tmp"]
+    assert isinstance(a, NodeProc) and isinstance(b, NodeProc) and isinstance(tmp, Path)
+    fp = str(mesh["fp"])
+    state = tmp / "asker"
+    state.mkdir(mode=0o700)
+
+    async def run() -> dict[str, tuple[bool, bool]]:
+        key = crypto.new_key()
+        net = MeshNet(key, None, state, bind=("127.0.0.1", 0))
+        await net.start()
+        try:
+            await net.join(tok.parse(str(mesh["token"])))
+            ids = {n: crypto.node_id(n.key()) for n in (a, b)}
+            for _ in range(100):
+                if all(i in net.peers for i in ids.values()):
+                    break
+                await asyncio.sleep(0.1)
+            out = {}
+            for op, arg in (("manifest", 0), ("windows", [0]), ("ticket", 0), ("chunk", 0)):
+                got = [await ask(net, ids[n], op, fp, arg, 64 << 20, 30.0) for n in (a, b)]
+                out[op] = (got[0] is not None, got[1] is not None)
+            return out
+        finally:
+            await net.stop(leave=True)
+
+    answered = asyncio.run(run())
+    assert answered == {op: (True, False) for op in ("manifest", "windows", "ticket", "chunk")}, answered

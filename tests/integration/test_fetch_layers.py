@@ -196,3 +196,29 @@ def test_a_source_that_lies_about_the_sampled_bytes_is_dropped_and_the_copy_comp
             th.join(30)
         for n in nodes:
             n.stop()
+
+
+def test_a_partial_copy_gives_back_the_layers_a_plan_took_away(tmp_path: Path, tiny_model: Path) -> None:
+    """[trust-3] 2: layers a stable plan no longer gives a worker are given back — holes punched in its sparse copy
+    (the disk freed, the file's size kept), the chunks forgotten in ``.have`` — and the layers it keeps are intact."""
+    from meshllm.llama.gguf import model_shape
+    from meshllm.proto import crypto
+    from meshllm.serve.fetch_pull import PartialCopy, _resume
+    from meshllm.serve.sharing import _manifest_of
+
+    fp = model_fingerprint(tiny_model)
+    m = _manifest_of(tiny_model, fp, crypto.new_key(), tmp_path / "state")
+    part, have_file = tmp_path / f"{fp}.part", tmp_path / f"{fp}.have"
+    part.write_bytes(tiny_model.read_bytes())
+    hdr = read_header(part)
+    copy = PartialCopy(None, m, [], part, have_file, hdr, set(range(len(m.chunks))), "tiny")  # type: ignore[arg-type]
+    n = model_shape(hdr).n_layer
+    assert copy.held() == ((0, n),)
+    blocks = part.stat().st_blocks * 512
+    given = copy.give_back({3, 4, 5})
+    assert given > 0 and copy.held() == ((3, 3),)
+    assert blocks - part.stat().st_blocks * 512 >= given * 0.95  # the disk is freed (4 KiB blocks at the edges)
+    assert part.stat().st_size == tiny_model.stat().st_size
+    kept = copy.chunks_of({3, 4, 5}) | {0}
+    assert kept <= copy.have and _resume(part, have_file, m) == copy.have  # what a restart keeps, checked again
+    assert copy.give_back({3, 4, 5}) == 0  # nothing more to give

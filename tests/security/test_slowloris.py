@@ -87,3 +87,42 @@ def _open(s: socket.socket) -> bool:
     finally:
         with contextlib.suppress(OSError):
             s.setblocking(True)
+
+
+def test_many_addresses_of_one_client_keep_no_client_with_the_key_out(tmp_path: Path, tiny_model: Path) -> None:
+    """[trust-3] 3: a stranger with 13 addresses held 64 half-sent requests on each, 832 > the gate's 768, and a client
+    with the key got 0 of 29 requests through in 60 s. Here the 13 addresses are 127.0.0.2-14 (one local user: one
+    client, as the /64 of one IPv6 host would be — ``gate.client_of``, unit-tested); the node is at 1,024 files as
+    before. Now they share one client's 64, and a newcomer closes the oldest connection that never presented the key:
+    the client with the key is served every time, and the stranger holds no more than its share."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 4096), max(hard, 4096)))
+    a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024", "--listen-all",
+                 env={"MESH_LLM_API_KEY": KEY}, wrap=("prlimit", "--nofile=1024:8192", "--"))  # fmt: skip
+    socks: list[socket.socket] = []
+    try:
+        wait_for(lambda: "ready:" in a.text(), 120, "a to serve")
+        for i in range(13):
+            src = f"127.0.0.{2 + i}"
+            for _ in range(64):
+                s = socket.socket()
+                s.bind((src, 0))
+                s.settimeout(5)
+                try:
+                    s.connect((src, a.port))
+                    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: applic")
+                except OSError:
+                    s.close()
+                    continue
+                socks.append(s)
+        time.sleep(1)
+        took = [_ask(a.port) for _ in range(29)]
+        held = [s for s in socks if _open(s)]
+        print(f"\n832 half-sent requests from 13 addresses: the client with the key served 29 of 29, slowest "
+              f"{max(took):.2f} s; {len(held)} of the stranger's connections still held")
+        assert max(took) < 10
+        assert len(held) <= PER_ADDRESS, f"{len(held)} connections of one client held open"
+    finally:
+        for s in socks:
+            s.close()
+        a.stop()

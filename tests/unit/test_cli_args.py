@@ -55,6 +55,21 @@ BAD = [
     (["bundle", "-j", "-1"], "-j"),
     (["download", ""], "name"),
     (["--port", "9437", "status"], "--port comes before the subcommand 'status'"),  # [face-2] 9: was ignored
+    # [trust-3] 6: each numeric bound just past its edge (the mutation audit found them untested)
+    (["--model", "m.gguf", "--port", "0"], "--port"),
+    (["--model", "m.gguf", "--port", "65536"], "--port"),
+    (["--model", "m.gguf", "--rpc-port", "65535"], "--rpc-port"),
+    (["--model", "m.gguf", "--rpc-port", "0"], "--rpc-port"),
+    (["--model", "m.gguf", "--bind-port", "-1"], "--bind-port"),
+    (["--model", "m.gguf", "--bind-port", "65536"], "--bind-port"),
+    (["--model", "m.gguf", "--max-tokens", "0"], "--max-tokens"),
+    (["--model", "m.gguf", "--max-tokens", str((1 << 20) + 1)], "--max-tokens"),
+    (["--model", "m.gguf", "--max-vram", "0"], "--max-vram"),
+    (["--model", "m.gguf", "--max-vram", "1e6"], "--max-vram"),
+    (["--model", "m.gguf", "--max-vram", "nan"], "--max-vram"),
+    (["--model", "m.gguf", "--draft-max", "65"], "--draft-max"),
+    (["status", "--events", "51"], "--events"),
+    (["status", "--events", "-1"], "--events"),
 ]
 
 

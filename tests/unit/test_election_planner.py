@@ -122,29 +122,40 @@ def test_not_enough_memory_says_how_much() -> None:
     assert w.message().startswith("waiting for more peers — need ")
 
 
+def Trusted(node: bytes, capacity: int, rtt_ms: float = 0.0) -> Slot:  # a Slot trusted with prompts
+    return Slot(node, capacity, rtt_ms, prompts=True)
+
+
 def test_the_token_embedding_goes_to_the_first_worker_where_it_has_room() -> None:
     """Patch 0013: the first worker takes the embedding when it has room for it beside its layers; the layout is the
     same either way, and the host, which keeps room for it, no longer counts it."""
     host_cap = host_fixed_bytes(SHAPE, CTX) + 4 * SHAPE.layer_cost(0, CTX)
-    tight = plan(SHAPE, Slot(A, host_cap), [Slot(B, _fits(6), rtt_ms=1)], CTX)
-    roomy = plan(SHAPE, Slot(A, host_cap), [Slot(B, _fits(6) + SHAPE.embd_bytes, rtt_ms=1)], CTX)
+    tight = plan(SHAPE, Slot(A, host_cap), [Slot(B, _fits(6), rtt_ms=1, prompts=True)], CTX)
+    roomy = plan(SHAPE, Slot(A, host_cap), [Slot(B, _fits(6) + SHAPE.embd_bytes, rtt_ms=1, prompts=True)], CTX)
     assert isinstance(tight, Plan) and isinstance(roomy, Plan)
     assert not tight.embd_first and roomy.embd_first
     assert [(a.node, a.first, a.count) for a in tight.assignments] == [(a.node, a.first, a.count)
                                                                        for a in roomy.assignments]  # fmt: skip
     assert roomy.assignments[0].bytes == tight.assignments[0].bytes + SHAPE.embd_bytes
     assert roomy.assignments[1].bytes == tight.assignments[1].bytes - SHAPE.embd_bytes
-    short = plan(SHAPE, Slot(A, host_cap), [Slot(B, _fits(6) + SHAPE.embd_bytes - 1, rtt_ms=1)], CTX)
+    short = plan(SHAPE, Slot(A, host_cap), [Slot(B, _fits(6) + SHAPE.embd_bytes - 1, rtt_ms=1, prompts=True)], CTX)
     assert isinstance(short, Plan) and not short.embd_first  # a byte short
     alone = plan(SHAPE, Slot(A, 10 * GB), [Slot(B, 10 * GB)], CTX)
     assert isinstance(alone, Plan) and not alone.embd_first  # no worker: the host has it
     # --tensor-split: the same rule for the first node it names
-    given = plan(SHAPE, Slot(A, GB), [Slot(B, GB, rtt_ms=1), Slot(C, GB, rtt_ms=2)], CTX, split=[1, 1, 3])
+    given = plan(SHAPE, Slot(A, GB), [Trusted(B, GB, rtt_ms=1), Trusted(C, GB, rtt_ms=2)], CTX, split=[1, 1, 3])
     assert isinstance(given, Plan) and given.embd_first
-    small = plan(SHAPE, Slot(A, GB), [Slot(B, _fits(2), rtt_ms=1), Slot(C, _fits(2), rtt_ms=2)], CTX, split=[1, 1, 3])
+    small = plan(SHAPE, Slot(A, GB), [Trusted(B, _fits(2), rtt_ms=1), Trusted(C, _fits(2), rtt_ms=2)], CTX,
+                 split=[1, 1, 3])  # fmt: skip
     assert isinstance(small, Plan) and not small.embd_first
-    none = plan(SHAPE, Slot(A, GB), [Slot(B, GB, rtt_ms=1), Slot(C, GB, rtt_ms=2)], CTX, split=[0, 1, 3])
+    none = plan(SHAPE, Slot(A, GB), [Trusted(B, GB, rtt_ms=1), Trusted(C, GB, rtt_ms=2)], CTX, split=[0, 1, 3])
     assert isinstance(none, Plan) and not none.embd_first  # the first node named takes no layer: not layer 0 either
+    # [trust-3] 5: a first worker not trusted with prompts (below host scope) gets embedding rows, never token ids
+    wary = plan(SHAPE, Slot(A, host_cap), [Slot(B, _fits(6) + SHAPE.embd_bytes, rtt_ms=1)], CTX)
+    assert isinstance(wary, Plan) and not wary.embd_first
+    wary_split = plan(SHAPE, Slot(A, GB), [Slot(B, GB, rtt_ms=1), Slot(C, GB, rtt_ms=2, prompts=True)], CTX,
+                      split=[1, 1, 3])  # fmt: skip
+    assert isinstance(wary_split, Plan) and not wary_split.embd_first
 
 
 def test_tensor_split_override() -> None:
@@ -317,6 +328,10 @@ def test_slots_for_takes_the_nodes_with_the_model_and_the_hosts_rtts() -> None:
     ]
     assert slots_for(recs, ids[0], "aa") == (Slot(ids[0], 10), [Slot(ids[1], 5, 3.5), Slot(ids[4], 7, 0.0)])
     assert slots_for(recs[1:], ids[0], "aa") is None  # the host's own record missing
+    # [trust-3] 5: a host-scoped worker is trusted with prompts (it may take the token embedding), a worker-scoped not
+    trusted = PeerRecord(ids[1], 1, 2, role=Role.WORKER, capacity=5, model=same, chain=chain(Scope.HOST))
+    got = slots_for([host, trusted, recs[4]], ids[0], "aa")
+    assert got is not None and [s.prompts for s in got[1]] == [True, False]
 
 
 def test_a_node_with_several_devices_gets_an_entry_for_each() -> None:
@@ -351,3 +366,24 @@ def test_each_device_pays_its_compute_buffer() -> None:
     assert isinstance(one, Plan) and one.assignments[0].count == 6  # one device: it fits exactly
     assert isinstance(two, Waiting)  # the same memory on two devices holds two compute buffers: no longer fits
     assert two.need - plan(SHAPE, host, [Slot(B, 1, rtt_ms=1)], CTX).need == SHAPE.compute_bytes(CTX, output=False)  # type: ignore[union-attr]
+
+
+def test_equal_workers_keep_the_layers_they_hold_across_replans() -> None:
+    """[trust-3] 2: two equal workers swapped ranges 3-5 times on a busy machine and each fetched both. What each holds
+    is an input: the same workers are ordered by the layers they hold, so a re-plan moves none of them."""
+    host_cap = host_fixed_bytes(SHAPE, CTX) + 4 * SHAPE.layer_cost(0, CTX)
+    lo, hi = sorted([B, C])
+    fresh = plan(SHAPE, Slot(A, host_cap), [Slot(lo, _fits(3)), Slot(hi, _fits(3))], CTX)
+    assert isinstance(fresh, Plan)
+    assert [(a.node, a.first, a.count) for a in fresh.assignments] == [(lo, 0, 3), (hi, 3, 3), (A, 6, 4)]  # by id
+    held = plan(SHAPE, Slot(A, host_cap), [Slot(lo, _fits(3), held_from=3), Slot(hi, _fits(3), held_from=0)], CTX)
+    assert isinstance(held, Plan)
+    assert [(a.node, a.first, a.count) for a in held.assignments] == [(hi, 0, 3), (lo, 3, 3), (A, 6, 4)]
+    one = plan(SHAPE, Slot(A, host_cap), [Slot(lo, _fits(3)), Slot(hi, _fits(3), held_from=0)], CTX)
+    assert isinstance(one, Plan) and one.assignments[0].node == hi  # a holder first, one holding nothing after
+    # where the holders' order cannot place every layer (unequal workers), the plan stays as it would be
+    as_was = plan(SHAPE, Slot(A, host_cap), [Slot(lo, _fits(4)), Slot(hi, _fits(2))], CTX)
+    got = plan(SHAPE, Slot(A, host_cap), [Slot(lo, _fits(4), held_from=4), Slot(hi, _fits(2), held_from=0)], CTX)
+    assert isinstance(as_was, Plan) and isinstance(got, Plan) and sum(a.count for a in got.assignments) == 10
+    assert [(a.node, a.first, a.count) for a in got.assignments] in (
+        [(a.node, a.first, a.count) for a in as_was.assignments], [(hi, 0, 2), (lo, 2, 4), (A, 6, 4)])

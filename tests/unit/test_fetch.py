@@ -48,15 +48,73 @@ def test_decoding_a_manifest_never_raises(raw: bytes) -> None:
     assert f.decode_manifest(raw, A, FP) is None
 
 
-def test_the_promise_most_sources_make_is_believed() -> None:
+def test_only_host_scoped_holders_decide_what_is_believed_and_no_vote_or_id_breaks_a_tie() -> None:
+    """[trust-3] 1: a member below host scope carries bytes and decides nothing; the host's manifest wins; vouchers
+    that disagree (no host among them) stop the fetch; how many keys sign a lie, or how they sort, changes nothing."""
     bad = bytearray(DATA)
     bad[5] ^= 1
-    honest, liar = [manifest(KEYS[0]), manifest(KEYS[2])], manifest(KEYS[1], bytes(bad))
-    m, who = f.believe([*honest, liar])  # type: ignore[misc]
-    assert m.promise() == honest[0].promise() and who == sorted([A, C])
-    assert f.believe([]) is None
-    one, two = f.believe([liar, honest[0]]), f.believe([honest[0], liar])  # a tie: the same pick either way
-    assert one is not None and two is not None and one[0].source == two[0].source == min(A, B)
+    good_a, liar_b, good_c = manifest(KEYS[0]), manifest(KEYS[1], bytes(bad)), manifest(KEYS[2])
+    # the liar (B) is no voucher: however its id sorts and however many sign with it, A's promise is believed
+    for host in (A, None):
+        got = f.believe([liar_b, good_a], {A}, host)
+        assert not isinstance(got, str) and got[0] == good_a and got[1] == [A]
+    m2 = manifest(KEYS[1])  # B carrying the believed bytes: a source of them, deciding nothing
+    got = f.believe([m2, good_a], {A}, None)
+    assert not isinstance(got, str) and got[1] == sorted([A, B])
+    # no voucher answered: nothing believed (before: the client-scoped liar's manifest, alone, was)
+    assert isinstance(f.believe([liar_b], {A}, A), str)
+    assert isinstance(f.believe([], {A}, A), str)
+    # two vouchers disagree: the elected host's promise, else none (before: a tie went to the lowest node id)
+    got = f.believe([liar_b, good_a], {A, B}, A)
+    assert not isinstance(got, str) and got[0] == good_a
+    got = f.believe([liar_b, good_a], {A, B}, B)
+    assert not isinstance(got, str) and got[0] == liar_b
+    assert "vouch for different bytes" in str(f.believe([liar_b, good_a, good_c], {A, B, C}, None))
+    got = f.believe([good_c, good_a], {A, C}, None)  # agreeing vouchers, no host answered
+    assert not isinstance(got, str) and got[1] == sorted([A, C])
+
+
+def test_vouchers_are_host_scoped_members_holding_the_whole_file() -> None:
+    from meshllm.proto import token as tok
+    from meshllm.proto.gossip import ModelFacts, PeerRecord, Role
+
+    founder = KEYS[0]
+    chain = tok.found(founder, 0.0)
+    facts = ModelFacts(FP, SIZE, 1, "m")
+
+    def rec(key: crypto.Ed25519PrivateKey, scope: tok.Scope, **kw: object) -> PeerRecord:
+        me = crypto.node_id(key)
+        c = chain if key is founder else tok.admit(founder, chain, me, 0.0, scope)
+        return PeerRecord(me, 1, 1, model=facts, chain=tuple(c), **kw)  # type: ignore[arg-type]
+
+    recs = [rec(KEYS[0], tok.Scope.HOST), rec(KEYS[1], tok.Scope.WORKER), rec(KEYS[2], tok.Scope.CLIENT)]
+    assert f.vouchers(recs, FP) == {A}
+    host_b = rec(KEYS[1], tok.Scope.HOST)
+    assert f.vouchers([host_b], FP) == {B} and f.vouchers([host_b], "cd" * 32) == set()
+    assert f.vouchers([rec(KEYS[1], tok.Scope.HOST, held=((0, 1),))], FP) == set()  # a partial copy
+    assert f.vouchers([rec(KEYS[1], tok.Scope.HOST, role=Role.CLIENT)], FP) == set()
+
+
+def test_a_fingerprint_names_a_file_only_as_64_hex_digits() -> None:
+    """[trust-3] 4: a fingerprint is used as a file name; a record or manifest with anything else is refused."""
+    from meshllm.proto.gossip import is_fingerprint
+
+    assert is_fingerprint(FP) and is_fingerprint("0123456789abcdef" * 4)
+    for bad in ("../" * 21 + "x", "AB" * 32, "ab" * 31, "ab" * 33, "/tmp/" + "a" * 59, 7, None, "g" * 64):
+        assert not is_fingerprint(bad), bad
+    evil = "../../../../tmp/owned" + "0" * 43
+    m = f.make_manifest(evil, SIZE, hashlib.sha256(DATA).digest(), f.tile(SIZE, (), CH),
+                        [hashlib.sha256(DATA[i : i + CH]).digest() for i in range(0, SIZE, CH)], KEYS[0])  # fmt: skip
+    assert f.decode_manifest(m.encode(), A, evil) is None
+
+
+def test_a_manifest_chunk_longer_than_chunk_is_refused() -> None:
+    """A chunk is read into memory whole: a manifest promising one over CHUNK (1 GiB was accepted) is refused."""
+    size = f.CHUNK + 1
+    big = f.make_manifest(FP, size, bytes(32), (size,), (bytes(32),), KEYS[0])
+    assert f.decode_manifest(big.encode(), A, FP) is None
+    ok = f.make_manifest(FP, size, bytes(32), (f.CHUNK, 1), (bytes(32), bytes(32)), KEYS[0])
+    assert f.decode_manifest(ok.encode(), A, FP) == ok
 
 
 def test_chunks_are_shared_out_lowest_first_and_bounded_per_source() -> None:

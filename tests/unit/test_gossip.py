@@ -408,3 +408,36 @@ def test_a_replica_says_so_in_its_record() -> None:
     assert t.merge_record(rec(k, c, role="host", replica=True), T).changed == [n]
     assert t.entries[n].record.replica
     assert t.merge_record(rec(k, c, seq=2, role="host"), T).changed == [n] and not t.entries[n].record.replica
+
+
+def test_a_record_whose_model_fingerprint_is_not_64_hex_digits_is_dropped() -> None:
+    """[trust-3] 4: a member's record named its model ``../../x`` and a joining node wrote ``<any path>.part``."""
+    from meshllm.proto.gossip import ModelFacts
+
+    t = Table(crypto.node_id(FOUNDER), MESH)
+    k, c = member()
+    n = crypto.node_id(k)
+    for i, fp in enumerate(["../../../../tmp/owned" + "0" * 43, "AB" * 32, "ab" * 31, "/" + "a" * 63], 1):
+        got = t.merge_record(rec(k, c, seq=i, model=ModelFacts(fp, 1, 1, "m")), T)
+        assert got.changed == [] and "fingerprint" in got.dropped[0], fp
+    assert t.merge_record(rec(k, c, seq=9, model=ModelFacts("ab" * 32, 1, 1, "m")), T).changed == [n]
+
+
+def test_a_connected_peer_that_falls_silent_is_buried_after_direct_dead_s_not_dead_after_s() -> None:
+    """[trust-3] 6 (the mutation audit left it untested): a node we are connected to that says nothing for
+    DIRECT_DEAD_S (6 s) is buried by us at once — a member that did not hear it for DEAD_AFTER_S (10 s) is slower."""
+    from meshllm.proto.meshcore import DIRECT_DEAD_S, MeshCore
+
+    k, c = member()
+    t0 = 100.0
+    a = MeshCore(FOUNDER, MESH, CHAIN, 1, t0)
+    b = MeshCore(k, MESH, c, 1, t0)
+    n = crypto.node_id(k)
+    for dst, (_, msg) in ((a, x) for x in b.on_connected(a.me, t0)):
+        dst.on_message(n, msg, t0)
+    a.on_connected(n, t0)
+    assert n in {r.node for r in a.alive(t0)}
+    a.tick(t0 + DIRECT_DEAD_S - 0.5)
+    assert n in {r.node for r in a.alive(t0 + DIRECT_DEAD_S - 0.5)}
+    a.tick(t0 + DIRECT_DEAD_S + 0.1)
+    assert DIRECT_DEAD_S + 0.1 < DEAD_AFTER_S and n not in a.table.entries and n in a.table.tombstones

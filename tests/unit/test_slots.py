@@ -202,3 +202,16 @@ def test_the_memory_of_sources_is_bounded(monkeypatch: pytest.MonkeyPatch) -> No
         t = s.arrive(f"client {i}", 1, float(i))
         s.leave(t.ticket.id, float(i) + 0.5)  # type: ignore[union-attr]
     assert list(s.last_served) == [f"client {i}" for i in range(12, 20)]
+
+
+def test_the_source_running_fewest_slots_goes_first_even_if_served_more_lately() -> None:
+    """[trust-3] 6 (the mutation audit left it untested): the first rule of the rank is the slots a source runs now;
+    the time it was last served only breaks ties. a runs two slots and was served before b; b runs none: b next."""
+    s = sl.Slots(total=3, queue_max=64)
+    a1, a2 = s.arrive("a", 1, 1.0), s.arrive("a", 1, 2.0)
+    b1 = s.arrive("b", 1, 3.0)
+    assert all(isinstance(x, sl.Admitted) for x in (a1, a2, b1))
+    qa, qb = s.arrive("a", 1, 4.0), s.arrive("b", 1, 5.0)
+    assert isinstance(qa, sl.Queued) and isinstance(qb, sl.Queued)
+    admitted = s.leave(b1.ticket.id, 6.0)  # type: ignore[union-attr]
+    assert admitted == [qb.ticket]  # a was served longer ago (2.0 < 3.0) but runs two slots, b none

@@ -119,3 +119,21 @@ def test_serve_and_drop_sign_words_in_the_founders_state_dir(tmp_path: Path, cap
     s.save_membership(member, s.Membership(mid, b"\0" * 32, tok.admit(key, chain, crypto.node_id(mk), time.time())))
     assert main(["drop", "m", "--state-dir", str(member)]) != 0
     assert "only the node that founded the mesh, or an admin" in capsys.readouterr().err  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", ["revoked", "admins", "directives"])
+def test_the_signed_words_files_must_be_private(tmp_path: Path, name: str) -> None:
+    """[trust-3] 6 (the mutation audit left it untested): ``revoked``, ``admins`` and ``directives`` are read only
+    when no one else may read or write them; one with another mode is a clear error, not trusted."""
+    from meshllm.state import load_directives, load_signed
+
+    state = tmp_path / "s"
+    state.mkdir(mode=0o700)
+    path = state / name
+    path.write_text("[]\n")
+    path.chmod(0o600)
+    load = (lambda: load_directives(state)) if name == "directives" else (lambda: load_signed(state, name))
+    assert load() == []
+    path.chmod(0o644)
+    with pytest.raises(UserError, match="readable by others"):
+        load()

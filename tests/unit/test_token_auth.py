@@ -112,6 +112,7 @@ def _handshake(
     listener_key: crypto.Ed25519PrivateKey | None = None,
     revoked: set[bytes] | None = None,
     previous: list[bytes] | None = None,
+    in_touch: bool = True,
 ) -> tuple[bool, str]:
     lkey = listener_key or mesh["key"]
     listener = crypto.node_id(lkey)  # type: ignore[arg-type]
@@ -129,7 +130,7 @@ def _handshake(
     v = check_proof(
         key=lkey, my_chain=listener_chain or mesh["chain"], mesh_id=mesh["mesh_id"], secret=mesh["secret"],  # type: ignore[arg-type]
         hello=hello, nonce=nonce, proof=proof, scope_of=known.get, revoked=revoked or set(),
-        previous=previous or [], now=now,
+        previous=previous or [], now=now, in_touch=in_touch,
     )  # fmt: skip
     if v.ok:
         assert v.chain is not None
@@ -429,3 +430,15 @@ def test_the_founders_token_is_checked_by_a_member_that_never_saw_the_founder(me
     ok, why = _handshake(mesh, crypto.new_key(), token=theirs, members={}, listener_chain=lchain, listener_key=lkey)
     assert not ok and "is not a member" in why
     assert ochain
+
+
+def test_a_member_in_touch_with_no_other_member_admits_nobody_by_token(mesh: dict[str, object]) -> None:
+    """[trust-3] 6 (tested only through child processes before): a member away during a rotation may hold a
+    replaced secret; connected to no other member it cannot know, so it admits no token — a member's chain still
+    proves itself."""
+    a = crypto.new_key()
+    ok, why = _handshake(mesh, crypto.new_key(), token=_token(mesh), in_touch=False)
+    assert not ok and "connected to no other member" in why
+    assert _handshake(mesh, crypto.new_key(), token=_token(mesh), in_touch=True)[0]
+    ca = tok.admit(mesh["key"], mesh["chain"], crypto.node_id(a), NOW)  # type: ignore[arg-type]
+    assert _handshake(mesh, a, chain=ca, in_touch=False)[0]

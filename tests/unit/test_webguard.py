@@ -67,20 +67,40 @@ def test_dot_segments_are_found_plain_and_encoded() -> None:
         assert not dot_segments(ok), ok
 
 
-def test_connection_limits_per_address_and_in_all() -> None:
-    """[trust-2] 8: the gate's bookkeeping (serve/gate.py)."""
+def test_connection_limits_per_client_and_in_all() -> None:
+    """[trust-2] 8: the gate's bookkeeping (serve/gate.py); [trust-3] 3: a full share or a full gate closes the oldest
+    connection that never got past the key, and one that did is never closed for a newcomer."""
     from meshllm.serve.gate import ConnLimits
 
     c = ConnLimits(per_address=2, total=3)
-    assert c.admit("a") and c.admit("a") and not c.admit("a")  # per address
-    assert c.admit("b") and not c.admit("c")  # in all
-    c.release("a")
-    assert c.admit("c") and not c.admit("a")
-    c.release("b")
-    assert c.admit("a") and not c.admit("b") and c.open == {"a": 2, "c": 1}
-    for _ in range(3):
-        c.release("a")
-    assert c.open == {"c": 1}
+    a1, a2, a3, b1, c1, k1 = (object() for _ in range(6))
+    assert c.admit(a1, "a") == (True, None) and c.admit(a2, "a") == (True, None)
+    assert c.admit(a3, "a") == (True, a1)  # a's share is full: its own oldest unproven one goes
+    assert c.open == {"a": 2} and a1 not in c.owner
+    c.proven(a2)
+    assert c.admit(b1, "b") == (True, None)  # 3 in all now
+    assert c.admit(c1, "c") == (True, a3)  # full: the oldest unproven of all goes (a2 proved itself: it stays)
+    c.proven(b1)
+    c.proven(c1)
+    assert c.admit(k1, "k") == (False, None)  # full, and every connection proved itself: refused
+    c.release(a2)
+    c.release(a2)  # said twice (closed to make room, then its connection_lost): counted once
+    assert c.open == {"b": 1, "c": 1} and c.admit(k1, "k") == (True, None)
+    for x in (b1, c1, k1, a1):
+        c.release(x)
+    assert c.open == {} and not c.owner and not c.unproven
+
+
+def test_a_client_is_its_network_or_its_local_user() -> None:
+    """[trust-3] 3 and 5: thirteen addresses of one /64 held the gate; one client from many addresses the queue."""
+    from meshllm.serve.gate import client_of
+
+    assert client_of("2001:db8:1:2::1") == client_of("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
+    assert client_of("2001:db8:1:3::1") != client_of("2001:db8:1:2::1")
+    assert client_of("192.0.2.7") == client_of("192.0.2.250") == client_of("::ffff:192.0.2.9") == "192.0.2.0/24"
+    assert client_of("192.0.3.7") != client_of("192.0.2.7")
+    assert client_of("127.0.0.2", 1000) == client_of("::1", 1000) == "local user 1000" != client_of("127.0.0.1", 0)
+    assert client_of("127.0.0.5") == "local" and client_of("fe80::1%eth0") == "fe80::/64" and client_of("?") == "?"
 
 
 def test_only_an_api_open_to_other_machines_bounds_one_address() -> None:
@@ -135,3 +155,19 @@ def test_a_chat_to_a_base_model_stops_at_the_next_turn() -> None:
     assert with_stops("/v1/completions", {"prompt": "x"}, turns) is None  # a completion continues text as asked
     assert with_stops("/v1/messages/count_tokens", {"messages": []}, turns) is None
     assert with_stops("/v1/chat/completions", {"messages": []}, ()) is None
+
+
+def test_cors_echoes_only_an_origin_the_guard_lets_in() -> None:
+    """[trust-3] 6 (the mutation audit left the echo untested): a stream's CORS headers name the loopback origin that
+    asked, never a foreign one, and nothing without an Origin."""
+    from aiohttp.test_utils import make_mocked_request
+
+    from meshllm.serve.webguard import cors_for
+
+    def req(origin: str | None) -> object:
+        return make_mocked_request("POST", "/v1/completions", headers={"Origin": origin} if origin else {})
+
+    assert cors_for(req("http://localhost:5173")) == {"Access-Control-Allow-Origin": "http://localhost:5173",  # type: ignore[arg-type]
+                                                      "Vary": "Origin"}  # fmt: skip
+    assert cors_for(req("https://evil.example")) == {}  # type: ignore[arg-type]
+    assert cors_for(req(None)) == {}  # type: ignore[arg-type]

@@ -456,7 +456,7 @@ def fetch_pinned_source(cache: Path | None = None, say: Callable[[str], None] = 
                 if m.name.startswith(prefix):
                     m.name = m.name[len(prefix) :]
                     members.append(m)
-            tar.extractall(tmpdir, members=members, filter="data")
+            _extract(tar, members, tmpdir)
         (tmpdir / ".mesh-llm-complete").write_text(json.dumps({"sdist_sha256": PINNED.sha256}))
         if tree.exists():
             shutil.rmtree(tree)
@@ -465,6 +465,30 @@ def fetch_pinned_source(cache: Path | None = None, say: Callable[[str], None] = 
         if tmpdir.exists():
             shutil.rmtree(tmpdir, ignore_errors=True)
     return tree
+
+
+def _extract(tar: tarfile.TarFile, members: list[tarfile.TarInfo], dest: Path) -> None:
+    """``members`` of ``tar`` under ``dest``, none outside it: with tarfile's "data" filter where this Python has it
+    (3.11.4 and later), else (Debian 12's 3.11.2: ``extractall(filter=)`` is a TypeError there) only regular files
+    and folders whose names stay inside, written with our own modes."""
+    if hasattr(tarfile, "data_filter"):
+        tar.extractall(dest, members=members, filter="data")
+        return
+    root = dest.resolve()
+    for m in members:
+        target = (dest / m.name).resolve()
+        if m.name.startswith("/") or (target != root and root not in target.parents):
+            raise BuildError(f"{PINNED.sdist}: {m.name!r} would land outside the source tree")
+        if m.isdir():
+            target.mkdir(parents=True, exist_ok=True)
+        elif m.isfile():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            src = tar.extractfile(m)
+            assert src is not None
+            with src, target.open("wb") as out:
+                shutil.copyfileobj(src, out)
+            target.chmod(0o755 if m.mode & 0o100 else 0o644)
+        # links, devices and the like: none in the pinned sdist's tree, and none is made
 
 
 # --------------------------------------------------------------------------------------------- build

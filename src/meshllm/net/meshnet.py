@@ -691,14 +691,16 @@ def _close_unused(f: asyncio.Future[Conn]) -> None:
 
 
 def mint_scoped(key: Ed25519PrivateKey, m: Membership, addrs: list[str], now: float, ttl_s: float,
-                scope: tok.Scope | None, also: list[tuple[NodeId, list[str]]] | None = None) -> tok.Token:  # fmt: skip
-    """A token no wider than our own scope and no longer-lived than the cap, or a UserError that says why."""
+                scope: tok.Scope | None, also: list[tuple[NodeId, list[str]]] | None = None,
+                node: NodeId | None = None) -> tok.Token:  # fmt: skip
+    """A token no wider than our own scope and no longer-lived than the cap (``node``: for that node only), or a
+    UserError that says why."""
     mine = tok.chain_scope(m.chain)
     if scope is not None and scope > mine:
         raise UserError(f"this node is {mine}-scoped: it can invite {', '.join(str(s) for s in tok.Scope if s <= mine)}"
                         f" nodes, not {scope} ones")  # fmt: skip
     try:
-        return tok.mint(key, m.mesh_id, m.secret, addrs, now, ttl_s, mine if scope is None else scope, also)
+        return tok.mint(key, m.mesh_id, m.secret, addrs, now, ttl_s, mine if scope is None else scope, also, node)
     except ValueError as e:
         raise UserError(f"cannot mint that token: {e}") from None
 

@@ -219,6 +219,8 @@ def check_proof(
         return _refuse("token for another mesh")
     if not t.signature_ok():
         return _refuse("token signature invalid: altered, or minted with another secret")
+    if t.node is not None and t.node != hello.dialler:
+        return _refuse(f"this token admits {crypto.short(t.node)} only (an approval names the node that knocked)")
     if now >= t.expires:
         return _refuse(f"token expired {int(now - t.expires)} s ago")
     if t.expires - now > tok.MAX_TTL_S:

@@ -9,9 +9,14 @@ than CHUNK, so a worker that needs only some layers fetches their chunks and not
 the SHA-256 of each tensor's bytes that the model fingerprint samples (its "windows"): a partial copy fetches those
 of the tensors it does not hold, checked one tensor at a time, so its fingerprint is the model's.
 
-The fetcher asks every source for its manifest, believes the version most sources agree on, and checks each chunk
-on arrival: a source that sends one bad chunk is dropped at once (its chunk goes to the others), so a liar costs at
-most one chunk. A whole file's SHA-256 is checked at the end; nothing unchecked ever takes the model's name.
+Who decides what is true ([trust-3] 1): only host-scoped members that hold the whole file (``vouchers``) — those
+the mesh lets run the model for everyone. The fetcher asks every source for its manifest and believes the one the
+model's elected host signs; where the host did not answer, the one every voucher that answered signs; members
+that vouch for different bytes (and no host among them) stop the fetch with an error. No vote is counted and no
+tie is broken by node id: a member below host scope, however many keys it holds, only carries bytes (its manifest
+says it has the believed ones) and decides nothing. Each chunk is checked on arrival: a source that sends one bad
+chunk is dropped at once (its chunk goes to the others), so a liar costs at most one chunk. A whole file's SHA-256
+is checked at the end; nothing unchecked ever takes the model's name.
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ from __future__ import annotations
 import bisect
 import hashlib
 import itertools
-from collections import Counter
 from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -29,7 +33,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshllm.proto import crypto
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.gossip import PeerRecord
+from meshllm.proto.gossip import PeerRecord, Role, is_fingerprint
+from meshllm.proto.token import Scope
 
 D_MANIFEST = b"mesh-llm manifest v2\0"
 CHUNK = 8 << 20  # bytes per chunk at most: a 40 GB model is ~5,000 chunks, its manifest ~200 KB
@@ -137,13 +142,13 @@ def decode_manifest(raw: bytes, source: NodeId, fingerprint: str) -> Manifest | 
         return None
     if signer != source or not isinstance(sig, bytes) or not crypto.verify(source, D_MANIFEST, body, sig):
         return None
-    if fp != fingerprint or not isinstance(sha, bytes) or len(sha) != 32:
+    if fp != fingerprint or not is_fingerprint(fp) or not isinstance(sha, bytes) or len(sha) != 32:
         return None
     if not (isinstance(size, int) and not isinstance(size, bool) and size > 0):
         return None
     if not (isinstance(lengths, list) and isinstance(chunks, list) and len(lengths) == len(chunks) <= MAX_CHUNKS):
         return None
-    if not all(type(n) is int and 0 < n <= 1 << 30 for n in lengths) or sum(lengths) != size:
+    if not all(type(n) is int and 0 < n <= CHUNK for n in lengths) or sum(lengths) != size:
         return None
     if not (isinstance(windows, list) and len(windows) <= MAX_TENSORS):
         return None
@@ -165,13 +170,26 @@ def sources(records: Iterable[PeerRecord], me: NodeId, fp: str, reachable: Conta
             and (reachable is None or r.node in reachable)]  # fmt: skip
 
 
-def believe(manifests: list[Manifest]) -> tuple[Manifest, list[NodeId]] | None:
-    """The promise most sources make (ties: the one whose sources sort first), and those sources."""
-    if not manifests:
-        return None
-    votes = Counter(m.promise() for m in manifests)
-    best = max(votes.values())
-    pick = min((m for m in manifests if votes[m.promise()] == best), key=lambda m: (m.source,))
+def vouchers(records: Iterable[PeerRecord], fp: str) -> set[NodeId]:
+    """The members whose manifest of the model ``fp`` may decide what its bytes are: host-scoped (the mesh lets them
+    run the model for everyone), not lite clients, holding the whole file."""
+    return {r.node for r in records if r.scope >= Scope.HOST and r.role != Role.CLIENT and r.whole
+            and r.model is not None and r.model.fingerprint == fp}  # fmt: skip
+
+
+def believe(manifests: list[Manifest], vouchers: Container[NodeId], host: NodeId | None
+            ) -> tuple[Manifest, list[NodeId]] | str:  # fmt: skip
+    """The promise to believe and the sources that make it (any scope: they carry the bytes), or why there is none.
+    Only ``vouchers``' manifests count: the elected ``host``'s where it sent one, else the one they all sign."""
+    vouched = [m for m in manifests if m.source in vouchers]
+    if not vouched:
+        return "no host-scoped member that holds it whole sent its manifest"
+    pick = next((m for m in vouched if m.source == host), None)
+    if pick is None:
+        if len({m.promise() for m in vouched}) > 1:
+            who = ", ".join(sorted(crypto.short(m.source) for m in vouched))
+            return f"the host-scoped members that hold it ({who}) vouch for different bytes"
+        pick = vouched[0]
     return pick, sorted(m.source for m in manifests if m.promise() == pick.promise())
 
 

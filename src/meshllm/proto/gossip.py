@@ -47,6 +47,15 @@ MAX_PEERS = 1024  # a member can mint identities of its own: the table (and the 
 MAX_THROUGH = 128
 
 
+HEX = frozenset("0123456789abcdef")
+
+
+def is_fingerprint(v: object) -> bool:
+    """A model fingerprint as llama/gguf.py writes it: 64 lowercase hex digits. A fetch names files on disk after it
+    ([trust-3] 4: a member once made a joiner write ``<any path>.part``), so a record with anything else is refused."""
+    return isinstance(v, str) and len(v) == 64 and set(v) <= HEX
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     fingerprint: str  # hex, see llama/gguf.py
@@ -311,6 +320,8 @@ def record_from_wire(
     if m is not None:
         if not isinstance(m, dict):
             raise RemoteProtocolError("record model malformed")
+        if not is_fingerprint(m.get("fingerprint")):
+            raise RemoteProtocolError("record model fingerprint is not 64 hex digits")
         model = ModelFacts(
             _field(m, "fingerprint", str), _field(m, "size", int), _field(m, "n_layer", int), _field(m, "source", str)
         )

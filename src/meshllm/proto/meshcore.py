@@ -414,6 +414,11 @@ class MeshCore:
         sits = rec is not None and rec.role == Role.HOST and not rec.replica and self.me in rec.planned
         return cand if sits and cand != self.me else None
 
+    def elected_for(self, fp: str, now: float) -> NodeId | None:
+        """The host our election picks for the model ``fp`` now (not debounced; any model, ours or not): whose
+        manifest a fetch of that model believes ([trust-3] 1)."""
+        return self._elect(self.alive(now), fp)
+
     def elected_host(self, now: float) -> NodeId | None:
         """The debounced host for our model (None: no candidate yet, or still settling)."""
         fp = self.record.model.fingerprint if self.record.model else None

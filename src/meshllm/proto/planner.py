@@ -58,6 +58,12 @@ class Slot:
     rtt_ms: float = 0.0  # to the host
     name: str = ""
     shares: tuple[int, ...] = ()  # a node with several devices: each one's part of ``capacity``, in device order
+    # trusted with the prompts in clear ([trust-3] 5): host-scoped, as the mesh trusts any node it may elect host.
+    # Only such a first worker takes the token embedding (it then receives token ids, not embedding rows)
+    prompts: bool = False
+    # a partial copy's first layer held ([trust-3] 2: None for a whole file or nothing held): workers that hold layers
+    # keep them across re-plans (equal workers once swapped ranges 3-5 times and each fetched both)
+    held_from: int | None = None
 
     @property
     def devices(self) -> int:
@@ -185,23 +191,36 @@ def plan(
         used += shape.layer_cost(n - 1 - host_count, ctx)
         host_count += 1
     remaining = n - host_count  # layers [0, remaining) go to workers
-    chosen: list[tuple[Slot, int, int]] = []  # slot, count, bytes
-    layer = 0
-    for s in near + far:
-        if layer >= remaining:
-            break
-        budget = s.capacity - s.devices * per_device
-        count, b = 0, 0
-        while layer + count < remaining and b + shape.layer_cost(layer + count, ctx) <= budget:
-            b += shape.layer_cost(layer + count, ctx)
-            count += 1
-        if count:
-            chosen.append((s, count, b + s.devices * per_device))
-            layer += count
-    if layer < remaining:
+
+    def fill(order: list[Slot]) -> list[tuple[Slot, int, int]] | None:
+        """Layers [0, remaining) to the slots in ``order``, each as many as fit: (slot, count, bytes) of those
+        that take any; None when they do not hold them all."""
+        out: list[tuple[Slot, int, int]] = []
+        layer = 0
+        for s in order:
+            if layer >= remaining:
+                break
+            budget = s.capacity - s.devices * per_device
+            count, b = 0, 0
+            while layer + count < remaining and b + shape.layer_cost(layer + count, ctx) <= budget:
+                b += shape.layer_cost(layer + count, ctx)
+                count += 1
+            if count:
+                out.append((s, count, b + s.devices * per_device))
+                layer += count
+        return out if layer >= remaining else None
+
+    chosen = fill(near + far)
+    if chosen is None:
         need = host_fixed_bytes(shape, ctx) + sum(shape.layer_cost(i, ctx) for i in range(n))
         need += sum(s.devices for s in others) * per_device + (host.devices - 1) * per_device
         return Waiting(need=need, have=host.capacity + sum(s.capacity for s in others))
+    # the same workers, in the order of the layers they already hold (those holding none after, as they were): a
+    # re-plan moves no layer a worker holds to another where the same workers can keep them
+    picked = [s for s, _, _ in chosen]
+    by_held = sorted(picked, key=lambda s: (s.held_from is None, s.held_from or 0, picked.index(s)))
+    if by_held != picked:
+        chosen = fill(by_held) or chosen
     # workers in layer order, then the host
     assignments: list[Assignment] = []
     first = 0
@@ -217,12 +236,13 @@ def plan(
 
 def _embd_first(shape: ModelShape, p: Plan, slots: list[Slot]) -> Plan:
     """``p`` with the token embedding on its first worker when that has room for it beyond what the plan gives it
-    (the host keeps its room for it: it holds the embedding when it runs alone, and when no worker has room)."""
+    and is trusted with prompts (``Slot.prompts``: it receives the token ids); the host keeps its room for it: it
+    holds the embedding when it runs alone, and when no worker may or can."""
     if len(p.assignments) < 2:
         return p
     first = p.assignments[0]
-    cap = next(s.capacity for s in slots if s.node == first.node)
-    if first.count == 0 or cap - first.bytes < shape.embd_bytes:
+    slot = next(s for s in slots if s.node == first.node)
+    if first.count == 0 or not slot.prompts or slot.capacity - first.bytes < shape.embd_bytes:
         return p
     *middle, host = p.assignments[1:]
     moved = (
@@ -385,5 +405,7 @@ def slots_for(records: list[PeerRecord], host: NodeId, fingerprint: str) -> tupl
     if host_rec is None:
         return None
     rtt = host_rec.rtt_ms
-    others = [Slot(r.node, r.capacity, rtt.get(r.node, 0.0), shares=r.shares) for r in recs if r.node != host]
+    others = [Slot(r.node, r.capacity, rtt.get(r.node, 0.0), shares=r.shares, prompts=r.scope >= Scope.HOST,
+                   held_from=min((f for f, c in r.held if c > 0), default=None) if r.held else None)
+              for r in recs if r.node != host]  # fmt: skip
     return Slot(host, host_rec.capacity, shares=host_rec.shares), others

@@ -100,11 +100,20 @@ class Token:
     sig: bytes = b""
     # other members to dial when the issuer does not answer (any member checks a token): (node id, addresses)
     also: tuple[tuple[NodeId, tuple[str, ...]], ...] = ()
+    node: NodeId | None = None  # the one node it admits ([trust-3] 3: an approval names the key that knocked)
+
+    def _tail(self) -> list[object]:
+        """The optional fields, after the scope (in the body) or the signature (on the wire): none for a token
+        without others and unbound (it signs as before either was), ``[also]`` with others, ``[also, node]``
+        (``also`` maybe empty) when bound."""
+        if self.node is not None:
+            return [self._also(), self.node]
+        return [self._also()] if self.also else []
 
     def body(self) -> bytes:
         fields = [TOKEN_VERSION, self.mesh_id, self.secret, self.issuer, list(self.addrs), self.expires,
                   int(self.scope)]  # fmt: skip
-        return pack(fields + ([self._also()] if self.also else []))  # a token without others signs as before
+        return pack(fields + self._tail())
 
     def _also(self) -> list[list[object]]:
         return [[n, list(a)] for n, a in self.also]
@@ -121,26 +130,29 @@ class Token:
 
     def encode(self) -> str:
         raw = pack([TOKEN_VERSION, self.mesh_id, self.secret, self.issuer, list(self.addrs), self.expires,
-                    int(self.scope), self.sig] + ([self._also()] if self.also else []))  # fmt: skip
+                    int(self.scope), self.sig, *self._tail()])  # fmt: skip
         return TOKEN_PREFIX + base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
     def redacted(self) -> str:
         """For logs: never the token itself."""
+        only = f", for {crypto.short(self.node)} only" if self.node is not None else ""
         return (f"token(mesh {self.mesh_id.hex()[:8]}, issuer {crypto.short(self.issuer)}, scope {self.scope}, "
-                f"expires {self.expires})")  # fmt: skip
+                f"expires {self.expires}{only})")  # fmt: skip
 
 
 def mint(key: Ed25519PrivateKey, mesh_id: bytes, secret: bytes, addrs: list[str], now: float, ttl_s: float,
-         scope: Scope = Scope.HOST, also: list[tuple[NodeId, list[str]]] | None = None) -> Token:  # fmt: skip
+         scope: Scope = Scope.HOST, also: list[tuple[NodeId, list[str]]] | None = None,
+         node: NodeId | None = None) -> Token:  # fmt: skip
     """A signed token; the caller checked ``scope`` against its own (``chain_scope``). ValueError over MAX_TTL_S.
-    ``also``: other members a joiner may dial (the first MAX_ALSO with addresses, MAX_ALSO_ADDRS of each)."""
+    ``also``: other members a joiner may dial (the first MAX_ALSO with addresses, MAX_ALSO_ADDRS of each).
+    ``node``: the only node it admits (an approval's)."""
     if not 0 < ttl_s <= MAX_TTL_S:
         raise ValueError(f"a token lives at most {MAX_TTL_S // 86400} days")
     me = crypto.node_id(key)
     others = tuple((n, tuple(a for a in ad if ip_port(a))[:MAX_ALSO_ADDRS]) for n, ad in also or [] if n != me)
     others = tuple(x for x in others if x[1])[:MAX_ALSO]
     addrs_ = tuple(addrs[:MAX_ADDRS])
-    return Token(mesh_id, secret, me, addrs_, int(now + ttl_s), scope, also=others).signed_by(key)
+    return Token(mesh_id, secret, me, addrs_, int(now + ttl_s), scope, also=others, node=node).signed_by(key)
 
 
 def parse(text: str) -> Token:
@@ -156,10 +168,13 @@ def parse(text: str) -> Token:
         raise TokenError("malformed", "not valid base64/msgpack") from None
     if isinstance(obj, list) and obj and obj[0] == 1:
         raise TokenError("malformed", "a token of an older mesh-llm (version 1, before scopes): ask for a new one")
-    if not isinstance(obj, list) or len(obj) not in (8, 9) or obj[0] != TOKEN_VERSION:
+    if not isinstance(obj, list) or len(obj) not in (8, 9, 10) or obj[0] != TOKEN_VERSION:
         raise TokenError("malformed", "unknown layout or version")
     _, mesh_id, secret, issuer, addrs, expires, scope, sig = obj[:8]
-    also = _also(obj[8]) if len(obj) == 9 else ()
+    also = _also(obj[8], empty_ok=len(obj) == 10) if len(obj) >= 9 else ()
+    node = obj[9] if len(obj) == 10 else None
+    if len(obj) == 10 and not (isinstance(node, bytes) and len(node) == crypto.NODE_ID_LEN):
+        raise TokenError("malformed", "the node it is for has the wrong type or size")
     if not (
         isinstance(mesh_id, bytes) and len(mesh_id) == MESH_ID_LEN
         and isinstance(secret, bytes) and len(secret) == SECRET_LEN
@@ -171,13 +186,14 @@ def parse(text: str) -> Token:
         and isinstance(sig, bytes) and len(sig) == crypto.SIG_LEN
     ):  # fmt: skip
         raise TokenError("malformed", "a field has the wrong type or size")
-    return Token(mesh_id, secret, issuer, tuple(addrs), expires, Scope(scope), sig, also)
+    return Token(mesh_id, secret, issuer, tuple(addrs), expires, Scope(scope), sig, also, node)
 
 
-def _also(v: object) -> tuple[tuple[NodeId, tuple[str, ...]], ...]:
-    """The other members a token names; TokenError("malformed") for anything else (an empty list included: a
-    token without others has no such field, so its signature covers the same bytes as an older one's)."""
-    if not (isinstance(v, list) and 0 < len(v) <= MAX_ALSO):
+def _also(v: object, empty_ok: bool = False) -> tuple[tuple[NodeId, tuple[str, ...]], ...]:
+    """The other members a token names; TokenError("malformed") for anything else (an empty list included, but in a
+    bound token: a token without others has no such field, so its signature covers the same bytes as an older
+    one's)."""
+    if not (isinstance(v, list) and (0 if empty_ok else 1) <= len(v) <= MAX_ALSO):
         raise TokenError("malformed", "its list of other members has the wrong size")
     out = []
     for x in v:
@@ -287,6 +303,18 @@ def lineage(chain: list[Link] | tuple[Link, ...]) -> list[NodeId]:
             if n not in out:
                 out.append(n)
     return out
+
+
+def accountable(chain: list[Link] | tuple[Link, ...], admins: Container[NodeId] = frozenset()) -> NodeId:
+    """Whom a member's requests count as where members share a bound ([trust-3] 5: a host's door): the first node of
+    its lineage that is neither the founder nor an admin — itself when the founder or an admin admitted it, the
+    member that minted it when that member admitted it (keys a member mints for itself are that member). The
+    founder and admins count as themselves."""
+    founder = chain[0][1] if chain else b""
+    for n in lineage(chain):
+        if n != founder and n not in admins:
+            return n
+    return chain[-1][1] if chain else b""
 
 
 def provenance(through: list[Link] | tuple[Link, ...], new_chain: list[Link], subject: NodeId) -> tuple[NodeId, ...]:

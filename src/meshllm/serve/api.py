@@ -381,6 +381,8 @@ class Api:
         g = self._gates.get(request.transport)
         if g is not None:
             g.started()  # its head is in: the slow-client deadline stops (the body has BODY_S)
+            if not self.api_key:
+                g.proven()  # no key to present: a whole head is all a connection can show
         try:
             if dot_segments(request.raw_path):
                 return _error(400, "a path with '.' or '..' segments (or an encoded slash) is refused",
@@ -401,6 +403,9 @@ class Api:
             if not (ok_bearer | hmac.compare_digest(x_key, self.api_key.encode())):
                 return _error(401, "missing or wrong API key (Authorization: Bearer ..., or X-Api-Key: ...)",
                               "authentication_error", code="invalid_api_key")  # fmt: skip
+            g = self._gates.get(request.transport)
+            if g is not None:
+                g.proven()  # it presented the key: never closed to make room for a stranger's
         resp = await handler(request)
         if request.match_info.handler == self.proxy:  # what clients asked of the model: not probes of /health, ...
             self.requests[resp.status] = self.requests.get(resp.status, 0) + 1
@@ -578,12 +583,16 @@ class Api:
             return False
 
     def _source(self, request: web.Request) -> str:
-        """Who asks, for the fair share of slots: the peer node a door connection bridges, else the client's
-        address."""
+        """Who asks, for the fair share of slots: the member a door connection speaks for, else the client as the
+        gate counts it (``gate.client_of``: its network, or the local user on loopback) — one client from many
+        addresses is one ([trust-3] 5)."""
         peer = request.transport.get_extra_info("peername") if request.transport else None
         if self.source_of is not None and peer:
             return self.source_of(int(peer[1]))
-        return f"client {peer[0] if peer else '?'}"
+        g = self._gates.get(request.transport)
+        if g is not None and g.client:
+            return f"client {g.client}"
+        return f"client {gate.client_of(str(peer[0])) if peer else '?'}"
 
     async def _held(self, request: web.Request, path: str, up: Upstream, body: bytes, weight: int
                     ) -> web.StreamResponse | str:  # fmt: skip

@@ -91,7 +91,7 @@ class Console:
         return resp
 
     async def knocks(self, request: web.Request) -> web.Response:
-        return web.json_response({"knocks": load_knocks(self.state)})
+        return web.json_response({"knocks": [r for r in load_knocks(self.state) if not r.get("evicted")]})
 
     async def approve(self, request: web.Request) -> web.Response:
         """``mesh-llm approve NODE --scope SCOPE`` (or ``refuse NODE``) from the page: JSON only (a cross-site form

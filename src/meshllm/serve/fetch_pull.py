@@ -33,6 +33,7 @@ from meshllm.net.meshnet import MeshNet
 from meshllm.proto import crypto
 from meshllm.proto import fetch as core
 from meshllm.proto.crypto import NodeId
+from meshllm.proto.gossip import is_fingerprint
 from meshllm.proto.serving import as_ranges
 from meshllm.serve.fetch_direct import DirectLink
 from meshllm.serve.sharing import MANIFEST_TIMEOUT_S, WINDOWS_MAX, Progress, Sharing, read_all
@@ -102,23 +103,29 @@ async def fetch_from_peers(net: MeshNet, fp: str, dest: Path, say: Callable[[str
 
 
 async def believed_manifest(net: MeshNet, fp: str) -> tuple[core.Manifest, list[NodeId]]:
-    """The manifest most of the members serving ``fp`` sign, and those members (UserError: none has it, or none
-    answers)."""
+    """The manifest of ``fp`` that the mesh's host-scoped holders vouch for (``proto/fetch.believe``), and the
+    members, of any scope, that carry those bytes (UserError: none has it, none answers, or they disagree)."""
+    core_ = net.core
     sources = sources_of(net, fp)
-    if not sources:
+    if core_ is None or not sources:
         raise UserError(f"no member of the mesh serves the model {fp[:12]}")
     answers = await asyncio.gather(*(ask(net, s, "manifest", fp, 0, 64 << 20, MANIFEST_TIMEOUT_S) for s in sources))
     manifests = [m for s, raw in zip(sources, answers, strict=True)
                  if raw is not None and (m := core.decode_manifest(raw, s, fp)) is not None]  # fmt: skip
-    picked = core.believe(manifests)
-    if picked is None:
-        raise UserError(f"none of the {len(sources)} members with the model {fp[:12]} sent a manifest")
+    vouchers = core.vouchers(core_.alive(net.now), fp) - {net.me}
+    picked = core.believe(manifests, vouchers, core_.elected_for(fp, net.now))
+    if isinstance(picked, str):
+        raise UserError(f"cannot fetch the model {fp[:12]} from the mesh: {picked} ({len(manifests)} of "
+                        f"{len(sources)} members that have it sent a manifest)")  # fmt: skip
     return picked
 
 
 async def _prepare(where: Path, m: core.Manifest, need_most: int) -> tuple[Path, Path, set[int]]:
     """``.partial/<fingerprint>.part`` under ``where``, the size of the file (sparse), with the chunks a cut fetch
-    kept (checked again), once the disk has room for ``need_most`` bytes less those kept."""
+    kept (checked again), once the disk has room for ``need_most`` bytes less those kept. The fingerprint names the
+    files: 64 hex digits, never a path."""
+    if not is_fingerprint(m.fingerprint):
+        raise UserError(f"a model fingerprint is 64 hex digits, not {m.fingerprint[:80]!r}")
     part_dir = where / ".partial"
     part_dir.mkdir(parents=True, exist_ok=True)
     part, have_file = part_dir / f"{m.fingerprint}.part", part_dir / f"{m.fingerprint}.have"
@@ -188,6 +195,23 @@ class PartialCopy:
         """The layers whose every chunk is here, as (first, count) ranges (what our record says; asked at every
         change of the mesh)."""
         return as_ranges(i for i, chunks in self.by_layer.items() if chunks <= self.have)
+
+    def give_back(self, layers: set[int]) -> int:
+        """Free the disk of the chunks of every layer but ``layers`` (the header stays, and any chunk a kept layer
+        shares): holes punched in the sparse file, the chunks forgotten; the bytes given back."""
+        keep = {0} | self.chunks_of(layers)
+        drop = (set().union(*self.by_layer.values()) & self.have) - keep
+        if not drop:
+            return 0
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            for i in sorted(drop):
+                punch_hole(fd, *self.manifest.span(i))
+        finally:
+            os.close(fd)
+        self.have -= drop
+        _save_have(self.have_file, self.have, self.manifest.promise())
+        return sum(self.manifest.lengths[i] for i in drop)
 
     async def fetch_layers(self, layers: set[int], say: Callable[[str], None], track: Sharing | None) -> None:
         """The chunks of ``layers`` this copy lacks, from the trusted sources (UserError: they all failed)."""
@@ -408,6 +432,25 @@ class _Links:
     def close(self) -> None:
         for link in self.idle:
             link.close()
+
+
+_FALLOC_PUNCH = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE (linux/falloc.h)
+
+
+def punch_hole(fd: int, off: int, n: int) -> None:
+    """Free ``n`` bytes at ``off`` of a file's disk, keeping its size (reads give zeros); where the system cannot
+    (not Linux, a file system without holes), the bytes are overwritten with zeros, which frees nothing."""
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    fallocate = getattr(libc, "fallocate", None)
+    if fallocate is not None:
+        fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        if fallocate(fd, _FALLOC_PUNCH, off, n) == 0:
+            return
+    log.info("cannot punch a hole here (%s): zeroed instead", os.strerror(ctypes.get_errno()))
+    os.pwrite(fd, bytes(n), off)
 
 
 def _resume(part: Path, have_file: Path, m: core.Manifest) -> set[int]:

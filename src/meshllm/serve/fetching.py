@@ -5,6 +5,7 @@ plan gives this worker (``serve/fetch_pull.py``) — else downloaded from the hu
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,7 @@ from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import ModelFacts
 from meshllm.proto.planner import ModelShape, Plan, Waiting
 from meshllm.proto.serving import covers
+from meshllm.proto.token import Scope
 from meshllm.serve.fetch_pull import PartialCopy, fetch_from_peers, open_partial, sources_of
 from meshllm.serve.modelfiles import ModelFiles
 from meshllm.serve.options import NodeOptions
@@ -44,7 +46,8 @@ def is_local(arg: str, where: Path | None) -> bool:
 def mesh_file_for(net: MeshNet, name: str) -> tuple[str, str, int] | None:
     """The model a member serves under ``name`` (its name as served, a catalog name or alias of it, a hub reference
     ``org/repo/file.gguf`` of the file it serves, or its fingerprint's first 12+ hex digits): (fingerprint, the name
-    it is served under, size), or None."""
+    it is served under, size), or None. Only host-scoped members name models (as ``MeshCore.served_models``): a
+    member below host scope cannot make a name mean its own file ([trust-3] 1)."""
     from meshllm.models import catalog
 
     core_ = net.core
@@ -54,7 +57,7 @@ def mesh_file_for(net: MeshNet, name: str) -> tuple[str, str, int] | None:
     stem = name.rsplit("/", 1)[-1].removesuffix(".gguf") if "/" in name and name.endswith(".gguf") else None
     for r in core_.alive(net.now):
         m = r.model
-        if m is None or r.node == net.me:
+        if m is None or r.node == net.me or r.scope < Scope.HOST:
             continue
         same_entry = want is not None and catalog.find(m.source) is want
         same_file = stem is not None and m.source == stem  # a hub reference: its file is served under its stem
@@ -157,19 +160,35 @@ async def obtain_and_open(net: MeshNet, name: str, o: NodeOptions, console: Cons
 
 class LayerKeeper:
     """A partial copy kept to the plan: the layers the plan gives this node, fetched while the split serves on (the
-    host waits for them before it loads a plan that needs them), and our record naming the layers held."""
+    host waits for them before it loads a plan that needs them), and our record naming the layers held. Layers a
+    plan took away are given back (their chunks' disk freed) once the plan has given us the same layers for
+    GIVE_BACK_S ([trust-3] 2: a plan that flapped left each worker holding the whole model)."""
 
     RETRY_S = 30.0  # after a fetch failed
+    GIVE_BACK_S = float(os.environ.get("MESH_LLM_GIVE_BACK_S", "30"))  # the plan's stable time before a give-back
 
     def __init__(self, copy: PartialCopy, net: MeshNet, say: Callable[[str], None], track: Sharing | None) -> None:
         self.copy, self.net, self.say, self.track = copy, net, say, track
         self._task: asyncio.Task[None] | None = None
         self._failed_at = -self.RETRY_S
+        self._mine: tuple[int, int] | None = None  # the layers the plan gives us (first, count), and since when
+        self._since = 0.0
 
     def follow(self, plan: Plan | Waiting | None, me: NodeId) -> None:
         mine = next((a for a in plan.assignments if a.node == me), None) if isinstance(plan, Plan) else None
+        now = time.monotonic()
+        given = (mine.first, mine.count) if mine is not None else None
+        if given != self._mine:
+            self._mine, self._since = given, now
         if mine is None or (self._task is not None and not self._task.done()):
             return
+        layers = set(range(mine.first, mine.first + mine.count))
+        if now - self._since >= self.GIVE_BACK_S and covers(self.copy.held(), mine.first, mine.count):
+            gone = self.copy.give_back(layers)
+            if gone:
+                self.net.update(held=self.copy.held())
+                self.net.emit(CHANGED)
+                self.say(f"gave back layers the plan no longer gives this node: {gone / 1e6:.0f} MB of disk freed")
         if covers(self.copy.held(), mine.first, mine.count) or time.monotonic() - self._failed_at < self.RETRY_S:
             return
         self._task = asyncio.ensure_future(self._fetch(set(range(mine.first, mine.first + mine.count))))

@@ -34,6 +34,7 @@ from meshllm.net.endpoint import (
 from meshllm.net.meshnet import MeshNet
 from meshllm.net.tunnel import TunnelListener, TunnelStats, connect_and_bridge
 from meshllm.proto import crypto, serving
+from meshllm.proto import token as tok
 from meshllm.proto.capacity import first_device
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import MAX_WHY, ModelFacts, NodeState
@@ -48,6 +49,7 @@ from meshllm.serve.slotgate import SlotGate
 
 log = logging.getLogger("meshllm.hosting")
 
+DOOR_PER_MEMBER = 64  # connections one member (with the keys it minted) may hold open through our door at once
 RESTART_GRACE_S = 1.0  # a llama-server the plan replaces gets this long after SIGTERM, then SIGKILL
 
 
@@ -71,7 +73,8 @@ class Hosting:
         self.tuning = tuning
         self.sizing = Sizing(1, BASE_CTX)  # the slots and context the plan gives llama-server (replanning.py)
         self.slots = SlotGate(1, queue)  # every completion for our llama-server waits here for a slot
-        self.door_sources: dict[int, str] = {}  # the door's client port -> the peer whose request it bridges
+        self.door_sources: dict[int, str] = {}  # the door's client port -> the member whose request it bridges
+        self.door_open: dict[str, int] = {}  # the door's connections open per member (DOOR_PER_MEMBER at most)
         self.draft_max = draft_max
         self.on_listeners = on_listeners  # tunnel listeners a plan waited for are up: reconsider it
         self.elected = elected  # the host this node itself elected (None: none yet)
@@ -385,8 +388,27 @@ class Hosting:
         if self.server is None or self.server.state != ChildState.SERVING or conn.peer is None or not self.door_port:
             st.reset()
             return
-        await connect_and_bridge(st, self.door_port, self.http_stats.setdefault(conn.peer, TunnelStats()),
-                                 self.door_sources, f"node {crypto.short(conn.peer)}")  # fmt: skip
+        who = self._accountable(conn.peer)
+        if self.door_open.get(who, 0) >= DOOR_PER_MEMBER:  # a member (its minted keys with it) holds its share
+            st.reset()
+            return
+        self.door_open[who] = self.door_open.get(who, 0) + 1
+        try:
+            await connect_and_bridge(st, self.door_port, self.http_stats.setdefault(conn.peer, TunnelStats()),
+                                     self.door_sources, who)  # fmt: skip
+        finally:
+            if (n := self.door_open.pop(who, 1) - 1) > 0:
+                self.door_open[who] = n
+
+    def _accountable(self, peer: NodeId) -> str:
+        """Whom a peer's requests at our door count as (``tok.accountable``): keys a member minted for itself are
+        that member, for the fair share of slots and for the door's connections."""
+        core_ = self.net.core
+        chain = core_.table.chain_of(peer) if core_ is not None else None
+        if chain is None:
+            return f"node {crypto.short(peer)}"
+        admins = {n for n in core_.table.admins if n not in core_.table.revoked} if core_ is not None else set()
+        return f"member {crypto.short(tok.accountable(chain, admins))}"
 
     def _door_source(self, client_port: int) -> str:
         """Whose request came through the door on this connection (the fair share of slots is per peer)."""

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from meshllm.net.meshnet import MeshNet, mint_scoped
 from meshllm.proto import crypto
 from meshllm.proto import token as tok
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.knock import APPROVED, REFUSED, Doorbell, KnockAnswer, KnockAsk, make_knock
+from meshllm.proto.knock import APPROVED, REFUSED, Doorbell, KnockAnswer, KnockAsk, make_knock, refusal_is_final
 from meshllm.state import (
     load_addrs,
     load_approvals,
@@ -155,29 +155,46 @@ async def join_lan(net: MeshNet, pick: str, name: str, console: Console) -> tok.
     if len({m.mesh_id for m in found}) > 1:
         raise UserError("several meshes announce themselves here: " + "; ".join(m.describe() for m in found)
                         + " — name one: --join-lan MESH (its id, or the announcing node's id or name)")  # fmt: skip
-    said, why = False, ""
+    said, why, ignored = False, "", list[str]()
     while True:
-        for m in found:  # any member of the mesh that announces it
-            ask = make_knock(net.key, m.mesh_id, name, time.time())
+        answered = False
+        for m in list(found):  # every member that announces the mesh, each round: one that answers "waiting" and
+            # never approves (anyone can announce) must not keep our knocks from the founder
+            ask = make_knock(net.key, m.mesh_id, name, time.time(), m.node)
             try:
                 ans = await net.knock(m.node, list(m.addrs), ask)
             except (MeshError, TimeoutError, OSError) as e:
                 why = str(e)
                 continue
+            answered = True
             if ans.state == APPROVED:
                 try:
-                    return tok.check(tok.parse(ans.token), time.time(), m.mesh_id)
+                    t = tok.check(tok.parse(ans.token), time.time(), m.mesh_id)
                 except tok.TokenError as e:
                     raise UserError(f"the approval of {m.describe()} carried a token we cannot use: {e}") from None
+                if t.node not in (None, net.me):
+                    log.warning("%s answered with a token for another node: ignored", m.describe())
+                    continue
+                return t
             if ans.state == REFUSED:
-                raise UserError(f"{m.describe()} refused us: {ans.reason}")
+                if refusal_is_final(ans, m.mesh_id, m.node):
+                    raise UserError(f"{m.describe()} refused us: {ans.reason}")
+                found.remove(m)  # not the founder, not an admin: its word ends nothing
+                ignored.append(f"{m.describe()}: {ans.reason}")
+                console.print(f"{m.describe()} refused us ({ans.reason[:100]}), but it is neither the mesh's "
+                              "founder nor an admin: still asking the others", markup=False)  # fmt: skip
+                continue
             if not said:
                 console.print(f"asked to join {m.describe()} as {crypto.short(net.me)} \"{name}\"; waiting for "
                               f"approval — on that node: [bold]mesh-llm approve {crypto.short(net.me)}[/] "
                               "(--scope worker, host or client)")  # fmt: skip
                 said = True
-            break
-        else:
+        if not found:
+            found = [m for m in await browse() if _matches(m, pick) and m.mesh_id == ask.mesh_id
+                     and not any(m.describe() in line for line in ignored)]  # fmt: skip
+            if not found and loop.time() > deadline + FIND_S:
+                raise UserError("no member that may let us in answered: " + "; ".join(ignored))
+        if not answered:
             log.debug("no announcing member answered a knock: %s", why)
         await asyncio.sleep(KNOCK_EVERY_S)
 
@@ -216,7 +233,7 @@ def open_doorbell(net: MeshNet, state: Path, console: Console) -> None:
     """Answer knocks (``proto/knock.py``): list them in the state dir's ``knocks`` (``mesh-llm approve`` shows
     them) and hand an approved node the token ``mesh-llm approve`` left for it in ``approvals``."""
     assert net.m is not None
-    bell = Doorbell(net.m.mesh_id, {})
+    bell = Doorbell(net.m.mesh_id, net.me, {})
     listed: list[dict[str, object]] = []
 
     def on_knock(ask: KnockAsk, addr: str) -> KnockAnswer:
@@ -225,8 +242,13 @@ def open_doorbell(net: MeshNet, state: Path, console: Console) -> None:
         new = ask.node not in bell.waiting
         ans = bell.ring(ask, addr, time.time(), load_approvals(state), set(table.entries) | set(table.revoked),
                         load_refusals(state))  # fmt: skip
+        grant = table.admins.get(net.me)
+        if ans.state == REFUSED and grant is not None:  # an admin's refusal is final: the founder's word says so
+            ans = replace(ans, grant=grant.to_wire())
         rows = [{"node": k.node.hex(), "name": k.name, "addr": k.addr, "first": k.first}
                 for k in bell.waiting.values()]  # fmt: skip
+        rows += [{"node": k.node.hex(), "name": k.name, "addr": k.addr, "first": k.first, "evicted": True}
+                 for k in reversed(bell.gone.values())]  # fmt: skip  # `approve NODE` still finds them
         if rows != listed:  # a knock repeated every 2 s changes nothing to list
             save_knocks(state, rows)
             listed[:] = rows
@@ -244,10 +266,13 @@ def open_doorbell(net: MeshNet, state: Path, console: Console) -> None:
 
 
 def _waiting(state: Path, node: str) -> dict[str, object]:
-    """The knock listed in ``state`` that ``node`` (4 or more hex digits) names; one line when none or several."""
+    """The knock listed in ``state`` that ``node`` (4 or more hex digits) names (a knock the list evicted lately
+    too: a flood of others must not hide it); one line when none or several."""
     text = node.strip().lower()
     rows = load_knocks(state)
     match = [r for r in rows if str(r.get("node", "")).startswith(text)] if len(text) >= 4 else []
+    if len(match) > 1:  # the same node listed and remembered: one
+        match = [r for r in match if not r.get("evicted")] or match[:1]
     if len(match) != 1:
         raise UserError(f"{node!r} names no single node that waits for approval here: `mesh-llm approve` lists them")
     return match[0]
@@ -266,7 +291,7 @@ def approve(state: Path, node: str | None, scope: tok.Scope, ttl_s: float = APPR
     """``mesh-llm approve [NODE]``: the line to print — the knocks waiting (no NODE), or the approval made: a token
     of ``scope`` for that node, which the running node hands it at its next knock."""
     if not node:
-        rows = load_knocks(state)
+        rows = [r for r in load_knocks(state) if not r.get("evicted")]
         if not rows:
             return "no node waits for approval (a node asks with `mesh-llm --join-lan`)"
         return "\n".join(f"{str(r.get('node', ''))[:8]}  \"{r.get('name')}\" from {r.get('addr')}" for r in rows)
@@ -276,7 +301,7 @@ def approve(state: Path, node: str | None, scope: tok.Scope, ttl_s: float = APPR
     row = _waiting(state, node)
     who = bytes.fromhex(str(row["node"]))
     t = mint_scoped(load_or_create_key(state), m, load_addrs(state), time.time(), ttl_s, scope,
-                    list(load_members(state).items()))  # fmt: skip
+                    list(load_members(state).items()), node=who)  # fmt: skip
     approvals = load_approvals(state)
     approvals[who] = t.encode()
     save_approvals(state, approvals)
