@@ -247,7 +247,7 @@ def test_share_off_answers_no_request_of_any_kind(mesh: dict[str, object], tiny_
             out = {}
             for op, arg in (("manifest", 0), ("windows", [0]), ("ticket", 0), ("chunk", 0)):
                 got = [await ask(net, ids[n], op, fp, arg, 64 << 20, 30.0) for n in (a, b)]
-                out[op] = (got[0] is not None, got[1] is not None)
+                out[op] = (bool(got[0]), bool(got[1]))  # a refusal resets the stream: no byte comes
             return out
         finally:
             await net.stop(leave=True)

@@ -457,3 +457,65 @@ def test_a_member_away_during_a_rotation_admits_nobody_with_its_old_secret(tmp_p
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_a_member_holds_no_more_than_its_share_of_the_hosts_door(tmp_path: Path, tiny_model: Path) -> None:
+    """[trust-3] 5: the host's door (where peers' requests enter) had no per-peer bound. A client-scoped member opens
+    70 request streams to the host, each with half a request head: 64 are bridged to the door (its share), the rest
+    are reset at once; keys it minted for itself would count as it (``tok.accountable``: unit-tested)."""
+    from meshllm.net.endpoint import STREAM_HTTP, Endpoint
+    from meshllm.net.tunnel import TunnelListener, TunnelStats
+    from meshllm.proto import token as tok
+    from meshllm.proto.auth import AuthWelcome
+    from meshllm.serve.hosting import DOOR_PER_MEMBER
+
+    a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024")
+    try:
+        wait_for(lambda: "ready:" in a.text(), 120, "a to serve")
+        client = _mint(a.state, "--scope", "client")
+        assert client.returncode == 0, client.stderr
+        token = tok.parse(client.stdout.strip())
+        a_id = crypto.node_id(a.key())
+        addr = json.loads((a.state / "node.json").read_text())["addrs"][0]
+
+        async def attack() -> tuple[int, int]:
+            key = crypto.new_key()
+            ep = Endpoint(key)
+            await ep.open("127.0.0.1", 0)
+            try:
+                welcome, _, conn = await _handshake_as(
+                    ep, addr, a_id, token.mesh_id,
+                    lambda k, ch: make_proof(k, token.secret, ch, a_id, token=token), key)  # fmt: skip
+                assert isinstance(welcome, AuthWelcome), welcome
+                conn.peer = a_id
+                conn.set_authenticated()
+                # requests as a member's API sends them: each over its own tunnel (TunnelListener frames the bytes)
+                lst = TunnelListener(lambda: conn.open_stream(STREAM_HTTP), TunnelStats())
+                port = await lst.start()
+                socks = []
+                for _ in range(DOOR_PER_MEMBER + 6):
+                    r, w = await asyncio.open_connection("127.0.0.1", port)
+                    w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+                    socks.append((r, w))
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(1.0)
+
+                async def ended(r: asyncio.StreamReader) -> bool:
+                    try:
+                        return await asyncio.wait_for(r.read(), 0.5) == b""
+                    except (TimeoutError, ConnectionError):
+                        return False
+
+                gone = sum(await asyncio.gather(*(ended(r) for r, _ in socks)))
+                for _, w in socks:
+                    w.close()
+                await lst.close()
+                return len(socks) - gone, gone
+            finally:
+                ep.close()
+
+        held, reset = asyncio.run(attack())
+        print(f"\n{held} of the member's request streams held at the host's door, {reset} reset")
+        assert (held, reset) == (DOOR_PER_MEMBER, 6)
+    finally:
+        a.stop()

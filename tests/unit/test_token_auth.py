@@ -442,3 +442,20 @@ def test_a_member_in_touch_with_no_other_member_admits_nobody_by_token(mesh: dic
     assert _handshake(mesh, crypto.new_key(), token=_token(mesh), in_touch=True)[0]
     ca = tok.admit(mesh["key"], mesh["chain"], crypto.node_id(a), NOW)  # type: ignore[arg-type]
     assert _handshake(mesh, a, chain=ca, in_touch=False)[0]
+
+
+def test_a_members_minted_keys_count_as_that_member() -> None:
+    """[trust-3] 5: a member with sybils kept the host's queue full. At a host's door a request counts as the first
+    node of its sender's lineage that is neither the founder nor an admin: keys a member mints are that member."""
+    founder, m, admin, s1, s2, x = (crypto.new_key() for _ in range(6))
+    fid, mid_, aid, s1id, s2id, xid = (crypto.node_id(k) for k in (founder, m, admin, s1, s2, x))
+    chain = tok.found(founder, NOW)
+    cm = tok.admit(founder, chain, mid_, NOW)
+    c1 = tok.admit(m, cm, s1id, NOW)  # minted by m
+    c2 = tok.admit(s1, c1, s2id, NOW)  # and by its sybil in turn
+    ca = tok.admit(founder, chain, aid, NOW)
+    cx = tok.admit(admin, ca, xid, NOW)  # an admin's invitee: itself
+    assert tok.accountable(chain) == fid and tok.accountable(cm) == mid_
+    assert tok.accountable(c1) == tok.accountable(c2) == mid_
+    assert tok.accountable(cx, {aid}) == xid and tok.accountable(ca, {aid}) == aid
+    assert tok.accountable(cx) == aid  # an admin no longer: its invitees are its own again
