@@ -26,6 +26,7 @@ test *pytest_args="":
         "build stock=={{bin}}/mesh-llm build --stock" \
         "build portable=={{bin}}/mesh-llm build --cpu portable" \
         "tiny model=={{bin}}/python -c 'from meshllm.models.tiny import tiny_model_path as p; print(p())'" \
+        "every python=={{bin}}/python scripts/interpreters.py" \
         "lint=={{bin}}/ruff check src tests benchmarks scripts" \
         "mypy=={{bin}}/mypy --strict src" \
         "unit tests=={{bin}}/pytest -q -rs tests/unit {{pytest_args}}" \
