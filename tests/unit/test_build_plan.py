@@ -164,3 +164,35 @@ def test_the_source_extracts_with_and_without_tarfiles_data_filter(
     with tarfile.open(evil) as tar, pytest.raises((BuildError, tarfile.TarError)):
         b._extract(tar, tar.getmembers(), dest)
     assert not (tmp_path / "escaped.txt").exists()
+
+
+def test_a_cuda_toolkit_off_path_is_found_and_a_gpu_without_one_is_said(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """[first-run-2] 2: NVIDIA's installers leave /usr/local/cuda/bin off PATH and the build went CPU without a word.
+    The toolkit is looked for where toolkits live; a GPU with none is one line that names the next step. (The GPU
+    itself is the boundary we cannot reach here: ``gpu_visible`` is stubbed; the device run shows the real one.)"""
+    home = tmp_path / "cuda-12.4"
+    (home / "bin").mkdir(parents=True)
+    nvcc = home / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\necho nvcc\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    for var in ("CUDACXX", "CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(b, "CUDA_HOMES", (str(tmp_path / "none"),))
+    monkeypatch.setattr(b, "CUDA_VERSIONED", tmp_path / "versioned")  # none of this machine's /usr/local/cuda-X.Y
+    assert b.find_nvcc() is None
+    monkeypatch.setenv("CUDA_HOME", str(home))
+    assert b.find_nvcc() == nvcc
+    monkeypatch.setattr(b, "gpu_visible", lambda: True)
+    assert b.detect_backend() == "cuda"
+    flags = b.backend_flags("cuda")
+    assert f"-DCMAKE_CUDA_COMPILER={nvcc}" in flags
+    assert str(home / "bin") in b._build_env(tmp_path).get("PATH", "").split(":")[0]
+    monkeypatch.delenv("CUDA_HOME")
+    said: list[str] = []
+    assert b.detect_backend(said.append) == "cpu"
+    assert len(said) == 1 and "no CUDA toolkit" in said[0] and "apt-get install nvidia-cuda-toolkit" in said[0]
+    with pytest.raises(BuildError, match="needs the CUDA toolkit"):
+        b.check_toolchain("cuda")

@@ -297,16 +297,52 @@ def gpu_visible() -> bool:
     return r.returncode == 0 and "GPU" in r.stdout
 
 
-def detect_backend() -> str:
-    """CUDA when nvcc is installed and a GPU is visible, Metal on macOS, else CPU.
+CUDA_HOMES = ("/usr/local/cuda", "/opt/cuda", "/usr/lib/cuda", "/usr")  # where CUDA toolkits install themselves
+CUDA_VERSIONED = Path("/usr/local")  # and /usr/local/cuda-X.Y beside the first
+
+
+def find_nvcc() -> Path | None:
+    """The CUDA compiler: ``$CUDACXX``, then PATH, then the toolkits where they live — ``$CUDA_HOME`` /
+    ``$CUDA_PATH``, /usr/local/cuda, the newest /usr/local/cuda-X.Y, /opt/cuda, /usr/lib/cuda — since NVIDIA's
+    installers leave /usr/local/cuda/bin off PATH (a GPU machine once built for the CPU without a word)."""
+    env = os.environ.get("CUDACXX")
+    if env and os.access(env, os.X_OK):
+        return Path(env)
+    on_path = shutil.which("nvcc")
+    if on_path:
+        return Path(on_path)
+    versioned = sorted(CUDA_VERSIONED.glob("cuda-*"), key=lambda p: _version_key(p.name[5:]), reverse=True)
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), CUDA_HOMES[0], *map(str, versioned),
+             *CUDA_HOMES[1:]]  # fmt: skip
+    for home in homes:
+        if home and os.access(Path(home) / "bin" / "nvcc", os.X_OK):
+            return Path(home) / "bin" / "nvcc"
+    return None
+
+
+def _version_key(text: str) -> tuple[int, ...]:
+    return tuple(int(x) if x.isdigit() else -1 for x in text.split("."))
+
+
+NO_TOOLKIT = ("a GPU is visible but no CUDA toolkit (nvcc) was found on PATH, in $CUDA_HOME or /usr/local/cuda*: "
+              "building for the CPU — install the toolkit (Debian/Ubuntu: apt-get install nvidia-cuda-toolkit, or "
+              "NVIDIA's cuda-toolkit package) and run `mesh-llm build` again")  # fmt: skip
+
+
+def detect_backend(say: Callable[[str], None] | None = None) -> str:
+    """CUDA when a CUDA toolkit is installed (``find_nvcc``) and a GPU is visible, Metal on macOS, else CPU;
+    ``say`` hears one line when a GPU is visible without a toolkit (the build is the CPU's, not silently).
 
     nvcc alone is not enough: a CPU machine with the CUDA toolkit would spend an hour compiling kernels
     for a GPU it does not have.
     """
     if sys.platform == "darwin":
         return "metal"
-    if shutil.which("nvcc") and gpu_visible():
-        return "cuda"
+    if gpu_visible():
+        if find_nvcc() is not None:
+            return "cuda"
+        if say is not None:
+            say(NO_TOOLKIT)
     return "cpu"
 
 
@@ -317,7 +353,10 @@ PORTABLE_CUDA_ARCHS = "75-real;80-real;86-real;89-real;90-real;90-virtual"
 
 def backend_flags(backend: str, portable: bool = False) -> tuple[str, ...]:
     if backend == "cuda":
-        return ("-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={PORTABLE_CUDA_ARCHS if portable else 'native'}")
+        nvcc = find_nvcc()
+        where = (f"-DCMAKE_CUDA_COMPILER={nvcc}",) if nvcc is not None and not shutil.which("nvcc") else ()
+        return ("-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={PORTABLE_CUDA_ARCHS if portable else 'native'}",
+                *where)  # fmt: skip
     if backend == "metal":
         return ("-DGGML_METAL=ON",)
     if backend == "cpu":
@@ -348,7 +387,7 @@ def plan_build(
     machine (see :func:`mark_failed`): then the level it fell back to.
     """
     cache = cache or cache_dir()
-    backend = backend or detect_backend()
+    backend = backend or detect_backend(_warn_once)
     flags_now = cpu_flags() if cpuinfo_flags is None else cpuinfo_flags
     if cpu_level is None:
         level: str | None = "native"
@@ -499,8 +538,9 @@ def check_toolchain(backend: str) -> None:
         raise BuildError("cmake not found: install the 'cmake' package (e.g. apt-get install cmake)")
     if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
         raise BuildError("no C++ compiler found: install the 'g++' package (e.g. apt-get install build-essential)")
-    if backend == "cuda" and shutil.which("nvcc") is None:
-        raise BuildError("backend cuda needs nvcc: install the CUDA toolkit or use --backend cpu")
+    if backend == "cuda" and find_nvcc() is None:
+        raise BuildError("backend cuda needs the CUDA toolkit (nvcc: looked on PATH, in $CUDA_HOME and "
+                         "/usr/local/cuda*): install it or use --backend cpu")  # fmt: skip
     if not shutil.which("git"):
         raise BuildError("git not found (used to apply the patch series): install the 'git' package")
 
@@ -555,8 +595,22 @@ def _run_logged(cmd: list[str], *, cwd: Path, log: Path, env: dict[str, str], st
         raise BuildError(f"{step} failed (exit {rc}): {errors[-1] if errors else ''} — full log: {log}")
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(line: str) -> None:
+    """A line for the user on stderr, once per process (a plan is worked out several times per command)."""
+    if line not in _warned:
+        _warned.add(line)
+        print(f"mesh-llm: {line}", file=sys.stderr)
+
+
 def _build_env(cache: Path) -> dict[str, str]:
     env = dict(os.environ)
+    nvcc = find_nvcc()
+    if nvcc is not None and not shutil.which("nvcc"):  # a toolkit off PATH: its tools (ptxas, fatbinary) beside it
+        env["PATH"] = f"{nvcc.parent}{os.pathsep}{env.get('PATH', '')}"
+        env.setdefault("CUDACXX", str(nvcc))
     # ccache (when installed) shares object files between the stock and patched builds and across keys.
     env.setdefault("CCACHE_DIR", str(cache / "ccache"))
     env.setdefault("CCACHE_BASEDIR", str(cache / "builds"))

@@ -4,6 +4,7 @@ listens — the --join tokens, the memory it offers."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import psutil
 
 from meshllm.errors import UserError
-from meshllm.llama.build import Binaries
+from meshllm.llama.build import Binaries, gpu_visible
 from meshllm.llama.processes import Tuning, device_listing
 from meshllm.proto import token as tok
 from meshllm.proto.capacity import Offer, offer, parse_devices
@@ -71,7 +72,12 @@ async def measure_offer(bins: Binaries | None, max_gb: float | None) -> Offer:
     """Measured once at start: the free memory of the accelerator llama.cpp sees (a CPU node: its RAM), capped by
     ``--max-vram``."""
     listing = await asyncio.to_thread(device_listing, bins) if bins is not None else ""
-    return offer(parse_devices(listing), psutil.virtual_memory().total, max_gb)
+    got = offer(parse_devices(listing), psutil.virtual_memory().total, max_gb)
+    if bins is not None and got.device == "cpu" and await asyncio.to_thread(gpu_visible):
+        logging.getLogger("meshllm").warning(
+            "this node runs on the CPU though a GPU is visible: its llama.cpp build is the CPU's (%s) — install "
+            "the CUDA toolkit, then `mesh-llm build` (it finds it in /usr/local/cuda too)", bins.describe())
+    return got
 
 
 def parse_tokens(texts: list[str], now: float, mesh_id: bytes | None) -> list[tok.Token]:
