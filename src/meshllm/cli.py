@@ -248,9 +248,14 @@ def cmd_node(args: argparse.Namespace) -> int:
         rpc_path=args.rpc_path, rpc_port=args.rpc_port, name=args.name or "", share=args.share == "on",
         fetch_all=args.fetch == "all", auto_fetch=auto_fetch,
     )  # fmt: skip
+    from meshllm.machine import LogFile, registered
+    from meshllm.paths import state_dir as node_state_dir
     from meshllm.serve.terminal import terminal_for_node
 
-    return run_node(opts, terminal_for_node(getattr(args, "verbose", False)))
+    state = node_state_dir(args.state_dir)
+    model = str(args.model or ("lite client" if args.client else ""))
+    with registered(state, f"http://127.0.0.1:{args.port}/v1", model):  # `mesh-llm ps`, `stop`, `logs`
+        return run_node(opts, terminal_for_node(getattr(args, "verbose", False), LogFile(state)))
 
 
 def ensure_binaries(bin_dir: Path | None) -> Binaries:
@@ -725,6 +730,9 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("-j", "--jobs", type=positive_int, help="parallel compile jobs (default: all cores)")
     pk.set_defaults(func=cmd_bundle)
     what = "The node's view of the mesh: peers, roles, layers, paths (QUIC and RPC), RTT."
+    from meshllm.machine import add_commands
+
+    add_commands(sub)  # ps, stop, logs: the nodes of this machine
     ps = sub.add_parser("status", help="show the running node's view of the mesh", description=what)
     ps.add_argument("--port", type=tcp_port, default=9337, help="the node's API port (default 9337)")
     ps.add_argument("--api-key", default=os.environ.get("MESH_LLM_API_KEY"),

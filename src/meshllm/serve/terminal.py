@@ -4,6 +4,7 @@ INFO meshllm.hosting: …" lines ([face-2] 9)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -13,10 +14,19 @@ from rich.text import Text
 
 
 class Terminal(Console):
-    """A rich Console whose every print starts with the time of day."""
+    """A rich Console whose every print starts with the time of day; with ``log`` (a file-like object), each line
+    also goes there as plain text (``mesh-llm logs`` reads it: machine.py)."""
+
+    def __init__(self, *args: Any, log: Any = None, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.to_log = Console(file=log, color_system=None, highlight=False, soft_wrap=True, width=200) if log else None
 
     def print(self, *objects: Any, **kw: Any) -> None:
-        super().print(Text(time.strftime("%H:%M:%S"), style="dim"), *objects, **kw)
+        stamp = Text(time.strftime("%H:%M:%S"), style="dim")
+        super().print(stamp, *objects, **kw)
+        if self.to_log is not None:
+            with contextlib.suppress(Exception):  # a full disk must not take the node down
+                self.to_log.print(stamp, *objects, **kw)
 
 
 class ToTerminal(logging.Handler):
@@ -38,9 +48,9 @@ class ToTerminal(logging.Handler):
             self.handleError(record)
 
 
-def terminal_for_node(verbose: bool) -> Terminal:
-    """The node's terminal (stderr), with every logger writing to it."""
-    term = Terminal(stderr=True, highlight=False, soft_wrap=True)
+def terminal_for_node(verbose: bool, log: Any = None) -> Terminal:
+    """The node's terminal (stderr), with every logger writing to it (and, with ``log``, to that file too)."""
+    term = Terminal(stderr=True, highlight=False, soft_wrap=True, log=log)
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
