@@ -553,6 +553,9 @@ def _state_text(state: str, why: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="mesh-llm", description="Run one LLM across several machines.")
     p.add_argument("--version", action="version", version=f"mesh-llm {__version__}")
+    p.add_argument("--config", type=Path, metavar="FILE",
+                   help="TOML file of flags and per-model options (default $MESH_LLM_CONFIG, else "
+                        "~/.config/mesh-llm/config.toml where it exists); flags given here win")  # fmt: skip
     p.add_argument(
         "--model", type=Path, metavar="MODEL",
         help="a GGUF file (first part of a split model), a catalog name (`mesh-llm download` lists them, e.g. "
@@ -747,9 +750,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _options_before_subcommand(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """The words before a subcommand's name (`mesh-llm --port 9437 status`): the node's options, which the
-    subcommand would silently ignore. Empty when no subcommand is named or nothing precedes it."""
+def _subcommand_index(parser: argparse.ArgumentParser, argv: list[str]) -> int | None:
+    """Where the subcommand's name stands in ``argv`` (None: none, the node's own command line)."""
     subs = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
     names = set(subs.choices) if subs is not None else set()
     valued = {o for a in parser._actions if a.nargs != 0 and not isinstance(a, argparse._SubParsersAction)
@@ -759,12 +761,40 @@ def _options_before_subcommand(parser: argparse.ArgumentParser, argv: list[str])
         if skip:  # the value of an option (`--name status` names a node "status")
             skip = False
         elif word in names:
-            return argv[:i] if any(w not in ("-v", "--verbose") for w in argv[:i]) else []
+            return i
         elif word == "--":
             break
         else:
             skip = word in valued
-    return []
+    return None
+
+
+def _options_before_subcommand(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """The words before a subcommand's name (`mesh-llm --port 9437 status`): the node's options, which the
+    subcommand would silently ignore. Empty when no subcommand is named or nothing precedes it."""
+    i = _subcommand_index(parser, argv)
+    if i is None:
+        return []
+    return argv[:i] if any(w not in ("-v", "--verbose") for w in argv[:i]) else []
+
+
+def _parse_with_config(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The node's command line over its config file (config.py); a subcommand's as it is."""
+    from meshllm import config
+
+    path, _ = config.config_path(argv)
+    if path is None or _subcommand_index(parser, argv) is not None:
+        return parser.parse_args(argv)
+    try:
+        data = config.load(path)
+        config.apply(parser, path, data)
+        args = parser.parse_args(argv)
+        if getattr(args, "model", None) is not None:
+            config.apply(parser, path, data, str(args.model))  # its [models."NAME"] table, under the flags
+            args = parser.parse_args(argv)
+    except UserError as e:
+        parser.exit(2, f"mesh-llm: error: {e}\n")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -777,7 +807,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if before:
         parser.error(f"{before[0]} comes before the subcommand {argv[len(before)]!r}, where it means nothing: write "
                      f"`mesh-llm {argv[len(before)]} {' '.join(before)} ...`")  # fmt: skip
-    args = parser.parse_args(argv)
+    args = _parse_with_config(parser, argv)
     func = args.func
     logging.basicConfig(
         level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,

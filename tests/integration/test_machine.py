@@ -26,10 +26,14 @@ def test_ps_logs_and_stop_on_real_nodes(tmp_path: Path, tiny_model: Path) -> Non
     env = {"XDG_RUNTIME_DIR": str(run)}  # this test's nodes only
     nodes: list[NodeProc] = []
     try:
-        a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024", env=env)
+        cfg = tmp_path / "config.toml"  # the config file on a real node: its name and model table, a flag over it
+        cfg.write_text(f'name = "from-config"\nmax-vram = 0.3\n[models."{tiny_model}"]\nctx-size = 1024\n')
+        a = NodeProc(tmp_path, "a", tiny_model, "--config", str(cfg), "--max-vram", "0.9", env=env)
         b = NodeProc(tmp_path, "b", None, "--join", "mesh1.AAAA", env=env)  # a bad token: it never runs
         nodes += [a, b]
         wait_for(lambda: "ready:" in a.text(), 120, "a to serve")
+        assert "capacity 0.9 GB" in a.text() and "\"contextWindow\": 1024" in a.text(), a.text()[-1500:]
+        assert [p["name"] for p in a.status()["peers"]] == ["from-config"]  # type: ignore[index]
         assert b.proc.wait(30) == 2
         listed = json.loads(_cli(env, "ps", "--json").stdout)
         assert [(n["state_dir"], n["pid"], n["model"]) for n in listed] == [(str(a.state), a.proc.pid,
