@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -50,9 +51,23 @@ def test_ps_logs_and_stop_on_real_nodes(tmp_path: Path, tiny_model: Path) -> Non
                                    str(a.state)], stdout=subprocess.PIPE, text=True,
                                   env={**os.environ, **env})  # fmt: skip
         # a second node, killed with -9: listed while it runs, forgotten after
-        c = NodeProc(tmp_path, "c", tiny_model, "--ctx-size", "1024", env=env)
+        c = NodeProc(tmp_path, "c", tiny_model, "--ctx-size", "1024", "--join", (a.state / "token").read_text(),
+                     env=env)  # fmt: skip
         nodes.append(c)
         wait_for(lambda: len(json.loads(_cli(env, "ps", "--json").stdout)) == 2, 60, "ps to list c")
+        # doctor: one line per check; the running node's port is its own, its member reached directly
+        def doctor() -> subprocess.CompletedProcess[str]:
+            return _cli(env, "doctor", "--state-dir", str(a.state), "--port", str(a.port))
+
+        wait_for(lambda: "members reached: 1 of 1 directly" in doctor().stdout, 30, "doctor to see c")
+        doc = doctor()
+        assert doc.returncode == 0 and f"the node on {a.state} listens there" in doc.stdout, doc.stdout
+        assert all(ln.split()[0] in ("ok", "warn") for ln in doc.stdout.splitlines()), doc.stdout
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            busy = _cli(env, "doctor", "--state-dir", str(tmp_path / "fresh"), "--port", str(taken.getsockname()[1]))
+        assert busy.returncode == 1 and "FAIL  API port" in busy.stdout and "--port N" in busy.stdout, busy.stdout
         os.kill(c.proc.pid, signal.SIGKILL)
         c.proc.wait(10)
         assert [n["pid"] for n in json.loads(_cli(env, "ps", "--json").stdout)] == [a.proc.pid]
