@@ -344,6 +344,16 @@ def test_a_mesh_found_on_the_lan_is_joined_only_with_approval(lab: Lab, tmp_path
         a = Node(lab, "homeA", tmp_path, "a", *half, "--name", "desk-a")
         nodes.append(a)
         wait(lambda: "waiting for more peers" in a.log.read_text(), 30, "A to wait for memory", nodes)
+        # [trust-3] 2: a neighbour on the same LAN (the NAT box's LAN side, 192.168.1.1) announces A's mesh under its
+        # own key and relays every knock it gets to A, to replay one once A approves
+        loot = tmp_path / "neighbour.json"
+        a_addrs = json.loads((a.state / "node.json").read_text())["addrs"]
+        mesh_id = crypto.mesh_id_for(bytes.fromhex(a.id))
+        relay = subprocess.Popen(lab.exec_argv("natA", [
+            sys.executable, "-m", "tests.security.neighbour", "--mesh", mesh_id.hex(), "--founder", a.id,
+            *(w for x in a_addrs for w in ("--founder-addr", x)), "--bind", "192.168.1.1", "--out", str(loot)]),
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        wait(lambda: loot.exists(), 30, "the neighbour to announce", nodes)
         b = Node(lab, "homeA2", tmp_path, "b", *half, "--join-lan", "--name", "laptop-b")
         s = Node(lab, "homeA2", tmp_path, "s", "--client", "--join-lan", "--name", "stranger", port=9338)
         c = Node(lab, "homeB", tmp_path, "c", "--client", "--join-lan", "--name", "far-c")
@@ -353,10 +363,17 @@ def test_a_mesh_found_on_the_lan_is_joined_only_with_approval(lab: Lab, tmp_path
         listed = _approve(a).stdout
         assert "laptop-b" in listed and "stranger" in listed and "far-c" not in listed, listed
         assert "192.168.1.3:" in listed  # the knocks came over the LAN
+        assert listed.count("laptop-b") == 1 and "192.168.1.1:" not in listed  # nothing listed from the relay
         b_id = next(line.split()[0] for line in listed.splitlines() if "laptop-b" in line)
         t0 = time.monotonic()
         assert _approve(a, b_id).returncode == 0
         wait(lambda: "ready:" in a.log.read_text(), 30, "the split over A and B to serve", nodes)
+        time.sleep(4)  # two more rounds of the neighbour's relays after the approval
+        relay.terminate()
+        relay.wait(10)
+        relayed = json.loads(loot.read_text())["relayed"]
+        assert relayed and all(st == "refused" and "addressed to another node" in why and not token
+                               for st, why, token in relayed), relayed  # fmt: skip
         assert b.peer(a.id) is not None and str(b.peer(a.id)["path"]).startswith("direct 192.168.1.2:")  # type: ignore[index]
         assert len(a.status()["plan"]["assignments"]) == 2  # type: ignore[index, arg-type]
         print(f"\nLAN discovery: approved -> the split over A and B serving in {time.monotonic() - t0:.1f} s")

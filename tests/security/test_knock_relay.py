@@ -12,21 +12,16 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
 import threading
 import time
 from pathlib import Path
 
-from zeroconf import IPVersion
-from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
-
-from meshllm.net.meshnet import MeshNet
 from meshllm.proto import crypto
-from meshllm.proto.knock import REFUSED, WAITING, KnockAnswer, KnockAsk
-from meshllm.serve.lan import SERVICE
+from meshllm.proto.knock import REFUSED, KnockAnswer
 from tests.integration.meshlab import NodeProc, wait_for
 from tests.integration.test_fleet import _founder
 from tests.integration.test_lan import _announced, _approve
+from tests.security.neighbour import neighbour
 
 
 def test_a_neighbour_that_relays_knocks_gets_no_approval_and_a_fake_refusal_ends_nothing(
@@ -45,57 +40,24 @@ def test_a_neighbour_that_relays_knocks_gets_no_approval_and_a_fake_refusal_ends
         mesh_id = crypto.mesh_id_for(a_id)
         a_addrs = json.loads((a.state / "node.json").read_text())["addrs"]
 
-        def neighbour(name: str, answer: str, ready: threading.Event) -> None:
-            async def run() -> None:
-                key = crypto.new_key()
-                net = MeshNet(key, None, tmp_path / name, bind=("127.0.0.1", 0))
-                (tmp_path / name).mkdir(mode=0o700)
-                await net.start()
-                loop = asyncio.get_running_loop()
-                tasks: set[asyncio.Task[None]] = set()
+        def run(refuse: bool, ready: threading.Event) -> None:
+            def on_answer(ans: KnockAnswer) -> None:
+                relayed.append(ans)
+                if ans.token:
+                    stolen.append(ans.token)
 
-                def on_knock(ask: KnockAsk, addr: str) -> KnockAnswer:
-                    if answer == REFUSED:
-                        return KnockAnswer(REFUSED, reason="this mesh is closed")
-
-                    async def relay() -> None:  # to the founder, as it came: the knocking node's own signature
-                        try:
-                            got = await net.knock(a_id, a_addrs, ask)
-                        except Exception:  # the attack goes on whatever fails
-                            return
-                        relayed.append(got)
-                        if got.token:
-                            stolen.append(got.token)
-
-                    tasks.add(loop.create_task(relay()))
-                    return KnockAnswer(WAITING)
-
-                net.on_knock = on_knock
-                port = net.ep.local_addr[1]
-                info = AsyncServiceInfo(
-                    SERVICE, f"{crypto.short(net.me)}.{SERVICE}", port=port, addresses=[socket.inet_aton("127.0.0.1")],
-                    server=f"mesh-llm-{crypto.short(net.me)}.local.",
-                    properties={"v": "1", "mesh": mesh_id.hex(), "node": net.me.hex(), "name": name},
-                )  # fmt: skip
-                zc = AsyncZeroconf(ip_version=IPVersion.V4Only)
-                await zc.async_register_service(info)
+            async def go() -> None:
                 ready.set()
-                try:
-                    while not stop.is_set():
-                        await asyncio.sleep(0.1)
-                finally:
-                    await zc.async_unregister_service(info)
-                    await zc.async_close()
-                    await net.stop(leave=False)
+                await neighbour(mesh_id, a_id, a_addrs, "127.0.0.1", refuse, on_answer, stop)
 
-            asyncio.run(run())
+            asyncio.run(go())
 
-        for name, answer in (("relay", WAITING), ("denier", REFUSED)):
+        for refuse in (False, True):  # one relays and answers "waiting", one answers "refused"
             ready = threading.Event()
-            th = threading.Thread(target=neighbour, args=(name, answer, ready))
+            th = threading.Thread(target=run, args=(refuse, ready))
             th.start()
             threads.append(th)
-            assert ready.wait(30), f"the {name} did not announce"
+            assert ready.wait(30), "the neighbour did not start"
         b = NodeProc(tmp_path, "b", tiny_model, "--ctx-size", "1024", "--join-lan", mesh, "--name", "laptop-b")
         nodes.append(b)
         wait_for(lambda: f"asked to join mesh {mesh}" in b.text(), 60, "b's knock")
