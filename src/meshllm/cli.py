@@ -737,10 +737,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_commands(sub)  # ps, stop, logs: the nodes of this machine
     from meshllm.doctor import add_command as add_doctor
+    from meshllm.preview import add_command as add_plan
     from meshllm.service import add_command as add_service
 
     add_service(sub)
     add_doctor(sub)
+    add_plan(sub)
     ps = sub.add_parser("status", help="show the running node's view of the mesh", description=what)
     ps.add_argument("--port", type=tcp_port, default=9337, help="the node's API port (default 9337)")
     ps.add_argument("--api-key", default=os.environ.get("MESH_LLM_API_KEY"),

@@ -5,6 +5,8 @@ them crosses the wire). Placement by tensor class (experts in RAM) is not built 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,6 +49,11 @@ def test_a_moe_split_over_two_nodes_answers_as_stock_rpc_and_loads_experts_local
         b_id = b.status()["node"]
         peer = next(p for p in a.status()["peers"] if p["node"] == b_id)  # type: ignore[attr-defined]
         assert peer["tunnel"]["rpc_local_loads"] > 0 and peer["tunnel"]["load_weight_bytes"] <= 64 << 10, peer
+        # [big] 3: the plan preview of the running mesh names both nodes and loads nothing
+        argv = ["plan", str(tiny_moe), "--state-dir", str(a.state), "--ctx-size", "512", "--parallel", "1"]
+        r = subprocess.run([sys.executable, "-m", "meshllm.cli", *argv], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and "on the mesh as node" in r.stdout and "2 nodes that may serve" in r.stdout, r
+        assert r.stdout.count(" offered)") == 2 and "slots: 1 × 512 tokens" in r.stdout, r.stdout
     finally:
         for n in nodes:
             n.stop()
