@@ -239,7 +239,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         bind_port=args.bind_port, advertise=args.advertise or [], token_ttl_s=args.token_ttl,
         admission_s=args.admission,
         relay=args.relay, relay_mode=args.relay_mode, relay_rate=args.relay_rate, join_lan=args.join_lan,
-        announce=args.announce,
+        announce=args.announce, max_ram_gb=args.max_ram,
         max_vram_gb=args.max_vram, ctx_size=args.ctx_size, parallel=args.parallel, queue=args.queue,
         tuning=tuning, tensor_split=args.tensor_split, split_replicas=args.split_replicas, port=args.port,
         listen_all=args.listen_all, api_key=api_key, max_tokens=args.max_tokens, bins=bins, auto_model=auto,
@@ -485,6 +485,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         used = p.get("planned_bytes")  # what the plan puts there, of what the node offers
         share = f"{used / 1e9:.1f}/" if used else ""
         mem = f"{share}{p['capacity'] / 1e9:.1f} GB {p.get('device') or ''}".strip() if p["capacity"] else "-"
+        mem += f"\n+ {p['ram'] / 1e9:.1f} GB RAM" if p.get("ram") and p["capacity"] else ""  # [big] for experts
         state = p["state"]  # one vocabulary, as every node computes it (proto/standing.py); the reason below
         name = str(p.get("name") or "")[:12]  # a second line under the id: the hostname or --name
         t.add_row(
@@ -604,6 +605,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"standing renew themselves at half time (default {tok.ADMIT_S // 86400}d, at most "
                         f"{tok.MAX_ADMIT_S // 86400}d)")  # fmt: skip
     p.add_argument("--max-vram", type=gigabytes, metavar="GB", help="cap the memory this node offers")
+    p.add_argument("--max-ram", type=gigabytes, metavar="GB",
+                   help="cap the RAM this node offers besides, for a MoE model's routed experts when the mesh's "
+                        "accelerator memory is short (default: three quarters of its RAM)")  # fmt: skip
     p.add_argument("--tensor-split", type=parse_split, metavar="P,P,...", help="override the split plan")
     p.add_argument("--split-replicas", action=argparse.BooleanOptionalAction, default=True,
                    help="let the nodes the host's plan leaves out, which hold the model only together, serve it as a "

@@ -35,7 +35,7 @@ def mesh_slots(status: dict[str, Any]) -> tuple[Slot, list[Slot], dict[bytes, st
     def slot(p: dict[str, Any]) -> Slot:
         rtt = 0.0 if p["node"] == me else float(p.get("rtt_ms") or 0.0)
         return Slot(bytes.fromhex(p["node"]), int(p["capacity"]), rtt, str(p.get("name") or ""),
-                    prompts=p.get("scope") == "host")  # fmt: skip
+                    prompts=p.get("scope") == "host", ram=int(p.get("ram") or 0))  # fmt: skip
 
     labels = {bytes.fromhex(p["node"]): f"{p.get('short', p['node'][:8])} \"{p.get('name', '')}\" "
               f"({p.get('device') or 'cpu'}, {int(p['capacity']) / GB:.1f} GB offered)" for p in usable}  # fmt: skip
@@ -59,6 +59,8 @@ def describe(model: str, shape: ModelShape, file_size: int, got: tuple[Plan | Wa
             what += " + output" + ("" if plan.embd_first else " + token embedding")
         elif i == 0 and plan.embd_first:
             what += " + token embedding"
+        if a.spilled:  # [big] routed experts in the node's RAM
+            what += f" (the routed experts of layers {a.spilled[0]}–{a.spilled[-1]} in RAM, {a.ram_bytes / GB:.2f} GB)"
         lines.append(f"  {role} {labels.get(a.node, a.node.hex()[:8])}: {what}, {a.bytes / GB:.2f} GB planned")
     for n in plan.standby:
         lines.append(f"  unused {labels.get(n, n.hex()[:8])}")
@@ -105,7 +107,8 @@ def _this_machine() -> tuple[Slot, list[Slot], dict[bytes, str]]:
         bins = None
     offer = asyncio.run(measure_offer(bins, None))
     me = b"\0" * 32
-    return Slot(me, offer.capacity), [], {me: f"this machine ({offer.device}, {offer.capacity / GB:.1f} GB offered)"}
+    return Slot(me, offer.capacity, ram=offer.ram), [], {
+        me: f"this machine ({offer.device}, {offer.capacity / GB:.1f} GB offered)"}
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -39,7 +39,8 @@ def test_a_moe_split_over_two_nodes_answers_as_stock_rpc_and_loads_experts_local
         a = NodeProc(tmp_path, "a", tiny_moe, "--tensor-split", "1,1", "--ctx-size", "512", "--rpc-path", "tunnel")
         nodes.append(a)
         wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
-        b = NodeProc(tmp_path, "b", tiny_moe, "--ctx-size", "512", "--join", (a.state / "token").read_text().strip())
+        b = NodeProc(tmp_path, "b", tiny_moe, "--ctx-size", "512", "--max-vram", "1",  # less memory: a hosts
+                     "--join", (a.state / "token").read_text().strip())  # fmt: skip
         nodes.append(b)
         wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 120, "a to serve a split with b")
         text = _ask(a.port)
@@ -57,3 +58,40 @@ def test_a_moe_split_over_two_nodes_answers_as_stock_rpc_and_loads_experts_local
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_a_node_short_of_accelerator_memory_keeps_experts_in_ram_and_serves(
+    tmp_path: Path, tiny_moe: Path, stock_bins: Binaries
+) -> None:
+    """[big] 1-2 on one node: ``--max-vram`` too small for the tiny MoE (41.27 MB planned at this context) and RAM
+    offered beside it: before, the node waited ("need 0.04 GB, have 0.04 GB"); now it serves with the routed experts
+    of its first layers in RAM (llama-server gets the tensor overrides, as ``--n-cpu-moe`` would), and answers as
+    llama-server alone with the same overrides."""
+    from meshllm.llama.processes import Child, free_port, llama_server_argv, wait_http_ready
+    from meshllm.proto.planner import experts_override
+
+    a = NodeProc(tmp_path, "a", tiny_moe, "--max-vram", "0.041", "--max-ram", "0.5", "--ctx-size", "512",
+                 "--parallel", "1")  # fmt: skip
+    ref: Child | None = None
+    try:
+        wait_for(lambda: "ready:" in a.text(), 120, "a to serve")
+        assert "layers 0-1: attention here, experts in RAM (0.00 GB)" in a.text(), a.text()[-2000:]
+        override = experts_override((0, 1))
+        assert override in (a.state / "llama-server.log").read_text() or override in _cmdline_of_children(a)
+        text = _ask(a.port)
+        port = free_port()
+        argv = llama_server_argv(stock_bins, tiny_moe, port, ctx_size=512, threads=2,
+                                 extra=["--override-tensor", override])  # fmt: skip
+        ref = Child.start("ref", argv, tmp_path / "ref.log")
+        wait_http_ready(ref, f"http://127.0.0.1:{port}/health")
+        assert _ask(port) == text
+    finally:
+        if ref is not None:
+            ref.stop()
+        a.stop()
+
+
+def _cmdline_of_children(n: NodeProc) -> str:
+    import psutil
+
+    return "\n".join(" ".join(c.cmdline()) for c in psutil.Process(n.proc.pid).children(recursive=True))

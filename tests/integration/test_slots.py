@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
 import socket
 import threading
@@ -198,33 +199,68 @@ def test_n_completions_take_n_slots(nodes: tuple[NodeProc, NodeProc]) -> None:
         c.close()
 
 
+NOBODY = 65534
+
+
+def _post_as(uid: int, port: int, body: dict[str, object]) -> int:
+    """A completion request from a process running as ``uid`` (another local user; the system's Python, which that
+    user may read, and none of our sockets: a forked child once kept the long stream's socket open); its status."""
+    import subprocess
+    import sys
+
+    py = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+    script = ("import json, sys, urllib.request, urllib.error\n"
+              "req = urllib.request.Request(sys.argv[1], data=sys.argv[2].encode(), headers={'Content-Type': "
+              "'application/json', 'Authorization': 'Bearer ' + sys.argv[3]})\n"
+              "try:\n    print(urllib.request.urlopen(req, timeout=120).status)\n"
+              "except urllib.error.HTTPError as e:\n    print(e.code)\n")  # fmt: skip
+
+    def drop() -> None:
+        os.setgid(uid)
+        os.setuid(uid)
+
+    r = subprocess.run([py, "-I", "-c", script, f"http://127.0.0.1:{port}/v1/completions", json.dumps(body),
+                        KEY or ""], capture_output=True, text=True, timeout=180, preexec_fn=drop, cwd="/")  # fmt: skip
+    out = r.stdout.strip()
+    return int(out) if out.isdigit() else -1
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="a request as another local user (nobody) needs root")
 def test_one_burst_does_not_starve_another_client(nodes: tuple[NodeProc, NodeProc]) -> None:
-    """One slot, a queue of two: client 127.0.0.1 queues two short requests behind its long one; then client
-    127.0.0.2 asks: its request pushes out the burst's newest (429 to that one) and goes next."""
+    """One slot, a queue of two: our user queues two short requests behind its long one, then asks from another
+    loopback address (127.0.0.2) — the same client ([trust-3] 5: one client from many addresses kept every other
+    out), so it gets 429, never the burst's place; then user nobody asks: its request pushes out the burst's newest
+    (429 to that one) and goes next. (A client is its network, or on loopback its local user: ``gate.client_of``.)"""
     one, _ = nodes
     c, _r = _stream_first(one.port, LONG)
     done: list[tuple[str, int, float]] = []
+    small = {"prompt": "Hi", "max_tokens": 2}
 
     def ask(source: str) -> None:
-        code, _, _out = _post(one.port, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, source=source)
+        code = _post_as(NOBODY, one.port, small) if source == "nobody" else \
+            _post(one.port, "/v1/completions", small, source=source)[0]  # fmt: skip
         done.append((source, code, time.monotonic()))
 
     burst = [threading.Thread(target=ask, args=("127.0.0.1",)) for _ in range(2)]
-    other = threading.Thread(target=ask, args=("127.0.0.2",))
+    sybil = threading.Thread(target=ask, args=("127.0.0.2",))
+    other = threading.Thread(target=ask, args=("nobody",))
     try:
         for t in burst:
             t.start()
             time.sleep(0.3)
         time.sleep(0.5)
+        sybil.start()
+        time.sleep(0.5)
         other.start()
         time.sleep(0.5)
     finally:
         c.close()  # the long one ends: the queue drains
-    for t in [*burst, other]:
+    for t in [*burst, sybil, other]:
         t.join(60)
     served = [s for s, code, _ in sorted(done, key=lambda d: d[2]) if code == 200]
-    assert sorted(code for _, code, _ in done) == [200, 200, 429], done
-    assert served[0] == "127.0.0.2", done
+    assert sorted(code for _, code, _ in done) == [200, 200, 429, 429], done
+    assert ("127.0.0.2", 429) in {(s, code) for s, code, _ in done}, done  # the same client: no place of its own
+    assert served[0] == "nobody", done
 
 
 def test_the_hosts_door_shares_slots_per_node(nodes: tuple[NodeProc, NodeProc], tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from meshllm.proto.planner import (
     Slot,
     Waiting,
     device_of_unit,
+    experts_override,
     host_fixed_bytes,
     plan,
     spread,
@@ -387,3 +389,32 @@ def test_equal_workers_keep_the_layers_they_hold_across_replans() -> None:
     assert isinstance(as_was, Plan) and isinstance(got, Plan) and sum(a.count for a in got.assignments) == 10
     assert [(a.node, a.first, a.count) for a in got.assignments] in (
         [(a.node, a.first, a.count) for a in as_was.assignments], [(hi, 0, 2), (lo, 2, 4), (A, 6, 4)])
+
+
+MOE = ModelShape(
+    n_layer=10, layer_bytes=(100 * MiB,) * 10, embd_bytes=200 * MiB, output_bytes=200 * MiB, other_bytes=MiB,
+    kv_bytes_per_token_layer=1024, n_embd=1024, n_vocab=32000, expert_bytes=(80 * MiB,) * 10,
+)  # fmt: skip
+
+
+def test_a_host_short_of_accelerator_memory_keeps_the_fewest_layers_experts_in_ram() -> None:
+    """[big] 2: pooled accelerator memory first (no spill while it holds the model); short of it, the host keeps the
+    routed experts of as few layers as needed in its RAM (--n-cpu-moe as tensor overrides); RAM too short: waiting."""
+    whole = host_fixed_bytes(MOE, CTX) + sum(MOE.layer_cost(i, CTX) for i in range(10))
+    fits = plan(MOE, Slot(A, whole, ram=GB), [], CTX)
+    assert isinstance(fits, Plan) and fits.assignments[0].spilled == ()
+    short = plan(MOE, Slot(A, whole - 100 * MiB, ram=GB), [], CTX)  # 100 MiB short: two layers' experts (80 each)
+    assert isinstance(short, Plan)
+    (h,) = short.assignments
+    assert (h.count, h.spilled, h.ram_bytes) == (10, (0, 1), 160 * MiB) and h.bytes <= whole - 100 * MiB
+    assert isinstance(plan(MOE, Slot(A, whole - 100 * MiB, ram=100 * MiB), [], CTX), Waiting)  # RAM for one only
+    assert isinstance(plan(MOE, Slot(A, whole - 100 * MiB), [], CTX), Waiting)  # no RAM offered
+    dense = replace(MOE, expert_bytes=())
+    assert isinstance(plan(dense, Slot(A, whole - 100 * MiB, ram=GB), [], CTX), Waiting)  # no experts to move
+    # a worker's accelerator memory is used before any RAM: it takes its most, the host spills only what is left
+    pooled = plan(MOE, Slot(A, whole - 500 * MiB, ram=GB), [Slot(B, _fits(3))], CTX)
+    assert isinstance(pooled, Plan)
+    w, h = pooled.assignments
+    assert (w.node, w.first, w.count, w.spilled) == (B, 0, 3, ())
+    assert h.count == 7 and len(h.spilled) == 3 and h.spilled == (3, 4, 5) and h.ram_bytes == 240 * MiB
+    assert experts_override(h.spilled) == r"blk\.(3|4|5)\.ffn_(up|down|gate)_exps=CPU"

@@ -441,3 +441,14 @@ def test_a_connected_peer_that_falls_silent_is_buried_after_direct_dead_s_not_de
     assert n in {r.node for r in a.alive(t0 + DIRECT_DEAD_S - 0.5)}
     a.tick(t0 + DIRECT_DEAD_S + 0.1)
     assert DIRECT_DEAD_S + 0.1 < DEAD_AFTER_S and n not in a.table.entries and n in a.table.tombstones
+
+
+def test_the_ram_a_node_offers_travels_and_a_bad_one_is_dropped() -> None:
+    """[big] 1: the RAM beside a node's capacity is in its record (absent: 0, an older node's)."""
+    t = Table(crypto.node_id(FOUNDER), MESH)
+    k, c = member()
+    n = crypto.node_id(k)
+    assert t.merge_record(rec(k, c, capacity=5, ram=7 * 2**30), T).changed == [n]
+    assert t.entries[n].record.ram == 7 * 2**30
+    assert "field ram" in t.merge_record(rec(k, c, seq=2, ram=-1), T).dropped[0]
+    assert t.merge_record(rec(k, c, seq=3), T).changed == [n] and t.entries[n].record.ram == 0

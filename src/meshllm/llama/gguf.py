@@ -264,11 +264,14 @@ def model_shape(hdr: GGUFHeader) -> ModelShape:
     if n_layer <= 0:
         raise UserError(f"{hdr.path}: no {arch}.block_count in the model metadata")
     layer = [0] * n_layer
+    experts = [0] * n_layer  # the routed experts (ffn_up/down/gate_exps; shared experts, _shexp, are not)
     embd = output = other = 0
     for t in hdr.tensors:
         m = re.match(r"blk\.(\d+)\.", t.name)
         if m and int(m.group(1)) < n_layer:
             layer[int(m.group(1))] += t.nbytes
+            if re.match(r"blk\.\d+\.ffn_(up|down|gate)_exps\.", t.name):
+                experts[int(m.group(1))] += t.nbytes
         elif t.name == "token_embd.weight":
             embd = t.nbytes
         elif t.name == "output.weight":
@@ -293,6 +296,7 @@ def model_shape(hdr: GGUFHeader) -> ModelShape:
         n_embd=n_embd,
         n_vocab=int(vocab) if isinstance(vocab, int) else 0,
         n_ctx_train=meta_int("context_length"),
+        expert_bytes=tuple(experts) if any(experts) else (),
     )
 
 

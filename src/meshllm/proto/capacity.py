@@ -51,6 +51,7 @@ class Offer:
     device: str  # what gossip, status and the console show: "cpu", "cuda: NVIDIA H100 80GB HBM3", "cuda: 2× ..."
     use: str | None  # the llama.cpp devices our rpc-server serves, comma-separated (None: its default, the CPU)
     shares: tuple[int, ...] = ()  # per device, in llama.cpp's order, when there are several (they sum to capacity)
+    ram: int = 0  # [big] RAM offered beside capacity, for routed experts
 
     @property
     def first_device(self) -> str | None:
@@ -69,13 +70,21 @@ def _label(devices: list[Device]) -> str:
     return f"{'/'.join(kinds)}: {count}{' + '.join(names)}"
 
 
-def offer(devices: list[Device], ram_total: int, max_gb: float | None) -> Offer:
+def offer(devices: list[Device], ram_total: int, max_gb: float | None, max_ram_gb: float | None = None) -> Offer:
     """The memory this node offers. With accelerators: every one's free memory less a margin, all of them served
     (the rpc-server serves each as a device of its own; a host runs them in-process); without: RAM_SHARE of the
-    RAM. ``--max-vram`` (``max_gb``) caps the total, each device's share shrinking in proportion."""
+    RAM. ``--max-vram`` (``max_gb``) caps the total, each device's share shrinking in proportion. Besides, for a
+    model's routed experts ([big]): RAM_SHARE of the RAM (on a CPU node, what of it ``capacity`` leaves), capped by
+    ``--max-ram``."""
+    share = int(ram_total * RAM_SHARE)
+
+    def ram(used: int) -> int:
+        left = max(0, share - used)
+        return min(left, int(max_ram_gb * GB)) if max_ram_gb is not None else left
+
     if not devices:
-        cap = int(ram_total * RAM_SHARE)
-        return Offer(min(cap, int(max_gb * GB)) if max_gb is not None else cap, "cpu", None)
+        cap = min(share, int(max_gb * GB)) if max_gb is not None else share
+        return Offer(cap, "cpu", None, ram=ram(cap))
     shares = [max(0, d.free - max(int(d.total * MARGIN_SHARE), MARGIN_MIN)) for d in devices]
     total = sum(shares)
     if max_gb is not None and total > int(max_gb * GB):
@@ -83,4 +92,4 @@ def offer(devices: list[Device], ram_total: int, max_gb: float | None) -> Offer:
         shares = [s * cap // total for s in shares]
         shares[-1] += cap - sum(shares)
     use = ",".join(d.name for d in devices)
-    return Offer(sum(shares), _label(devices), use, tuple(shares) if len(devices) > 1 else ())
+    return Offer(sum(shares), _label(devices), use, tuple(shares) if len(devices) > 1 else (), ram(0))

@@ -111,6 +111,7 @@ class RecordUpdate(TypedDict, total=False):
     held: tuple[tuple[int, int], ...] | None
     replica: bool
     left: bool
+    ram: int
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,7 @@ class PeerRecord:
     rate: float = 0.0  # a host: tokens per second its llama-server generates now (running requests counted)
     held: tuple[tuple[int, int], ...] | None = None  # a partial copy of its model: the layers it holds (first,
     # count); None: the whole file. A partial copy is never elected host, nor a source of the model's file
+    ram: int = 0  # [big] bytes of RAM offered beside ``capacity`` for a model's routed experts (--max-ram)
     replica: bool = False  # a host of its model beside the elected one ([fleet]: a node its plan does not use, which
     # holds the whole model alone); never the sitting host of an election
 
@@ -173,6 +175,7 @@ class PeerRecord:
                 "why": self.why, "lyr": [list(x) for x in self.layers], "rate": self.rate,
                 **({"held": [list(x) for x in self.held]} if self.held is not None else {}),
                 **({"rep": True} if self.replica else {}),
+                **({"ram": self.ram} if self.ram else {}),
             }
         )  # fmt: skip
         return pack([body, crypto.sign(key, crypto.D_RECORD, body)])
@@ -242,6 +245,13 @@ def _layers(d: dict[str, Any], key: str = "lyr") -> tuple[tuple[int, int], ...]:
 def _rate(d: dict[str, Any]) -> float:
     v = d.get("rate", 0.0)
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e7 else 0.0
+
+
+def _ram(d: dict[str, Any]) -> int:
+    v = d.get("ram", 0)  # absent from records of versions before [big]
+    if not (_int(v) and 0 <= v < 2**62):
+        raise RemoteProtocolError("record field ram has the wrong type")
+    return int(v)
 
 
 def _progress(d: dict[str, Any]) -> int:
@@ -340,7 +350,7 @@ def record_from_wire(
         host=host, planned=_planned(d), chain=tuple(chain), left=_field(d, "left", bool), at=_field(d, "at", int),
         served=_pair(d, "srv"), ttft=_pair(d, "ttft"), progress=_progress(d), why=_why(d), slots=_slots(d),
         layers=_layers(d), rate=_rate(d), held=_layers(d, "held") if "held" in d else None,
-        replica=d.get("rep") is True,
+        replica=d.get("rep") is True, ram=_ram(d),
     )  # fmt: skip
 
 

@@ -37,6 +37,10 @@ class ModelShape:
     n_embd: int
     n_vocab: int
     n_ctx_train: int = 0  # the context the model was trained for (0: not known)
+    expert_bytes: tuple[int, ...] = ()  # [big] each layer's routed experts (ffn_*_exps), part of layer_bytes; () none
+
+    def experts(self, i: int) -> int:
+        return self.expert_bytes[i] if i < len(self.expert_bytes) else 0
 
     @property
     def total_bytes(self) -> int:
@@ -64,6 +68,7 @@ class Slot:
     # a partial copy's first layer held ([trust-3] 2: None for a whole file or nothing held): workers that hold layers
     # keep them across re-plans (equal workers once swapped ranges 3-5 times and each fetched both)
     held_from: int | None = None
+    ram: int = 0  # [big] bytes of RAM offered beside ``capacity`` for routed experts (``--max-ram``)
 
     @property
     def devices(self) -> int:
@@ -75,8 +80,10 @@ class Assignment:
     node: NodeId
     first: int  # first layer
     count: int  # number of layers
-    bytes: int  # estimated memory on that node
+    bytes: int  # estimated memory on that node (its accelerator's; the whole of it on a CPU node)
     shares: tuple[int, ...] = ()  # the node's devices (see Slot.shares): its layers spread over them in proportion
+    spilled: tuple[int, ...] = ()  # [big] its layers whose routed experts live in its RAM, not in ``bytes``
+    ram_bytes: int = 0  # those experts' bytes
 
 
 @dataclass(frozen=True)
@@ -211,10 +218,14 @@ def plan(
         return out if layer >= remaining else None
 
     chosen = fill(near + far)
-    if chosen is None:
-        need = host_fixed_bytes(shape, ctx) + sum(shape.layer_cost(i, ctx) for i in range(n))
-        need += sum(s.devices for s in others) * per_device + (host.devices - 1) * per_device
-        return Waiting(need=need, have=host.capacity + sum(s.capacity for s in others))
+    spilled: tuple[int, ...] = ()
+    if chosen is None:  # short of accelerator memory: the host's routed experts in its RAM, as few as needed
+        got = _host_spill(shape, ctx, host, host_budget, near + far, per_device)
+        if got is None:
+            need = host_fixed_bytes(shape, ctx) + sum(shape.layer_cost(i, ctx) for i in range(n))
+            need += sum(s.devices for s in others) * per_device + (host.devices - 1) * per_device
+            return Waiting(need=need, have=host.capacity + sum(s.capacity for s in others))
+        chosen, host_count, used, spilled = got
     # the same workers, in the order of the layers they already hold (those holding none after, as they were): a
     # re-plan moves no layer a worker holds to another where the same workers can keep them
     picked = [s for s, _, _ in chosen]
@@ -228,10 +239,50 @@ def plan(
         assignments.append(Assignment(s.node, first, count, b, s.shares))
         first += count
     host_bytes = used + host_fixed_bytes(shape, ctx) + (host.devices - 1) * per_device
-    assignments.append(Assignment(host.node, first, host_count, host_bytes, host.shares))
+    assignments.append(Assignment(host.node, first, host_count, host_bytes, host.shares, spilled,
+                                  sum(shape.experts(i) for i in spilled)))  # fmt: skip
     used_nodes = {a.node for a in assignments}
     standby = tuple(sorted(s.node for s in others if s.node not in used_nodes))
     return _embd_first(shape, Plan(host=host.node, assignments=tuple(assignments), standby=standby), others)
+
+
+def _host_spill(shape: ModelShape, ctx: int, host: Slot, host_budget: int, order: list[Slot], per_device: int
+                ) -> tuple[list[tuple[Slot, int, int]], int, int, tuple[int, ...]] | None:  # fmt: skip
+    """[big] A plan for a mesh short of accelerator memory for the model: the workers (in ``order``) take as many
+    first layers whole as their memory holds (pooled accelerator memory beats RAM); the host takes the rest, as
+    many whole as fit and the others with their routed experts in its RAM (``Slot.ram``): the fewest such layers,
+    the first of its range (llama.cpp's ``--n-cpu-moe``, as tensor overrides). (workers' (slot, count, bytes), the
+    host's layer count, its accelerator bytes, its spilled layers), or None when even that does not fit. (Workers'
+    RAM is not used yet: their rpc-servers would have to offer their CPU device too.)"""
+    n = shape.n_layer
+    if host.ram <= 0 or not any(shape.expert_bytes):
+        return None
+    chosen: list[tuple[Slot, int, int]] = []
+    layer = 0
+    for s in order:
+        budget = s.capacity - s.devices * per_device
+        count, b = 0, 0
+        while layer + count < n and b + shape.layer_cost(layer + count, ctx) <= budget:
+            b += shape.layer_cost(layer + count, ctx)
+            count += 1
+        if count:
+            chosen.append((s, count, b + s.devices * per_device))
+            layer += count
+    mine = list(range(layer, n))
+    whole = sum(shape.layer_cost(i, ctx) for i in mine)
+    for k in range(len(mine) + 1):  # spill the first k of the host's layers
+        spill = mine[:k]
+        ram = sum(shape.experts(i) for i in spill)
+        if ram > host.ram:
+            return None
+        if whole - ram <= host_budget:
+            return chosen, len(mine), whole - ram, tuple(spill)
+    return None  # the host's memory holds not even its layers' attention (the workers already took their most)
+
+
+def experts_override(layers: tuple[int, ...], buffer: str = "CPU") -> str:
+    """llama.cpp's ``--override-tensor`` value that puts the routed experts of ``layers`` in ``buffer``."""
+    return rf"blk\.({'|'.join(map(str, layers))})\.ffn_(up|down|gate)_exps={buffer}"
 
 
 def _embd_first(shape: ModelShape, p: Plan, slots: list[Slot]) -> Plan:
@@ -405,7 +456,7 @@ def slots_for(records: list[PeerRecord], host: NodeId, fingerprint: str) -> tupl
     if host_rec is None:
         return None
     rtt = host_rec.rtt_ms
-    others = [Slot(r.node, r.capacity, rtt.get(r.node, 0.0), shares=r.shares, prompts=r.scope >= Scope.HOST,
+    others = [Slot(r.node, r.capacity, rtt.get(r.node, 0.0), shares=r.shares, prompts=r.scope >= Scope.HOST, ram=r.ram,
                    held_from=min((f for f, c in r.held if c > 0), default=None) if r.held else None)
               for r in recs if r.node != host]  # fmt: skip
-    return Slot(host, host_rec.capacity, shares=host_rec.shares), others
+    return Slot(host, host_rec.capacity, shares=host_rec.shares, ram=host_rec.ram), others

@@ -9,7 +9,7 @@ from meshllm.proto import crypto
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import PeerRecord
 from meshllm.proto.meshcore import EventKind
-from meshllm.proto.planner import GB, Plan, Waiting
+from meshllm.proto.planner import GB, Assignment, Plan, Waiting
 
 
 def name(node: NodeId, me: NodeId) -> str:
@@ -64,10 +64,18 @@ def plan_line(p: Plan | Waiting, me: NodeId, elected: NodeId | None = None) -> s
         hint = "" if p.why else " — to add one: `mesh-llm token` here, then `mesh-llm --model MODEL --join TOKEN` there"
         return f"[yellow]{p.message()}[/]{hint}"
     parts = [f"{name(a.node, me)} layers {a.first}-{a.first + a.count - 1}"
-             f"{' + token embedding' if p.embd_first and i == 0 else ''} ({a.bytes / GB:.2f} GB)"
+             f"{' + token embedding' if p.embd_first and i == 0 else ''} ({a.bytes / GB:.2f} GB){_spill(a)}"
              for i, a in enumerate(p.assignments) if a.count]  # fmt: skip
     standby = f"; standby: {', '.join(name(n, me) for n in p.standby)}" if p.standby else ""
     return f"[bold]plan:[/] {'; '.join(parts)} + output on host{standby}"
+
+
+def _spill(a: Assignment) -> str:
+    """[big] where a node's layers keep their routed experts in RAM: which, and how much."""
+    if not a.spilled:
+        return ""
+    span = f"{a.spilled[0]}-{a.spilled[-1]}" if len(a.spilled) > 1 else str(a.spilled[0])
+    return f" — layers {span}: attention here, experts in RAM ({a.ram_bytes / GB:.2f} GB)"
 
 
 def api_line(api_host: str, port: int, host: PeerRecord | None, me: NodeId) -> str:

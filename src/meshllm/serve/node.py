@@ -133,7 +133,7 @@ class Node:
         await self.hosting.open_door(self.router.models, self.o.max_tokens)
         self.report = Report(self.net, self.hosting, self.api, self.api_host, self.o.port)
         self.hosting.take_streams()  # RPC, RPC keys and API requests from peers
-        self.offer = await measure_offer(self.o.bins, self.o.max_vram_gb)
+        self.offer = await measure_offer(self.o.bins, self.o.max_vram_gb, self.o.max_ram_gb)
         self.capacity, device = self.offer.capacity, self.offer.device
         if self.o.bins is not None and self.model is not None:
             await self.hosting.start_rpc_server(self.model, self.offer.use)
@@ -142,7 +142,7 @@ class Node:
         self.net.update(
             role=Role.CLIENT if lite else Role.WORKER, capacity=0 if lite else self.capacity, device=device,
             shares=() if lite else self.offer.shares, model=self.facts, state=NodeState.READY, version=__version__,
-            name=self.o.name or default_name(),
+            name=self.o.name or default_name(), ram=0 if lite else self.offer.ram,
         )  # fmt: skip
         save_addrs(self.state, addrs)
         self.console.print(

@@ -37,6 +37,7 @@ class NodeOptions:
     token_ttl_s: float = 86400.0
     admission_s: float = tok.ADMIT_S  # --admission: how long the admissions this node signs hold unless renewed
     max_vram_gb: float | None = None
+    max_ram_gb: float | None = None  # [big] --max-ram: RAM offered for routed experts
     ctx_size: int | None = None  # each slot's context (None: auto, planner.size)
     parallel: int | None = None  # llama-server's slots (None: auto)
     queue: int | None = None  # --queue: how many requests may wait for a slot (None: proto.slots.default_queue)
@@ -68,11 +69,11 @@ def default_name() -> str:
     return name[:MAX_NAME]
 
 
-async def measure_offer(bins: Binaries | None, max_gb: float | None) -> Offer:
+async def measure_offer(bins: Binaries | None, max_gb: float | None, max_ram_gb: float | None = None) -> Offer:
     """Measured once at start: the free memory of the accelerator llama.cpp sees (a CPU node: its RAM), capped by
     ``--max-vram``."""
     listing = await asyncio.to_thread(device_listing, bins) if bins is not None else ""
-    got = offer(parse_devices(listing), psutil.virtual_memory().total, max_gb)
+    got = offer(parse_devices(listing), psutil.virtual_memory().total, max_gb, max_ram_gb)
     if bins is not None and got.device == "cpu" and await asyncio.to_thread(gpu_visible):
         logging.getLogger("meshllm").warning(
             "this node runs on the CPU though a GPU is visible: its llama.cpp build is the CPU's (%s) — install "

@@ -62,9 +62,9 @@ class Replanner:
                         prefer=prefer, busy=busy)  # fmt: skip
 
         def fits_alone(r: PeerRecord) -> bool:
-            return isinstance(sized_for(Slot(r.node, r.capacity, shares=r.shares), [], set())[0], Plan)
+            return isinstance(sized_for(Slot(r.node, r.capacity, shares=r.shares, ram=r.ram), [], set())[0], Plan)
 
-        alone = sized_for(Slot(self.me, me.capacity, shares=me.shares), [], set()) if shape else None
+        alone = sized_for(Slot(self.me, me.capacity, shares=me.shares, ram=me.ram), [], set()) if shape else None
         replica = (alone is not None and o.tensor_split is None
                    and fleet.replica_wanted(me, host_rec, isinstance(alone[0], Plan)))  # fmt: skip
         second = None  # a replica that is a split: its host's record and the plan it runs, when that plan uses us

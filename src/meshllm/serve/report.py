@@ -171,6 +171,7 @@ class Report:
                 "role": "replica" if r.replica and r.role == Role.HOST else r.role,
                 "scope": str(r.scope),
                 "capacity": r.capacity,
+                "ram": r.ram,  # [big] offered beside capacity, for routed experts
                 "device": r.device, "state": str(stand.state), "why": stand.why, "incarnation": r.incarnation,
                 "liveness": core.liveness(r.node, now).value,
                 "model": r.model.fingerprint if r.model else None,
@@ -199,6 +200,7 @@ class Report:
                         "count": a.count,
                         "bytes": a.bytes,
                         "devices": len(a.shares) or 1,
+                        "experts_in_ram": list(a.spilled), "ram_bytes": a.ram_bytes,  # [big]
                     }
                     for a in p.assignments
                 ],
