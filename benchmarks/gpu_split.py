@@ -361,11 +361,20 @@ def main() -> None:
                     help="instead: patch 0013's A/B on --load's split: 2k/8k prefill and decode through the tunnel "
                          "with the token embedding on the worker and on the host, and on the direct path")
     ap.add_argument("--prepare", action="store_true", help="only build the binaries and make the model, then stop")
+    ap.add_argument("--moe-spill", type=float, metavar="GB",
+                    help="instead ([big]): one mesh node on GPU 0 with the carried tiny MoE (gpuc/tiny-moe.gguf, "
+                         "tests/moe_model.py) and --max-vram GB: its plan line, llama-server's buffers (experts on "
+                         "the CPU, the rest on the GPU) and its text next to llama-server alone with the same "
+                         "overrides")  # fmt: skip
     args = ap.parse_args()
+    print("$ python3 " + " ".join(sys.argv), flush=True)
     work: Path = args.work
     work.mkdir(parents=True, exist_ok=True)
     env = prepare_python(args.carry.resolve(), work)
     bins, quantize = build(args.carry.resolve(), work)
+    if args.moe_spill is not None:
+        moe_spill(bins, args.carry.resolve() / "tiny-moe.gguf", args.moe_spill, work, env)
+        return
     from meshllm.llama.processes import (
         Child,
         free_port,
@@ -682,6 +691,52 @@ def auto(run_mesh: Any, args: Any) -> None:
 
 
 _ROW = re.compile(r"\|\s+-\s+(?P<dev>\S+)[^|]*\|[^(|]*?(?:\(\s*)?(?P<self>\d+) =\s+\d+ \+\s+\d+ \+\s+\d+")
+
+
+def moe_spill(bins: Any, model: Path, cap: float, work: Path, env: dict[str, str]) -> None:
+    """[big] on a GPU: a mesh node whose --max-vram holds all but some layers' routed experts serves with those
+    experts in RAM; llama-server's own buffer lines say where the bytes went; the text is llama-server's alone with
+    the same overrides (-ngl 999)."""
+
+    from meshllm.llama.processes import Child, free_port, llama_server_argv, wait_http_ready
+
+    def ask(port: int) -> str:
+        body = {"prompt": "Once upon a time", "max_tokens": 32, "temperature": 0, "seed": 1, "cache_prompt": False}
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return str(json.loads(r.read())["choices"][0]["text"])
+
+    state, port = work / "moe-node", free_port()
+    shutil.rmtree(state, ignore_errors=True)
+    log = work / "moe-node.log"
+    cmd = [sys.executable, "-m", "meshllm.cli", "--model", str(model), "--state-dir", str(state), "--port", str(port),
+           "--bind-host", "127.0.0.1", "--max-vram", str(cap), "--max-ram", "1", "--ctx-size", "512",
+           "--parallel", "1"]  # fmt: skip
+    with Child.start("moe-node", cmd, log, env=dict(env, CUDA_VISIBLE_DEVICES="0")):
+        deadline = time.monotonic() + 300
+        while "ready:" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        text = ask(port)
+        plan = next(ln for ln in log.read_text().splitlines() if "plan:" in ln)
+        srv = (state / "llama-server.log").read_text()
+        override = re.search(r"--override-tensor (\S+)", " ".join(srv.splitlines()[:5]))
+    print(plan)
+    for ln in srv.splitlines():
+        if "model buffer size" in ln:
+            print("mesh-llm's llama-server:", ln.split("load_tensors:")[-1].strip())
+    ot = override.group(1) if override else plan
+    rport = free_port()
+    argv = llama_server_argv(bins, model, rport, ctx_size=512, n_gpu_layers=999,
+                             extra=("--fit", "off", *(("--override-tensor", ot) if override else ())))  # fmt: skip
+    with Child.start("moe-ref", argv, work / "moe-ref.log", env=dict(env, CUDA_VISIBLE_DEVICES="0")) as c:
+        wait_http_ready(c, f"http://127.0.0.1:{rport}/health", 300)
+        same = ask(rport) == text
+    for ln in (work / "moe-ref.log").read_text().splitlines():
+        if "model buffer size" in ln:
+            print("llama-server alone:", ln.split("load_tensors:")[-1].strip())
+    print(f"same text as llama-server alone with {ot!r}: {same}")
 
 
 def parse_breakdown(log: str) -> dict[str, int]:
