@@ -459,3 +459,25 @@ def test_a_members_minted_keys_count_as_that_member() -> None:
     assert tok.accountable(c1) == tok.accountable(c2) == mid_
     assert tok.accountable(cx, {aid}) == xid and tok.accountable(ca, {aid}) == aid
     assert tok.accountable(cx) == aid  # an admin no longer: its invitees are its own again
+
+
+def test_a_token_names_only_members_that_may_admit_its_scope() -> None:
+    """[trust-3] 6: a host token named a client-scoped member among its others to dial, and that member refused it."""
+    from meshllm.proto.gossip import PeerRecord, Role
+    from meshllm.proto.meshcore import token_alternates
+
+    founder = crypto.new_key()
+    chain = tok.found(founder, NOW)
+
+    def rec(scope: tok.Scope, cap: int, role: Role = Role.WORKER) -> PeerRecord:
+        k = crypto.new_key()
+        c = tuple(tok.admit(founder, chain, crypto.node_id(k), NOW, scope))
+        return PeerRecord(crypto.node_id(k), 1, 1, role=role, capacity=cap, addrs=("10.0.0.1:1",), chain=c)
+
+    host, worker, client = rec(tok.Scope.HOST, 5), rec(tok.Scope.WORKER, 9), rec(tok.Scope.CLIENT, 99)
+    lite = rec(tok.Scope.HOST, 0, Role.CLIENT)
+    recs = [client, worker, host, lite]
+    assert [n for n, _ in token_alternates(recs, b"", tok.Scope.HOST)] == [host.node]
+    assert [n for n, _ in token_alternates(recs, b"", tok.Scope.WORKER)] == [worker.node, host.node]
+    assert [n for n, _ in token_alternates(recs, b"", tok.Scope.CLIENT)] == [client.node, worker.node, host.node]
+    assert token_alternates(recs, host.node, tok.Scope.HOST) == []  # never the issuer itself

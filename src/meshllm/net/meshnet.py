@@ -51,9 +51,9 @@ from meshllm.proto.auth import (
     rekey_refused,
 )
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.gossip import PeerRecord, RecordUpdate, Role
+from meshllm.proto.gossip import PeerRecord, RecordUpdate
 from meshllm.proto.knock import REFUSED, KnockAnswer, KnockAsk
-from meshllm.proto.meshcore import EventKind, MeshCore, Out
+from meshllm.proto.meshcore import EventKind, MeshCore, Out, token_alternates
 from meshllm.proto.reach import RELAY_RATE, Observed, PunchRequest, RelayMode
 from meshllm.proto.wire import FrameDecoder, Message, encode
 from meshllm.state import (
@@ -679,9 +679,7 @@ class MeshNet:
         joiner dials when we do not answer (the host first, then the biggest)."""
         assert self.m is not None
         recs = self.core.alive(self.now) if self.core is not None else []
-        recs = sorted((r for r in recs if r.node != self.me and r.addrs and r.role != Role.CLIENT),
-                      key=lambda r: (r.role != Role.HOST, -r.capacity, r.node))  # fmt: skip
-        also = [(r.node, list(r.addrs)) for r in recs]
+        also = token_alternates(recs, self.me, scope if scope is not None else tok.chain_scope(self.m.chain))
         return mint_scoped(self.key, self.m, self.all_addrs, self.wall(), ttl_s, scope, also)
 
 

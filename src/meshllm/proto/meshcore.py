@@ -431,6 +431,14 @@ class MeshCore:
         return host
 
 
+def token_alternates(recs: list[PeerRecord], me: NodeId, scope: Scope) -> list[tuple[NodeId, list[str]]]:
+    """The members an invite token of ``scope`` names for a joiner to dial when its issuer does not answer: those
+    with addresses that may admit it — scoped at least as wide ([trust-3] 6: a token named a client-scoped member,
+    which refuses a host token) — the host first, then the biggest."""
+    ok = [r for r in recs if r.node != me and r.addrs and r.role != Role.CLIENT and r.scope >= scope]
+    return [(r.node, list(r.addrs)) for r in sorted(ok, key=lambda r: (r.role != Role.HOST, -r.capacity, r.node))]
+
+
 def _may_host(r: PeerRecord) -> bool:
     return r.role != Role.CLIENT and r.scope >= Scope.HOST
 
