@@ -278,7 +278,8 @@ def _add_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stock", action="store_true", help="build upstream llama.cpp without our patches")
     p.add_argument("--llama-src", type=Path, metavar="DIR", help="build this llama.cpp tree instead of the pinned one")
     p.add_argument(
-        "--backend", choices=("cpu", "cuda", "metal"), help="default: CUDA if nvcc and a GPU, Metal on macOS, else CPU"
+        "--backend", choices=("cpu", "cuda", "metal", "vulkan"),
+        help="default: CUDA if a CUDA toolkit and a GPU, Metal on macOS, else CPU; vulkan: any Vulkan GPU (AMD, Intel)"
     )
     p.add_argument("--bin-dir", type=Path, metavar="DIR", help="use your own ggml-rpc-server and llama-server from DIR")
     p.add_argument(
@@ -733,7 +734,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--python", type=python_versions, default=("3.11", "3.12", "3.13"), metavar="3.X,...",
         help="Python versions to carry wheels for (default 3.11,3.12,3.13, plus this one)",
     )  # fmt: skip
-    pk.add_argument("--backend", choices=("cpu", "cuda", "metal"), help="default: as mesh-llm build")
+    pk.add_argument("--backend", choices=("cpu", "cuda", "metal", "vulkan"), help="default: as mesh-llm build")
     pk.add_argument("-j", "--jobs", type=positive_int, help="parallel compile jobs (default: all cores)")
     pk.set_defaults(func=cmd_bundle)
     what = "The node's view of the mesh: peers, roles, layers, paths (QUIC and RPC), RTT."

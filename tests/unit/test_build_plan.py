@@ -196,3 +196,23 @@ def test_a_cuda_toolkit_off_path_is_found_and_a_gpu_without_one_is_said(
     assert len(said) == 1 and "no CUDA toolkit" in said[0] and "apt-get install nvidia-cuda-toolkit" in said[0]
     with pytest.raises(BuildError, match="needs the CUDA toolkit"):
         b.check_toolchain("cuda")
+
+
+def test_the_vulkan_flavour_names_its_packages_when_they_are_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[first-run-2] 3: --backend vulkan (AMD and Intel GPUs without ROCm): its cmake flag, and one line naming the
+    packages when its headers or shader compiler are missing."""
+    assert "-DGGML_VULKAN=ON" in b.backend_flags("vulkan") and "vulkan" in b.BACKENDS
+    real_which = b.shutil.which
+    monkeypatch.setattr(b.shutil, "which", lambda c: None if c == "glslc" else real_which(c))
+    with pytest.raises(BuildError, match="apt-get install libvulkan-dev spirv-headers glslc"):
+        b.check_toolchain("vulkan")
+    # headers too old for the pinned llama.cpp (Debian 12's 1.3.239: a compile error deep in ggml-vulkan before)
+    monkeypatch.setattr(b.shutil, "which", lambda c: "/usr/bin/" + c)
+    monkeypatch.setattr(b, "SPIRV_CMAKE_DIRS", ("/",))
+    monkeypatch.setattr(b.Path, "is_dir", lambda self: True)
+    monkeypatch.setattr(b.Path, "is_file", lambda self: True)
+    monkeypatch.setattr(b, "_read", lambda p: "#define VK_HEADER_VERSION 239\n")
+    with pytest.raises(BuildError, match=r"older than llama\.cpp"):
+        b.check_toolchain("vulkan")
+    monkeypatch.setattr(b, "_read", lambda p: "#define VK_EXT_layer_settings 1\n")
+    b.check_toolchain("vulkan")  # all there: no complaint

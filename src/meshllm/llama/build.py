@@ -87,7 +87,7 @@ BASE_CMAKE_FLAGS = (
     "-DLLAMA_OPENSSL=OFF",  # llama-server only ever listens on 127.0.0.1 behind mesh-llm
 )
 
-BACKENDS = ("cpu", "cuda", "metal")
+BACKENDS = ("cpu", "cuda", "metal", "vulkan")
 
 # ------------------------------------------------------------------------------------------ CPU flags
 #
@@ -359,6 +359,8 @@ def backend_flags(backend: str, portable: bool = False) -> tuple[str, ...]:
                 *where)  # fmt: skip
     if backend == "metal":
         return ("-DGGML_METAL=ON",)
+    if backend == "vulkan":  # [first-run-2] 3: AMD and Intel GPUs without ROCm (any Vulkan driver)
+        return ("-DGGML_VULKAN=ON", "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF")
     if backend == "cpu":
         return ("-DGGML_CUDA=OFF", "-DGGML_METAL=OFF")
     raise BuildError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
@@ -533,6 +535,19 @@ def _extract(tar: tarfile.TarFile, members: list[tarfile.TarInfo], dest: Path) -
 # --------------------------------------------------------------------------------------------- build
 
 
+VULKAN_CORE = Path("/usr/include/vulkan/vulkan_core.h")
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+SPIRV_CMAKE_DIRS = ("/usr/share/cmake", "/usr/lib/cmake", "/usr/local/share/cmake", "/usr/local/lib/cmake")
+
+
 def check_toolchain(backend: str) -> None:
     if shutil.which("cmake") is None:
         raise BuildError("cmake not found: install the 'cmake' package (e.g. apt-get install cmake)")
@@ -541,6 +556,14 @@ def check_toolchain(backend: str) -> None:
     if backend == "cuda" and find_nvcc() is None:
         raise BuildError("backend cuda needs the CUDA toolkit (nvcc: looked on PATH, in $CUDA_HOME and "
                          "/usr/local/cuda*): install it or use --backend cpu")  # fmt: skip
+    if backend == "vulkan" and not (shutil.which("glslc") and Path("/usr/include/vulkan/vulkan.h").is_file()
+                                    and any(Path(d, "SPIRV-Headers").is_dir() for d in SPIRV_CMAKE_DIRS)):
+        raise BuildError("backend vulkan needs the Vulkan headers, the SPIR-V headers and the shader compiler: "
+                         "apt-get install libvulkan-dev spirv-headers glslc")  # fmt: skip
+    if backend == "vulkan" and "VK_EXT_layer_settings" not in _read(VULKAN_CORE):
+        raise BuildError(f"the Vulkan headers here ({VULKAN_CORE}) are older than llama.cpp {PINNED.build} needs "
+                         "(they lack VK_EXT_layer_settings; Debian 12 ships 1.3.239): install newer ones (the Vulkan "
+                         "SDK, or a distribution's newer libvulkan-dev)")  # fmt: skip
     if not shutil.which("git"):
         raise BuildError("git not found (used to apply the patch series): install the 'git' package")
 
