@@ -6,6 +6,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshllm.proto.election import MARGIN, Candidate, Debouncer, elect
 from meshllm.proto.planner import (
@@ -418,3 +420,20 @@ def test_a_host_short_of_accelerator_memory_keeps_the_fewest_layers_experts_in_r
     assert (w.node, w.first, w.count, w.spilled) == (B, 0, 3, ())
     assert h.count == 7 and len(h.spilled) == 3 and h.spilled == (3, 4, 5) and h.ram_bytes == 240 * MiB
     assert experts_override(h.spilled) == r"blk\.(3|4|5)\.ffn_(up|down|gate)_exps=CPU"
+
+
+@given(host_mb=st.integers(100, 3000), workers=st.lists(st.integers(0, 1500), max_size=3),
+       ram_mb=st.integers(0, 2000), moe=st.booleans(), ctx=st.sampled_from([512, 4096]))  # fmt: skip
+@settings(max_examples=200, deadline=None)
+def test_a_plan_never_exceeds_a_nodes_cap(host_mb: int, workers: list[int], ram_mb: int, moe: bool, ctx: int) -> None:
+    """[face-3] 3: a node capped at 0.4 GB became host with 0.45 GB planned. Whatever the memory, a plan puts on each
+    node at most what it offers (its RAM for experts apart), or the mesh waits."""
+    shape = MOE if moe else SHAPE
+    host = Slot(A, host_mb * MiB, ram=ram_mb * MiB)
+    others = [Slot(bytes([10 + i]) * 32, w * MiB, rtt_ms=1.0) for i, w in enumerate(workers)]
+    p = plan(shape, host, others, ctx)
+    if isinstance(p, Plan):
+        caps = {s.node: s for s in [host, *others]}
+        for a in p.assignments:
+            assert a.bytes <= caps[a.node].capacity, (a, caps[a.node])
+            assert a.ram_bytes <= caps[a.node].ram

@@ -35,8 +35,12 @@ def test_the_host_is_the_elected_one_and_only_members_that_may_serve_count() -> 
 
 
 def test_a_mesh_short_of_memory_says_how_much() -> None:
-    found = mesh_slots({"node": "01" * 32, "peers": [_peer(1, 0.3), _peer(2, 0.2, "worker")]})
+    found = mesh_slots({"node": "01" * 32, "peers": [_peer(1, 0.5), _peer(2, 0.2, "worker")]})
     assert found is not None
     host, others, labels = found
     lines = describe("m.gguf", SHAPE, 1_300_000_000, size(SHAPE, host, others, 1, 1024), labels, "the mesh")
-    assert lines[1].startswith("  would not load: waiting for more peers — need ") and "have 0.5 GB" in lines[1]
+    assert lines[1].startswith("  would not load: waiting for more peers — need ") and "have 0.7 GB" in lines[1]
+    tiny = mesh_slots({"node": "01" * 32, "peers": [_peer(1, 0.3), _peer(2, 2.0, "worker")]})
+    assert tiny is not None  # [face-3] 3: a host that cannot hold the output says so, never a plan over its cap
+    lines = describe("m.gguf", SHAPE, 1_300_000_000, size(SHAPE, tiny[0], tiny[1], 1, 1024), tiny[2], "the mesh")
+    assert "the host's 0.30 GB is less than the output layer" in lines[1], lines

@@ -243,7 +243,21 @@ def plan(
                                   sum(shape.experts(i) for i in spilled)))  # fmt: skip
     used_nodes = {a.node for a in assignments}
     standby = tuple(sorted(s.node for s in others if s.node not in used_nodes))
-    return _embd_first(shape, Plan(host=host.node, assignments=tuple(assignments), standby=standby), others)
+    return _within_cap(host, _embd_first(shape, Plan(host=host.node, assignments=tuple(assignments), standby=standby),
+                                         others))  # fmt: skip
+
+
+def _within_cap(host: Slot, p: Plan) -> Plan | Waiting:
+    """[face-3] 3: caps are caps. The host always holds the output layer and its buffers (the embedding too, unless
+    the first worker takes it): where even that exceeds what it offers, the mesh waits and says so (a node capped at
+    0.4 GB once hosted with 0.45 GB planned)."""
+    mine = p.assignments[-1]
+    if mine.bytes <= host.capacity:
+        return p
+    return Waiting(need=mine.bytes, have=host.capacity,
+                   why=f"the host's {host.capacity / GB:.2f} GB is less than the output layer, embeddings and "
+                       f"buffers it must hold ({mine.bytes / GB:.2f} GB): give it more (--max-vram) or a smaller "
+                       f"--ctx-size")  # fmt: skip
 
 
 def _host_spill(shape: ModelShape, ctx: int, host: Slot, host_budget: int, order: list[Slot], per_device: int
