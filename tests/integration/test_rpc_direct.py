@@ -26,8 +26,10 @@ HELLO = bytes([14]) + struct.pack("<Q", 0)  # an RPC command byte + size, as a s
 
 
 def _rpc_path(host: NodeProc, worker: str) -> str:
+    """How the host reaches ``worker``, without the note on the token embedding (patch 0013: where the first worker
+    holds it, status says so once llama-server has logged it, so whether it shows depends on when status is read)."""
     peer = next(p for p in host.status()["peers"] if p["node"] == worker)  # type: ignore[attr-defined]
-    return str(peer.get("rpc_path") or "")
+    return str(peer.get("rpc_path") or "").replace(", with the token embedding", "")
 
 
 def _s_client(port: int, identity: str, key_hex: str) -> str:
