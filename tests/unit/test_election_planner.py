@@ -437,3 +437,17 @@ def test_a_plan_never_exceeds_a_nodes_cap(host_mb: int, workers: list[int], ram_
         for a in p.assignments:
             assert a.bytes <= caps[a.node].capacity, (a, caps[a.node])
             assert a.ram_bytes <= caps[a.node].ram
+
+
+def test_a_spilling_plan_keeps_its_workers_ranges_and_covers_each_layer_once() -> None:
+    """[big] with [trust-3] 2: two equal workers that hold their layers in the other order, and a host that spills:
+    the workers are reordered within their own range (not the range a plan without spill would have given them),
+    every layer is placed once."""
+    host_cap = host_fixed_bytes(MOE, CTX) + 3 * MOE.layer_cost(0, CTX)  # short: the host must spill
+    lo, hi = sorted([B, C])
+    p = plan(MOE, Slot(A, host_cap, ram=GB), [Slot(lo, _fits(3), held_from=3), Slot(hi, _fits(3), held_from=0)],
+             CTX)  # fmt: skip
+    assert isinstance(p, Plan)
+    spans = [(a.node, a.first, a.count) for a in p.assignments]
+    assert spans[:2] == [(hi, 0, 3), (lo, 3, 3)] and spans[2][1:] == (6, 4), spans
+    assert p.assignments[2].spilled and sum(a.count for a in p.assignments) == MOE.n_layer

@@ -199,39 +199,22 @@ def plan(
         host_count += 1
     remaining = n - host_count  # layers [0, remaining) go to workers
 
-    def fill(order: list[Slot]) -> list[tuple[Slot, int, int]] | None:
-        """Layers [0, remaining) to the slots in ``order``, each as many as fit: (slot, count, bytes) of those
-        that take any; None when they do not hold them all."""
-        out: list[tuple[Slot, int, int]] = []
-        layer = 0
-        for s in order:
-            if layer >= remaining:
-                break
-            budget = s.capacity - s.devices * per_device
-            count, b = 0, 0
-            while layer + count < remaining and b + shape.layer_cost(layer + count, ctx) <= budget:
-                b += shape.layer_cost(layer + count, ctx)
-                count += 1
-            if count:
-                out.append((s, count, b + s.devices * per_device))
-                layer += count
-        return out if layer >= remaining else None
-
-    chosen = fill(near + far)
+    chosen, reached = _fill(shape, ctx, near + far, remaining, per_device)
     spilled: tuple[int, ...] = ()
-    if chosen is None:  # short of accelerator memory: the host's routed experts in its RAM, as few as needed
+    if reached < remaining:  # short of accelerator memory: the host's routed experts in its RAM, as few as needed
         got = _host_spill(shape, ctx, host, host_budget, near + far, per_device)
         if got is None:
             need = host_fixed_bytes(shape, ctx) + sum(shape.layer_cost(i, ctx) for i in range(n))
             need += sum(s.devices for s in others) * per_device + (host.devices - 1) * per_device
             return Waiting(need=need, have=host.capacity + sum(s.capacity for s in others))
         chosen, host_count, used, spilled = got
+        remaining = n - host_count
     # the same workers, in the order of the layers they already hold (those holding none after, as they were): a
     # re-plan moves no layer a worker holds to another where the same workers can keep them
     picked = [s for s, _, _ in chosen]
     by_held = sorted(picked, key=lambda s: (s.held_from is None, s.held_from or 0, picked.index(s)))
-    if by_held != picked:
-        chosen = fill(by_held) or chosen
+    if by_held != picked and (again := _fill(shape, ctx, by_held, remaining, per_device))[1] >= remaining:
+        chosen = again[0]
     # workers in layer order, then the host
     assignments: list[Assignment] = []
     first = 0
@@ -245,6 +228,26 @@ def plan(
     standby = tuple(sorted(s.node for s in others if s.node not in used_nodes))
     return _within_cap(host, _embd_first(shape, Plan(host=host.node, assignments=tuple(assignments), standby=standby),
                                          others))  # fmt: skip
+
+
+def _fill(shape: ModelShape, ctx: int, order: list[Slot], end: int, per_device: int
+          ) -> tuple[list[tuple[Slot, int, int]], int]:  # fmt: skip
+    """Layers [0, ``end``) to the slots in ``order``, each as many whole as its memory holds: (slot, count, bytes)
+    of those that take any, and the first layer none took (``end`` when they hold them all)."""
+    out: list[tuple[Slot, int, int]] = []
+    layer = 0
+    for s in order:
+        if layer >= end:
+            break
+        budget = s.capacity - s.devices * per_device
+        count, b = 0, 0
+        while layer + count < end and b + shape.layer_cost(layer + count, ctx) <= budget:
+            b += shape.layer_cost(layer + count, ctx)
+            count += 1
+        if count:
+            out.append((s, count, b + s.devices * per_device))
+            layer += count
+    return out, layer
 
 
 def _within_cap(host: Slot, p: Plan) -> Plan | Waiting:
@@ -271,17 +274,7 @@ def _host_spill(shape: ModelShape, ctx: int, host: Slot, host_budget: int, order
     n = shape.n_layer
     if host.ram <= 0 or not any(shape.expert_bytes):
         return None
-    chosen: list[tuple[Slot, int, int]] = []
-    layer = 0
-    for s in order:
-        budget = s.capacity - s.devices * per_device
-        count, b = 0, 0
-        while layer + count < n and b + shape.layer_cost(layer + count, ctx) <= budget:
-            b += shape.layer_cost(layer + count, ctx)
-            count += 1
-        if count:
-            chosen.append((s, count, b + s.devices * per_device))
-            layer += count
+    chosen, layer = _fill(shape, ctx, order, n, per_device)
     mine = list(range(layer, n))
     whole = sum(shape.layer_cost(i, ctx) for i in mine)
     for k in range(len(mine) + 1):  # spill the first k of the host's layers
