@@ -44,17 +44,7 @@ def test_half_sent_requests_from_one_address_keep_nobody_out(tmp_path: Path, tin
         wait_for(lambda: "ready:" in a.text(), 120, "a to serve")
         calm = _ask(a.port)
         rss0 = _rss(a)
-        for _ in range(1100):
-            s = socket.socket()
-            s.bind(("127.0.0.2", 0))
-            s.settimeout(5)
-            try:
-                s.connect(("127.0.0.2", a.port))
-                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: applic")
-            except OSError:
-                s.close()
-                continue
-            socks.append(s)
+        socks += _half_sent("127.0.0.2", a.port, 1100)
         time.sleep(1)
         took = _ask(a.port)
         print(f"\na client with the key, 1,100 half-sent requests open: {took:.2f} s (calm {calm:.2f} s); "
@@ -69,6 +59,23 @@ def test_half_sent_requests_from_one_address_keep_nobody_out(tmp_path: Path, tin
         for s in socks:
             s.close()
         a.stop()
+
+
+def _half_sent(src: str, port: int, n: int) -> list[socket.socket]:
+    """``n`` connections from ``src`` to the API, each with half a request head sent (those the node accepted)."""
+    out = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind((src, 0))
+        s.settimeout(5)
+        try:
+            s.connect((src, port))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: applic")
+        except OSError:
+            s.close()
+            continue
+        out.append(s)
+    return out
 
 
 def _rss(n: NodeProc) -> int:
@@ -103,18 +110,7 @@ def test_many_addresses_of_one_client_keep_no_client_with_the_key_out(tmp_path: 
     try:
         wait_for(lambda: "ready:" in a.text(), 120, "a to serve")
         for i in range(13):
-            src = f"127.0.0.{2 + i}"
-            for _ in range(64):
-                s = socket.socket()
-                s.bind((src, 0))
-                s.settimeout(5)
-                try:
-                    s.connect((src, a.port))
-                    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: applic")
-                except OSError:
-                    s.close()
-                    continue
-                socks.append(s)
+            socks += _half_sent(f"127.0.0.{2 + i}", a.port, 64)
         time.sleep(1)
         took = [_ask(a.port) for _ in range(29)]
         held = [s for s in socks if _open(s)]

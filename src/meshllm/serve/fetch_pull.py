@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -23,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgpack
 
@@ -437,18 +439,26 @@ class _Links:
 _FALLOC_PUNCH = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE (linux/falloc.h)
 
 
+@functools.cache
+def _fallocate() -> Any:
+    """libc's fallocate (None where there is none), looked up once."""
+    import ctypes
+    import ctypes.util
+
+    f = getattr(ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True), "fallocate", None)
+    if f is not None:
+        f.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return f
+
+
 def punch_hole(fd: int, off: int, n: int) -> None:
     """Free ``n`` bytes at ``off`` of a file's disk, keeping its size (reads give zeros); where the system cannot
     (not Linux, a file system without holes), the bytes are overwritten with zeros, which frees nothing."""
     import ctypes
-    import ctypes.util
 
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    fallocate = getattr(libc, "fallocate", None)
-    if fallocate is not None:
-        fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-        if fallocate(fd, _FALLOC_PUNCH, off, n) == 0:
-            return
+    fallocate = _fallocate()
+    if fallocate is not None and fallocate(fd, _FALLOC_PUNCH, off, n) == 0:
+        return
     log.info("cannot punch a hole here (%s): zeroed instead", os.strerror(ctypes.get_errno()))
     os.pwrite(fd, bytes(n), off)
 
