@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -120,3 +120,41 @@ def split_pair(tmp: Path, model: Path, nodes: list[NodeProc], *host_args: str) -
 
     wait_for(serving, 120, "a to serve a split with b")
     return a, b
+
+
+@contextlib.contextmanager
+def in_process_source(key: crypto.Ed25519PrivateKey, state: Path, token: object, sharing: object, facts: object,
+                      name: str) -> Iterator[None]:  # fmt: skip
+    """A member of our own code (not mesh-llm's node), over real QUIC, in a thread: it joins with ``token``, answers
+    fetches with ``sharing`` (a ``serve.sharing.Sharing``, or one that lies) and says it serves the model ``facts``
+    as a worker called ``name``; it leaves when the block ends."""
+    import asyncio
+    import threading
+
+    from meshllm.net.endpoint import STREAM_FETCH
+    from meshllm.net.meshnet import MeshNet
+    from meshllm.proto.gossip import NodeState, Role
+
+    stop, ready = threading.Event(), threading.Event()
+
+    async def run() -> None:
+        net = MeshNet(key, None, state, bind=("127.0.0.1", 0))
+        await net.start()
+        try:
+            await net.join(token)  # type: ignore[arg-type]
+            net.stream_handlers[STREAM_FETCH] = sharing.on_stream  # type: ignore[attr-defined]
+            net.update(role=Role.WORKER, capacity=0, model=facts, state=NodeState.READY, name=name)  # type: ignore[arg-type]
+            ready.set()
+            while not stop.is_set():
+                await asyncio.sleep(0.1)
+        finally:
+            await net.stop(leave=True)
+
+    th = threading.Thread(target=lambda: asyncio.run(run()))
+    th.start()
+    try:
+        assert ready.wait(30), f"{name} did not join"
+        yield
+    finally:
+        stop.set()
+        th.join(30)

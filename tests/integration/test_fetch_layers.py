@@ -17,7 +17,7 @@ from meshllm.llama.build import Binaries
 from meshllm.llama.gguf import held_with_layer, model_fingerprint, read_header
 from tests.fakes.hub_standin import HubStandin
 
-from .meshlab import NodeProc, wait_for
+from .meshlab import NodeProc, in_process_source, wait_for
 from .splitlab import PROMPT, stock_split_text
 
 NAME = "gemma-3-270m-q4_k_m"  # the name the mesh serves the tiny model under (its file's stem)
@@ -133,14 +133,11 @@ def test_a_source_that_lies_about_the_sampled_bytes_is_dropped_and_the_copy_comp
     """A member that signs the honest manifest but sends other sampled bytes (its own code, not mesh-llm's: here an
     in-process member over real QUIC) is caught at its first bad tensor and asked nothing more; the partial copy
     completes from the honest source, with the model's fingerprint."""
-    import asyncio
-    import threading
+    import contextlib
 
-    from meshllm.net.endpoint import STREAM_FETCH
-    from meshllm.net.meshnet import MeshNet
     from meshllm.proto import crypto
     from meshllm.proto import token as tok
-    from meshllm.proto.gossip import ModelFacts, NodeState, Role
+    from meshllm.proto.gossip import ModelFacts
     from meshllm.serve.sharing import Sharing
 
     class Lying(Sharing):
@@ -149,8 +146,7 @@ def test_a_source_that_lies_about_the_sampled_bytes_is_dropped_and_the_copy_comp
             return bytes([data[0] ^ 0xFF]) + data[1:] if data else data
 
     nodes: list[NodeProc] = []
-    stop, ready = threading.Event(), threading.Event()
-    th: threading.Thread | None = None
+    sources = contextlib.ExitStack()
     try:
         a = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.5", "--ctx-size", "1024")
         nodes.append(a)
@@ -163,22 +159,8 @@ def test_a_source_that_lies_about_the_sampled_bytes_is_dropped_and_the_copy_comp
         state = tmp_path / "liar"
         state.mkdir(mode=0o700)
 
-        async def liar() -> None:
-            net = MeshNet(key, None, state, bind=("127.0.0.1", 0))
-            await net.start()
-            try:
-                await net.join(token)
-                net.stream_handlers[STREAM_FETCH] = Lying(key, state, lambda: {fp: tiny_model}).on_stream
-                net.update(role=Role.WORKER, capacity=0, model=facts, state=NodeState.READY, name="liar")
-                ready.set()
-                while not stop.is_set():
-                    await asyncio.sleep(0.1)
-            finally:
-                await net.stop(leave=True)
-
-        th = threading.Thread(target=lambda: asyncio.run(liar()))
-        th.start()
-        assert ready.wait(30), "the liar did not join"
+        sources.enter_context(in_process_source(key, state, token, Lying(key, state, lambda: {fp: tiny_model}),
+                                                facts, "liar"))  # fmt: skip
         wait_for(lambda: any(p.get("name") == "liar" for p in a.status().get("peers", [])), 30,  # type: ignore[attr-defined]
                  "a to know the liar")  # fmt: skip
         models = tmp_path / "c-models"
@@ -191,9 +173,7 @@ def test_a_source_that_lies_about_the_sampled_bytes_is_dropped_and_the_copy_comp
         assert f"{fp} (as given: a partial copy)" in (c.state / "rpc-server.log").read_text()
         assert _ask(a.port).strip()
     finally:
-        stop.set()
-        if th is not None:
-            th.join(30)
+        sources.close()
         for n in nodes:
             n.stop()
 

@@ -9,15 +9,14 @@ nothing, and the fetched file's SHA-256 is the model's."""
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import hashlib
 import json
-import threading
 from pathlib import Path
 
 from meshllm.llama.gguf import model_fingerprint
 from meshllm.proto import crypto
-from tests.integration.meshlab import NodeProc, wait_for
+from tests.integration.meshlab import NodeProc, in_process_source, wait_for
 from tests.integration.test_fetch import NAME, _rotted_copy
 from tests.integration.test_fetch_layers import _ask, _assignments
 from tests.security.test_members import _mint
@@ -29,15 +28,12 @@ def _sha(path: Path) -> str:
 
 
 def test_a_client_scoped_member_cannot_make_a_fetched_model_its_own(tmp_path: Path, tiny_model: Path) -> None:
-    from meshllm.net.endpoint import STREAM_FETCH
-    from meshllm.net.meshnet import MeshNet
     from meshllm.proto import token as tok
-    from meshllm.proto.gossip import ModelFacts, NodeState, Role
+    from meshllm.proto.gossip import ModelFacts
     from meshllm.serve.sharing import Sharing, _manifest_of
 
     nodes: list[NodeProc] = []
-    stop, ready = threading.Event(), threading.Event()
-    th: threading.Thread | None = None
+    sources = contextlib.ExitStack()
     try:
         a = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.5", "--ctx-size", "1024")
         nodes.append(a)
@@ -57,23 +53,9 @@ def test_a_client_scoped_member_cannot_make_a_fetched_model_its_own(tmp_path: Pa
         assert model_fingerprint(altered) == fp and _sha(altered) != _sha(tiny_model)
         facts = ModelFacts(fp, altered.stat().st_size, 18, NAME)
 
-        async def liar() -> None:
-            net = MeshNet(key, None, state, bind=("127.0.0.1", 0))
-            await net.start()
-            try:
-                await net.join(token)
-                # mesh-llm's own source, over its own (altered) file: a manifest signed honestly for those bytes
-                net.stream_handlers[STREAM_FETCH] = Sharing(key, state, lambda: {fp: altered}).on_stream
-                net.update(role=Role.WORKER, capacity=0, model=facts, state=NodeState.READY, name="liar")
-                ready.set()
-                while not stop.is_set():
-                    await asyncio.sleep(0.1)
-            finally:
-                await net.stop(leave=True)
-
-        th = threading.Thread(target=lambda: asyncio.run(liar()))
-        th.start()
-        assert ready.wait(30), "the liar did not join"
+        # mesh-llm's own source, over its own (altered) file: a manifest signed honestly for those bytes
+        sources.enter_context(in_process_source(key, state, token, Sharing(key, state, lambda: {fp: altered}), facts,
+                                                "liar"))  # fmt: skip
         liar_short = crypto.short(crypto.node_id(key))
         wait_for(lambda: any(p.get("name") == "liar" and p.get("scope") == "client"
                              for p in a.status().get("peers", [])), 30, "a to know the liar")  # type: ignore[attr-defined]  # fmt: skip
@@ -110,8 +92,6 @@ def test_a_client_scoped_member_cannot_make_a_fetched_model_its_own(tmp_path: Pa
                 assert mine.read(n) == model.read(n), f"chunk {i} of d's copy is not the model's"
         assert liar_short not in "".join(ln for ln in d.text().splitlines() if "fetched layers" in ln)
     finally:
-        stop.set()
-        if th is not None:
-            th.join(30)
+        sources.close()
         for n in nodes:
             n.stop()
