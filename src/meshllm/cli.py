@@ -486,7 +486,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         used = p.get("planned_bytes")  # what the plan puts there, of what the node offers
         share = f"{used / 1e9:.1f}/" if used else ""
         mem = f"{share}{p['capacity'] / 1e9:.1f} GB {p.get('device') or ''}".strip() if p["capacity"] else "-"
-        mem += f"\n+ {p['ram'] / 1e9:.1f} GB RAM" if p.get("ram") and p["capacity"] else ""  # [big] for experts
+        ram_used = f"{p['planned_ram_bytes'] / 1e9:.1f}/" if p.get("planned_ram_bytes") else ""  # [big]
+        mem += f"\n+ {ram_used}{p['ram'] / 1e9:.1f} GB RAM" if p.get("ram") and p["capacity"] else ""
         state = p["state"]  # one vocabulary, as every node computes it (proto/standing.py); the reason below
         name = str(p.get("name") or "")[:12]  # a second line under the id: the hostname or --name
         t.add_row(

@@ -35,7 +35,8 @@ def mesh_slots(status: dict[str, Any]) -> tuple[Slot, list[Slot], dict[bytes, st
     def slot(p: dict[str, Any]) -> Slot:
         rtt = 0.0 if p["node"] == me else float(p.get("rtt_ms") or 0.0)
         return Slot(bytes.fromhex(p["node"]), int(p["capacity"]), rtt, str(p.get("name") or ""),
-                    prompts=p.get("scope") == "host", ram=int(p.get("ram") or 0))  # fmt: skip
+                    prompts=p.get("scope") == "host", ram=int(p.get("ram") or 0),
+                    gpu=(p.get("device") or "cpu") != "cpu")  # fmt: skip
 
     labels = {bytes.fromhex(p["node"]): f"{p.get('short', p['node'][:8])} \"{p.get('name', '')}\" "
               f"({p.get('device') or 'cpu'}, {int(p['capacity']) / GB:.1f} GB offered)" for p in usable}  # fmt: skip
@@ -50,6 +51,9 @@ def describe(model: str, shape: ModelShape, file_size: int, got: tuple[Plan | Wa
     if isinstance(plan, Waiting):
         return [head, f"  would not load: {plan.message()}"]
     lines = [head]
+    if plan.ram_layers:  # [big] llama.cpp's --n-gpu-layers: the host's CPU runs them, ahead of every device
+        span = f"layers 0–{plan.ram_layers - 1}" if plan.ram_layers > 1 else "layer 0"
+        lines.append(f"  host   {labels.get(plan.host, plan.host.hex()[:8])}: {span} whole in RAM")
     for i, a in enumerate(plan.assignments):
         role = "host  " if a.node == plan.host else "worker"
         ranges = as_ranges(range(a.first, a.first + a.count))
@@ -60,7 +64,9 @@ def describe(model: str, shape: ModelShape, file_size: int, got: tuple[Plan | Wa
         elif i == 0 and plan.embd_first:
             what += " + token embedding"
         if a.spilled:  # [big] routed experts in the node's RAM
-            what += f" (the routed experts of layers {a.spilled[0]}–{a.spilled[-1]} in RAM, {a.ram_bytes / GB:.2f} GB)"
+            what += f" (layers {a.spilled[0]}–{a.spilled[-1]}: attention here, routed experts in RAM)"
+        if a.ram_bytes:
+            what += f", {a.ram_bytes / GB:.2f} GB in RAM"
         lines.append(f"  {role} {labels.get(a.node, a.node.hex()[:8])}: {what}, {a.bytes / GB:.2f} GB planned")
     for n in plan.standby:
         lines.append(f"  unused {labels.get(n, n.hex()[:8])}")
@@ -107,7 +113,7 @@ def _this_machine() -> tuple[Slot, list[Slot], dict[bytes, str]]:
         bins = None
     offer = asyncio.run(measure_offer(bins, None))
     me = b"\0" * 32
-    return Slot(me, offer.capacity, ram=offer.ram), [], {
+    return Slot(me, offer.capacity, ram=offer.ram, gpu=offer.use is not None), [], {
         me: f"this machine ({offer.device}, {offer.capacity / GB:.1f} GB offered)"}
 
 

@@ -411,8 +411,11 @@ def test_a_host_short_of_accelerator_memory_keeps_the_fewest_layers_experts_in_r
     assert (h.count, h.spilled, h.ram_bytes) == (10, (0, 1), 160 * MiB) and h.bytes <= whole - 100 * MiB
     assert isinstance(plan(MOE, Slot(A, whole - 100 * MiB, ram=100 * MiB), [], CTX), Waiting)  # RAM for one only
     assert isinstance(plan(MOE, Slot(A, whole - 100 * MiB), [], CTX), Waiting)  # no RAM offered
-    dense = replace(MOE, expert_bytes=())
-    assert isinstance(plan(dense, Slot(A, whole - 100 * MiB, ram=GB), [], CTX), Waiting)  # no experts to move
+    dense = replace(MOE, expert_bytes=())  # no experts to move: its first layer whole in RAM
+    d = plan(dense, Slot(A, whole - 100 * MiB, ram=GB), [], CTX)
+    assert isinstance(d, Plan) and (d.ram_layers, d.n_gpu_layers, d.tensor_split) == (1, 10, (10,))
+    assert d.assignments[0].ram_bytes == dense.layer_cost(0, CTX) and d.assignments[0].spilled == ()
+    assert isinstance(plan(dense, Slot(A, whole - 100 * MiB, ram=100 * MiB), [], CTX), Waiting)  # + a buffer: short
     # a worker's accelerator memory is used before any RAM: it takes its most, the host spills only what is left
     pooled = plan(MOE, Slot(A, whole - 500 * MiB, ram=GB), [Slot(B, _fits(3))], CTX)
     assert isinstance(pooled, Plan)
@@ -451,3 +454,111 @@ def test_a_spilling_plan_keeps_its_workers_ranges_and_covers_each_layer_once() -
     spans = [(a.node, a.first, a.count) for a in p.assignments]
     assert spans[:2] == [(hi, 0, 3), (lo, 3, 3)] and spans[2][1:] == (6, 4), spans
     assert p.assignments[2].spilled and sum(a.count for a in p.assignments) == MOE.n_layer
+
+
+def test_a_host_short_of_ram_lets_its_workers_keep_experts_in_theirs() -> None:
+    """[big] 2: a worker with an accelerator serves its CPU too (its rpc-server's last device, an entry 0 in the
+    split) and keeps the routed experts of its first layers there: the fewest expert bytes in RAM over the mesh, the
+    host's RAM where that costs no more; a worker with no RAM offered serves no CPU device."""
+    per = MOE.compute_bytes(CTX, output=False)
+    host_cap = host_fixed_bytes(MOE, CTX) + sum(MOE.layer_cost(i, CTX) for i in range(5)) - 160 * MiB
+    worker = 5 * MOE.layer_cost(0, CTX) + per - 160 * MiB  # each two layers' experts short of five layers
+    p = plan(MOE, Slot(A, host_cap, ram=GB, gpu=True), [Slot(B, worker, ram=GB, gpu=True)], CTX)
+    assert isinstance(p, Plan) and p.tensor_split == (5, 0, 6)  # the worker's GPU, its CPU, the host (+ output)
+    w, h = p.assignments
+    assert (w.spilled, h.spilled, w.ram_bytes, h.ram_bytes) == ((0, 1), (5, 6), 160 * MiB, 160 * MiB) and w.cpu_last
+    # the host's RAM for one layer's experts: it takes four layers, the worker six with four layers' experts in RAM
+    q = plan(MOE, Slot(A, host_cap, ram=80 * MiB + per, gpu=True), [Slot(B, worker, ram=GB, gpu=True)], CTX)
+    assert isinstance(q, Plan)
+    assert [(a.first, a.count, a.spilled) for a in q.assignments] == [(0, 6, (0, 1, 2, 3)), (6, 4, (6,))]
+    assert isinstance(plan(MOE, Slot(A, host_cap, ram=80 * MiB + per, gpu=True),
+                           [Slot(B, worker, ram=200 * MiB, gpu=True)], CTX), Waiting)  # fmt: skip
+    # where the worker's accelerator holds its five whole layers, the host alone keeps experts in RAM
+    r = plan(MOE, Slot(A, host_cap, ram=GB, gpu=True), [Slot(B, worker + 160 * MiB, ram=GB, gpu=True)], CTX)
+    assert isinstance(r, Plan) and [a.spilled for a in r.assignments] == [(), (5, 6)]
+    # no RAM offered by the worker: no CPU device, no entry for it, its experts never in RAM
+    s_ = plan(MOE, Slot(A, host_cap, ram=GB, gpu=True), [Slot(B, worker + 160 * MiB, gpu=True)], CTX)
+    assert isinstance(s_, Plan) and s_.tensor_split == (5, 6) and not s_.assignments[0].cpu_last
+
+
+def test_layers_whole_in_the_hosts_ram_come_first_and_the_devices_split_the_rest() -> None:
+    """[big] 2: whole layers in RAM are llama.cpp's --n-gpu-layers: its CPU takes layers [0, ram_layers) ahead of
+    every device; the split spreads the offloaded units only, so each offloaded layer lands where the plan says."""
+    host_cap = host_fixed_bytes(SHAPE, CTX) + 4 * SHAPE.layer_cost(0, CTX)
+    p = plan(SHAPE, Slot(A, host_cap, ram=GB, gpu=True), [Slot(B, _fits(3), ram=GB, gpu=True)], CTX)
+    assert isinstance(p, Plan) and p.ram_layers == 3 and p.n_gpu_layers == 8
+    assert [(a.node, a.first, a.count) for a in p.assignments] == [(B, 3, 3), (A, 6, 4)]
+    assert p.tensor_split == (3, 0, 5) and not p.embd_first
+    owners = [device_of_unit(p.tensor_split, i - p.ram_layers, SHAPE.n_layer - p.ram_layers) for i in range(3, 10)]
+    assert owners == [0, 0, 0, 2, 2, 2, 2]  # the worker's GPU, then the host (its CPU device, 1, holds none)
+    plain = plan(SHAPE, Slot(A, host_cap, ram=GB, gpu=True), [Slot(B, _fits(6), ram=GB, gpu=True)], CTX)
+    assert isinstance(plain, Plan) and plain.ram_layers == 0 and plain.n_gpu_layers is None
+
+
+@given(host_mb=st.integers(100, 3000), workers=st.lists(st.tuples(st.integers(0, 1500), st.integers(0, 1500),
+       st.booleans()), max_size=3), ram_mb=st.integers(0, 2000), moe=st.booleans(), ctx=st.sampled_from([512, 4096]))
+@settings(max_examples=300, deadline=None)
+def test_ram_is_used_only_where_accelerators_are_short_and_every_layer_once(
+    host_mb: int, workers: list[tuple[int, int, bool]], ram_mb: int, moe: bool, ctx: int
+) -> None:
+    """[big] 2: with RAM offered, a plan is the plan without RAM wherever that one places the model; otherwise every
+    layer is placed once, no node's accelerator or RAM holds more than it offers, and the split covers the units."""
+    shape = MOE if moe else SHAPE
+    host = Slot(A, host_mb * MiB, ram=ram_mb * MiB, gpu=True)
+    others = [Slot(bytes([10 + i]) * 32, w * MiB, rtt_ms=1.0, ram=r * MiB, gpu=g) for i, (w, r, g) in
+              enumerate(workers)]  # fmt: skip
+    p = plan(shape, host, others, ctx)
+    without = plan(shape, replace(host, ram=0), [replace(o, ram=0) for o in others], ctx)
+    if isinstance(without, Plan):
+        assert isinstance(p, Plan) and [(a.node, a.first, a.count, a.spilled) for a in p.assignments] == [
+            (a.node, a.first, a.count, ()) for a in without.assignments]
+    if not isinstance(p, Plan):
+        return
+    caps = {s.node: s for s in [host, *others]}
+    covered = list(range(p.ram_layers)) + [i for a in p.assignments for i in range(a.first, a.first + a.count)]
+    assert covered == list(range(shape.n_layer))
+    for a in p.assignments:
+        assert a.bytes <= caps[a.node].capacity and a.ram_bytes <= caps[a.node].ram, (a, caps[a.node])
+        assert set(a.spilled) <= set(range(a.first, a.first + a.count))
+    assert sum(p.tensor_split) == shape.n_layer - p.ram_layers + 1
+
+
+@given(n=st.integers(1, 6), host=st.tuples(st.integers(0, 900), st.integers(0, 600)),
+       workers=st.lists(st.tuples(st.integers(0, 700), st.integers(0, 600)), max_size=2),
+       experts=st.lists(st.integers(0, 90), min_size=6, max_size=6))  # fmt: skip
+@settings(max_examples=300, deadline=None)
+def test_the_fewest_expert_bytes_in_ram_by_brute_force(
+    n: int, host: tuple[int, int], workers: list[tuple[int, int]], experts: list[int]
+) -> None:
+    """[big] 2: the plan keeps no more expert bytes in RAM than the best of every way to cut the layers into
+    contiguous ranges (each node spilling the first of its range), found by trying them all on a small model."""
+    from itertools import combinations_with_replacement
+
+    shape = replace(MOE, n_layer=n, layer_bytes=(100 * MiB,) * n, expert_bytes=tuple(e * MiB for e in experts[:n]))
+    per = shape.compute_bytes(CTX, output=False)
+    hs = Slot(A, host_fixed_bytes(shape, CTX) + host[0] * MiB, ram=host[1] * MiB + per, gpu=True)
+    ws = [Slot(bytes([10 + i]) * 32, w * MiB + per, rtt_ms=1.0, ram=r * MiB + per, gpu=True)
+          for i, (w, r) in enumerate(workers)]  # fmt: skip
+    p = plan(shape, hs, ws, CTX)
+    order = sorted(ws, key=lambda s: (-s.capacity, s.node))  # the planner's order for near nodes
+
+    def least(a: int, b: int, vram: int, ram: int) -> int | None:
+        for k in range(b - a + 1):
+            spill = sum(shape.experts(i) for i in range(a, a + k))
+            if spill <= ram and sum(shape.layer_cost(i, CTX) for i in range(a, b)) - spill <= vram:
+                return spill
+        return None
+
+    best: int | None = None
+    budgets = [(s.capacity - per, s.ram - per) for s in order] + [(host[0] * MiB, host[1] * MiB)]
+    for cuts in combinations_with_replacement(range(n + 1), len(order)):
+        bounds = [0, *cuts, n]
+        spills = [least(bounds[i], bounds[i + 1], *budgets[i]) for i in range(len(budgets))]
+        if all(x is not None for x in spills):
+            total = sum(x for x in spills if x is not None)
+            best = total if best is None else min(best, total)
+    if best is None:
+        assert not isinstance(p, Plan) or p.ram_layers > 0
+    else:
+        assert isinstance(p, Plan) and p.ram_layers == 0
+        assert sum(a.ram_bytes for a in p.assignments) == best, (p, best)

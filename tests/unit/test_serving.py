@@ -312,3 +312,28 @@ def test_peer_links_and_the_embedding_are_read_from_llama_servers_log() -> None:
     assert s.log_facts(log) == s.LogFacts(frozenset({"10.0.0.2:5001"}), "[fd00::2]:5001")
     assert s.log_facts("") == s.LogFacts(frozenset(), None)
     assert s.log_facts("x token embedding on 1.2.3.4:5, with layer 0\n").embedding is None  # a whole line only
+
+
+def test_ram_flags_put_each_nodes_experts_in_its_own_ram_and_whole_layers_on_the_hosts_cpu() -> None:
+    """[big] 2: the host's spilled experts in its CPU buffers; a GPU worker's in its rpc-server's CPU device (the one
+    after its accelerators, named by the endpoint given to --rpc); a CPU worker's nowhere else (its one device is
+    RAM); the host's whole layers in RAM as --n-gpu-layers (the units the split spreads)."""
+    p = Plan(ME, (Assignment(W1, 2, 3, 1, (5, 5), (2, 3), 9, cpu_last=True), Assignment(W2, 5, 2, 1, (), (5,), 9),
+                  Assignment(ME, 7, 3, 1, (), (7,), 9)), (), ram_layers=2)  # fmt: skip
+    flags = s.ram_flags(p, ME, {W1: "127.0.0.1:5001", W2: "[::1]:5002"})
+    assert flags == (
+        "--override-tensor", r"blk\.(2|3)\.ffn_(up|down|gate)_exps=RPC2[127.0.0.1:5001]",
+        "--override-tensor", r"blk\.(7)\.ffn_(up|down|gate)_exps=CPU",
+        "--n-gpu-layers", "9",
+    )  # fmt: skip
+    assert p.tensor_split == (2, 1, 0, 2, 4)  # W1's two GPUs and its CPU, W2, the host (+ output)
+    assert s.ram_flags(replace(p, assignments=p.assignments[2:], ram_layers=0), ME, {}) == (
+        "--override-tensor", r"blk\.(7)\.ffn_(up|down|gate)_exps=CPU")  # fmt: skip
+
+
+def test_a_gpu_node_offering_ram_serves_its_cpu_after_its_accelerators() -> None:
+    from meshllm.proto.capacity import Offer
+
+    assert Offer(1, "cuda: x", "CUDA0,CUDA1", ram=1).served == "CUDA0,CUDA1,CPU"
+    assert Offer(1, "cuda: x", "CUDA0", ram=0).served == "CUDA0"  # --max-ram 0: no CPU device
+    assert Offer(1, "cpu", None, ram=5).served is None  # a CPU node: its rpc-server's default, the CPU

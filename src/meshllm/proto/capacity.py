@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from meshllm.proto.planner import GB
+from meshllm.proto.planner import GB, serves_cpu
 
 MiB = 1024 * 1024
 RAM_SHARE = 0.75  # a CPU node keeps a quarter of its RAM for the system
@@ -56,6 +56,12 @@ class Offer:
     @property
     def first_device(self) -> str | None:
         return first_device(self.use)
+
+    @property
+    def served(self) -> str | None:
+        """The devices our rpc-server serves: ``use``, and the CPU after them where we offer RAM beside
+        accelerators ([big] 2: a host may keep our layers' routed experts there)."""
+        return f"{self.use},CPU" if self.use and serves_cpu(True, self.ram) else self.use
 
 
 def first_device(use: str | None) -> str | None:

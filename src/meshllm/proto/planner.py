@@ -68,11 +68,23 @@ class Slot:
     # a partial copy's first layer held ([trust-3] 2: None for a whole file or nothing held): workers that hold layers
     # keep them across re-plans (equal workers once swapped ranges 3-5 times and each fetched both)
     held_from: int | None = None
-    ram: int = 0  # [big] bytes of RAM offered beside ``capacity`` for routed experts (``--max-ram``)
+    ram: int = 0  # [big] bytes of RAM offered beside ``capacity`` (``--max-ram``): routed experts, whole layers
+    gpu: bool = False  # [big] ``capacity`` is an accelerator's: its RAM is another device (see ``cpu_last``)
 
     @property
     def devices(self) -> int:
         return max(1, len(self.shares))
+
+    @property
+    def cpu_last(self) -> bool:
+        """Its rpc-server serves its CPU as one more device, after its accelerators (``serves_cpu``)."""
+        return serves_cpu(self.gpu, self.ram)
+
+
+def serves_cpu(gpu: bool, ram: int) -> bool:
+    """[big] 2: a node with an accelerator that offers RAM serves its CPU too, as the last device of its rpc-server,
+    so a host may put that node's routed experts in its RAM (``RPC<n>[endpoint]`` buffers)."""
+    return gpu and ram > 0
 
 
 @dataclass(frozen=True)
@@ -83,7 +95,8 @@ class Assignment:
     bytes: int  # estimated memory on that node (its accelerator's; the whole of it on a CPU node)
     shares: tuple[int, ...] = ()  # the node's devices (see Slot.shares): its layers spread over them in proportion
     spilled: tuple[int, ...] = ()  # [big] its layers whose routed experts live in its RAM, not in ``bytes``
-    ram_bytes: int = 0  # those experts' bytes
+    ram_bytes: int = 0  # those experts' bytes (the host's: and its whole layers in RAM, ``Plan.ram_layers``)
+    cpu_last: bool = False  # the node's rpc-server serves its CPU as its last device (``Slot.cpu_last``)
 
 
 @dataclass(frozen=True)
@@ -92,6 +105,12 @@ class Plan:
     assignments: tuple[Assignment, ...]  # llama.cpp device order: workers, then the host last
     standby: tuple[NodeId, ...]
     embd_first: bool = False  # the token embedding on the first worker (counted in its bytes), not the host
+    ram_layers: int = 0  # [big] layers [0, ram_layers) whole in the host's RAM (llama.cpp's --n-gpu-layers)
+
+    @property
+    def n_gpu_layers(self) -> int | None:
+        """llama-server's --n-gpu-layers: the units the devices hold (None: all of them, the default)."""
+        return sum(self.tensor_split) if self.ram_layers else None
 
     @property
     def workers(self) -> tuple[Assignment, ...]:
@@ -106,10 +125,13 @@ class Plan:
         plus one: then every layer lands where the plan says, and the output (and the logits) stay on the host
         even when it holds no repeating layer. (Plain layer counts gave a worker the output when the host held
         none, and shifted a layer onto the workers otherwise.) A node with several devices has an entry for each:
-        its layers spread over them in proportion to their memory, the host's output on its last one."""
+        its layers spread over them in proportion to their memory, the host's output on its last one. A node whose
+        rpc-server serves its CPU too has an entry 0 for it (the host places only tensors there, by overrides).
+        Layers whole in the host's RAM (``ram_layers``) are not units of the split: llama.cpp keeps them on its CPU
+        ahead of every device, and spreads the offloaded units only."""
         counts: list[int] = []
         for a in self.assignments:
-            counts += spread(a.count, a.shares)
+            counts += spread(a.count, a.shares) + ([0] if a.cpu_last and a.node != self.host else [])
         counts[-1] += 1
         return tuple(counts)
 
@@ -200,30 +222,28 @@ def plan(
     remaining = n - host_count  # layers [0, remaining) go to workers
 
     chosen, reached = _fill(shape, ctx, near + far, remaining, per_device)
-    spilled: tuple[int, ...] = ()
-    if reached < remaining:  # short of accelerator memory: the host's routed experts in its RAM, as few as needed
-        got = _host_spill(shape, ctx, host, host_budget, near + far, per_device)
+    if reached < remaining:  # short of accelerator memory: RAM, as little of it as the model needs
+        got = _spilling_plan(shape, ctx, host, others, host_budget, near + far, per_device)
         if got is None:
             need = host_fixed_bytes(shape, ctx) + sum(shape.layer_cost(i, ctx) for i in range(n))
             need += sum(s.devices for s in others) * per_device + (host.devices - 1) * per_device
-            return Waiting(need=need, have=host.capacity + sum(s.capacity for s in others))
-        chosen, host_count, used, spilled = got
-        remaining = n - host_count
+            return Waiting(need=need, have=host.capacity + sum(s.capacity for s in others)
+                           + host.ram + sum(s.ram for s in others))  # fmt: skip
+        return _within_cap(host, got)
     # the same workers, in the order of the layers they already hold (those holding none after, as they were): a
     # re-plan moves no layer a worker holds to another where the same workers can keep them
     picked = [s for s, _, _ in chosen]
-    by_held = sorted(picked, key=lambda s: (s.held_from is None, s.held_from or 0, picked.index(s)))
+    by_held = _by_held(picked)
     if by_held != picked and (again := _fill(shape, ctx, by_held, remaining, per_device))[1] >= remaining:
         chosen = again[0]
     # workers in layer order, then the host
     assignments: list[Assignment] = []
     first = 0
     for s, count, b in chosen:
-        assignments.append(Assignment(s.node, first, count, b, s.shares))
+        assignments.append(Assignment(s.node, first, count, b, s.shares, cpu_last=s.cpu_last))
         first += count
     host_bytes = used + host_fixed_bytes(shape, ctx) + (host.devices - 1) * per_device
-    assignments.append(Assignment(host.node, first, host_count, host_bytes, host.shares, spilled,
-                                  sum(shape.experts(i) for i in spilled)))  # fmt: skip
+    assignments.append(Assignment(host.node, first, host_count, host_bytes, host.shares))
     used_nodes = {a.node for a in assignments}
     standby = tuple(sorted(s.node for s in others if s.node not in used_nodes))
     return _within_cap(host, _embd_first(shape, Plan(host=host.node, assignments=tuple(assignments), standby=standby),
@@ -263,28 +283,126 @@ def _within_cap(host: Slot, p: Plan) -> Plan | Waiting:
                        f"--ctx-size")  # fmt: skip
 
 
-def _host_spill(shape: ModelShape, ctx: int, host: Slot, host_budget: int, order: list[Slot], per_device: int
-                ) -> tuple[list[tuple[Slot, int, int]], int, int, tuple[int, ...]] | None:  # fmt: skip
-    """[big] A plan for a mesh short of accelerator memory for the model: the workers (in ``order``) take as many
-    first layers whole as their memory holds (pooled accelerator memory beats RAM); the host takes the rest, as
-    many whole as fit and the others with their routed experts in its RAM (``Slot.ram``): the fewest such layers,
-    the first of its range (llama.cpp's ``--n-cpu-moe``, as tensor overrides). (workers' (slot, count, bytes), the
-    host's layer count, its accelerator bytes, its spilled layers), or None when even that does not fit. (Workers'
-    RAM is not used yet: their rpc-servers would have to offer their CPU device too.)"""
+def _by_held(picked: list[Slot]) -> list[Slot]:
+    return sorted(picked, key=lambda s: (s.held_from is None, s.held_from or 0, picked.index(s)))
+
+
+Part = tuple[Slot, int, int, tuple[int, ...], int, int]  # (slot, first layer, count, spilled layers, accelerator, RAM)
+
+
+@dataclass(frozen=True)
+class _Spilled:
+    """A placement that uses RAM ([big] 2): each node's ``Part`` (its layers' bytes only, no buffers), workers in
+    layer order then the host; the host's layers whole in RAM (the first ``ram_layers``, ``ram_layer_bytes``); and
+    its cost, (expert bytes in RAM, of them on workers)."""
+
+    parts: tuple[Part, ...]
+    ram_layers: int
+    ram_layer_bytes: int
+    cost: tuple[int, int]
+
+
+def _spill(shape: ModelShape, ctx: int, host: Slot, host_budget: int, order: list[Slot], per_device: int
+           ) -> _Spilled | None:  # fmt: skip
+    """[big] 2: a placement for a mesh whose accelerators are short of the model, or None when its RAM is short too.
+
+    Pooled accelerator memory first: every node takes contiguous layers, each as many as its accelerator holds with
+    the routed experts (``ffn_*_exps``) of its first ones in its own RAM (llama.cpp's ``--n-cpu-moe``, as tensor
+    overrides: the host's CPU, a worker's rpc-server's CPU device); the fewest expert bytes in RAM, on the host rather
+    than on a worker where that is as few (no network round trip between a node's GPU and CPU). Where even every
+    expert in RAM leaves the accelerators short (a dense model: always), the first layers go whole into the host's
+    RAM (llama.cpp's ``--n-gpu-layers``): the fewest such layers. A node that uses its RAM holds a compute buffer
+    there too."""
     n = shape.n_layer
-    if host.ram <= 0 or not any(shape.expert_bytes):
+    cost, exps = _sums(shape, ctx)
+    chain_vram = host_budget + sum(max(0, s.capacity - s.devices * per_device) for s in order)
+    host_ram = host.ram - per_device
+    c = 0  # layers whole in the host's RAM: no fewer than leave the accelerators enough with every expert in RAM
+    while c < n and (cost[n] - cost[c]) - (exps[n] - exps[c]) > chain_vram:
+        c += 1
+    while c <= n and cost[c] <= host_ram:
+        got = _spill_from(c, cost, exps, host, host_budget, host_ram - cost[c], order, per_device)
+        if got is not None:
+            return _Spilled(got[0], c, cost[c], got[1])
+        c += 1
+    return None
+
+
+def _spill_from(start: int, cost: list[int], exps: list[int], host: Slot, host_budget: int, host_ram: int,
+                order: list[Slot], per_device: int) -> tuple[tuple[Part, ...], tuple[int, int]] | None:  # fmt: skip
+    """Layers [start, n) over the workers in ``order`` and the host (last), with the fewest expert bytes in RAM (a
+    dynamic programme over (worker, first layer)), and that cost; None when no placement fits."""
+    n = len(cost) - 1
+    inf = (1 << 62, 0)
+
+    def fits(a: int, b: int, k: int, vram: int) -> bool:  # [a, b) with the first k layers' experts in RAM
+        return (cost[b] - cost[a]) - (exps[a + k] - exps[a]) <= vram
+
+    m = len(order)
+    best = [[inf] * (n + 1) for _ in range(m + 1)]  # best[j][a]: layers [a, n) by workers j.. and the host
+    step = [[(n, 0)] * (n + 1) for _ in range(m + 1)]  # ... its first node's (end, layers spilled)
+    for a in range(start, n + 1):  # the host: layers [a, n), the fewest of their experts in RAM
+        k = next((k for k in range(n - a + 1) if fits(a, n, k, host_budget)), None)
+        if k is not None and exps[a + k] - exps[a] <= host_ram:
+            best[m][a], step[m][a] = (exps[a + k] - exps[a], 0), (n, k)
+    for j in range(m - 1, -1, -1):  # worker j: layers [a, b), the rest by workers j + 1.. and the host
+        vram, ram = order[j].capacity - order[j].devices * per_device, max(0, order[j].ram - per_device)
+        for a in range(start, n + 1):
+            best[j][a], step[j][a] = best[j + 1][a], (a, 0)  # it takes none
+            k = 0
+            for b in range(a + 1, n + 1):
+                while k < b - a and not fits(a, b, k, vram):
+                    k += 1
+                spill = exps[a + k] - exps[a]
+                if not fits(a, b, k, vram) or spill > ram:
+                    break  # more layers need only more
+                rest = best[j + 1][b]
+                if rest != inf and (rest[0] + spill, rest[1] + spill) <= best[j][a]:  # a tie: this worker takes more
+                    best[j][a], step[j][a] = (rest[0] + spill, rest[1] + spill), (b, k)
+    if best[0][start] == inf:
         return None
-    chosen, layer = _fill(shape, ctx, order, n, per_device)
-    mine = list(range(layer, n))
-    whole = sum(shape.layer_cost(i, ctx) for i in mine)
-    for k in range(len(mine) + 1):  # spill the first k of the host's layers
-        spill = mine[:k]
-        ram = sum(shape.experts(i) for i in spill)
-        if ram > host.ram:
-            return None
-        if whole - ram <= host_budget:
-            return chosen, len(mine), whole - ram, tuple(spill)
-    return None  # the host's memory holds not even its layers' attention (the workers already took their most)
+    parts: list[Part] = []
+    a = start
+    for j, s in enumerate([*order, host]):
+        b, k = step[j][a]
+        if b > a or s is host:
+            ram_b = exps[a + k] - exps[a]
+            parts.append((s, a, b - a, tuple(range(a, a + k)), cost[b] - cost[a] - ram_b, ram_b))
+        a = b
+    return tuple(parts), best[0][start]
+
+
+def _spilling_plan(shape: ModelShape, ctx: int, host: Slot, others: list[Slot], host_budget: int, order: list[Slot],
+                   per_device: int) -> Plan | None:  # fmt: skip
+    """``_spill``'s placement as a plan (each node's buffers added), its workers in the order of the layers they
+    hold where that costs no more RAM (as a plan without RAM does)."""
+    got = _spill(shape, ctx, host, host_budget, order, per_device)
+    if got is None:
+        return None
+    picked = [p[0] for p in got.parts[:-1]]
+    if (by_held := _by_held(picked)) != picked:
+        again = _spill_from(got.ram_layers, *_sums(shape, ctx), host, host_budget,
+                            host.ram - per_device - got.ram_layer_bytes, by_held, per_device)  # fmt: skip
+        if again is not None and again[1] <= got.cost:
+            got = replace(got, parts=again[0], cost=again[1])
+    assignments = []
+    for s, first, count, spilled, vram, ram in got.parts:
+        if s is host:
+            b, ram = vram + host_fixed_bytes(shape, ctx) + (s.devices - 1) * per_device, ram + got.ram_layer_bytes
+        else:
+            b = vram + s.devices * per_device
+        assignments.append(Assignment(s.node, first, count, b, s.shares, spilled, ram, cpu_last=s.cpu_last))
+    used = {a.node for a in assignments}
+    standby = tuple(sorted(s.node for s in others if s.node not in used))
+    return Plan(host.node, tuple(assignments), standby, ram_layers=got.ram_layers)
+
+
+def _sums(shape: ModelShape, ctx: int) -> tuple[list[int], list[int]]:
+    cost, exps = [0], [0]
+    for i in range(shape.n_layer):
+        cost.append(cost[-1] + shape.layer_cost(i, ctx))
+        exps.append(exps[-1] + shape.experts(i))
+    return cost, exps
 
 
 def experts_override(layers: tuple[int, ...], buffer: str = "CPU") -> str:
@@ -464,6 +582,8 @@ def slots_for(records: list[PeerRecord], host: NodeId, fingerprint: str) -> tupl
         return None
     rtt = host_rec.rtt_ms
     others = [Slot(r.node, r.capacity, rtt.get(r.node, 0.0), shares=r.shares, prompts=r.scope >= Scope.HOST, ram=r.ram,
+                   gpu=r.device != "cpu",
                    held_from=min((f for f, c in r.held if c > 0), default=None) if r.held else None)
               for r in recs if r.node != host]  # fmt: skip
-    return Slot(host, host_rec.capacity, shares=host_rec.shares, ram=host_rec.ram), others
+    me = Slot(host, host_rec.capacity, shares=host_rec.shares, ram=host_rec.ram, gpu=host_rec.device != "cpu")
+    return me, others

@@ -18,7 +18,7 @@ import msgpack
 
 from meshllm.proto import crypto
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.planner import Plan, Waiting
+from meshllm.proto.planner import Plan, Waiting, experts_override
 
 # ------------------------------------------------------------------------------------------------ routing
 
@@ -249,6 +249,26 @@ def wanted_server(
     if any(n in electing for n in workers):
         return NeedElected(tuple(n for n in workers if n in electing))
     return Split(workers, tuple(plan.tensor_split), own_rpc=not has_accelerator, embd_first=plan.embd_first)
+
+
+def ram_flags(plan: Plan, me: NodeId, endpoints: Mapping[NodeId, str]) -> tuple[str, ...]:
+    """[big] 2: llama-server's flags that put what ``plan`` keeps in RAM there: the host's (``me``) layers' routed
+    experts in its own CPU buffers, a worker's in its rpc-server's CPU device (the one after its accelerators,
+    named ``RPC<index>[<endpoint>]`` by llama.cpp, ``endpoints`` being the addresses given to --rpc; a worker
+    without an accelerator has that one device only: nothing to move), and the host's whole layers in RAM as
+    --n-gpu-layers. --rpc must come before these on the command line: llama.cpp looks the buffers up as it parses."""
+    out: list[str] = []
+    for a in plan.assignments:
+        if not a.spilled:
+            continue
+        if a.node == me:
+            out += ["--override-tensor", experts_override(a.spilled)]
+        elif a.cpu_last:
+            cpu = f"RPC{max(1, len(a.shares))}[{endpoints[a.node]}]"  # its devices: accelerators, then the CPU
+            out += ["--override-tensor", experts_override(a.spilled, cpu)]
+    if plan.n_gpu_layers is not None:
+        out += ["--n-gpu-layers", str(plan.n_gpu_layers)]
+    return tuple(out)
 
 
 # ------------------------------------------------------------------------------------------------ RPC admission

@@ -38,7 +38,7 @@ from meshllm.proto import token as tok
 from meshllm.proto.capacity import first_device
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import MAX_WHY, ModelFacts, NodeState
-from meshllm.proto.planner import BASE_CTX, Plan, Sizing, Waiting, experts_override
+from meshllm.proto.planner import BASE_CTX, Plan, Sizing, Waiting
 from meshllm.proto.serving import LAYER_WAIT_S
 from meshllm.proto.token import host_port
 from meshllm.serve.api import Api, Unavailable, Upstream
@@ -511,9 +511,9 @@ class Hosting:
                     assert self.rpc is not None
                     rpc += (f"127.0.0.1:{self.rpc.port}",)
                 extra = ("--load-mode", "none", "--fit", "off")
-            mine = next((a for a in plan.assignments if a.node == me), None) if isinstance(plan, Plan) else None
-            if mine is not None and mine.spilled:  # [big] these layers' routed experts in our RAM (--n-cpu-moe)
-                extra += ("--override-tensor", experts_override(mine.spilled))
+            if isinstance(plan, Plan):  # [big] what the plan keeps in RAM: ours, the workers' (after --rpc)
+                workers = w.workers if isinstance(w, serving.Split) else ()
+                extra += serving.ram_flags(plan, me, dict(zip(workers, rpc, strict=False)))
             want = ServerConfig(
                 model=self.model.path, alias=self.model.facts.source, ctx_size=self.sizing.ctx,
                 parallel=self.sizing.parallel, tuning=self.tuning, chat=self.model.chat,

@@ -203,7 +203,7 @@ async def adopt_model(net: MeshNet, hosting: Hosting, wanted: str | None, o: Nod
         model, shape, copy = await obtain_and_open(net, name, o, console, hosting.sharing, wait_s)
         if copy is not None:
             keeper = LayerKeeper(copy, net, lambda line: console.print(line, markup=False), hosting.sharing)
-    await hosting.start_rpc_server(model, offer.use)
+    await hosting.start_rpc_server(model, offer.served)
     net.update(role=Role.WORKER, capacity=offer.capacity, model=model.facts,
                held=keeper.copy.held() if keeper is not None else None)  # fmt: skip
     return model, shape, keeper

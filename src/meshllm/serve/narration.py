@@ -66,6 +66,8 @@ def plan_line(p: Plan | Waiting, me: NodeId, elected: NodeId | None = None) -> s
     parts = [f"{name(a.node, me)} layers {a.first}-{a.first + a.count - 1}"
              f"{' + token embedding' if p.embd_first and i == 0 else ''} ({a.bytes / GB:.2f} GB){_spill(a)}"
              for i, a in enumerate(p.assignments) if a.count]  # fmt: skip
+    if p.ram_layers:  # [big] llama.cpp runs them on the host's CPU, ahead of every device
+        parts.insert(0, f"{name(p.host, me)} layers 0-{p.ram_layers - 1} whole in RAM")
     standby = f"; standby: {', '.join(name(n, me) for n in p.standby)}" if p.standby else ""
     return f"[bold]plan:[/] {'; '.join(parts)} + output on host{standby}"
 

@@ -136,7 +136,7 @@ class Node:
         self.offer = await measure_offer(self.o.bins, self.o.max_vram_gb, self.o.max_ram_gb)
         self.capacity, device = self.offer.capacity, self.offer.device
         if self.o.bins is not None and self.model is not None:
-            await self.hosting.start_rpc_server(self.model, self.offer.use)
+            await self.hosting.start_rpc_server(self.model, self.offer.served)
         addrs = await self.net.start()
         lite = self.o.client or self.model is None
         self.net.update(

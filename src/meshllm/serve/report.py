@@ -187,6 +187,7 @@ class Report:
                 "layers": layers_of(v.plan if _same_model(r, v.model) else None, r.node,
                                     r if r.replica else core.host_of(r, now)),  # a replica: its own plan's
                 "planned_bytes": planned_bytes(v.plan, r.node),  # of its capacity, what the plan puts on it
+                "planned_ram_bytes": planned_ram_bytes(v.plan, r.node),  # [big] of its RAM
             })  # fmt: skip
         p = v.plan
         plan_obj: object = None
@@ -201,12 +202,15 @@ class Report:
                         "bytes": a.bytes,
                         "devices": len(a.shares) or 1,
                         "experts_in_ram": list(a.spilled), "ram_bytes": a.ram_bytes,  # [big]
+                        "cpu_device": a.cpu_last,  # [big] its rpc-server serves its CPU too (an entry 0 in the split)
                     }
                     for a in p.assignments
                 ],
                 "standby": [n.hex() for n in p.standby],
                 "tensor_split": list(p.tensor_split),  # what llama-server is given: one entry per device
                 "embd_first": p.embd_first,  # the token embedding on the first worker (patch 0013)
+                "ram_layers": p.ram_layers,  # [big] layers [0, ram_layers) whole in the host's RAM
+                "n_gpu_layers": p.n_gpu_layers,  # what llama-server is given then (None: every layer offloaded)
             }
         elif isinstance(p, Waiting):
             plan_obj = {"waiting": p.message(), "need": p.need, "have": p.have}
@@ -312,6 +316,13 @@ class Report:
 
 def _fmt(v: float | None) -> float | None:
     return round(v, 3) if v is not None and v != float("inf") else None
+
+
+def planned_ram_bytes(plan: Plan | Waiting | None, node: NodeId) -> int | None:
+    """[big] What the plan keeps in ``node``'s RAM (routed experts, the host's whole layers), None when nothing."""
+    if isinstance(plan, Plan):
+        return next((a.ram_bytes or None for a in plan.assignments if a.node == node), None)
+    return None
 
 
 def planned_bytes(plan: Plan | Waiting | None, node: NodeId) -> int | None:

@@ -29,7 +29,9 @@ function segment(p, models) {
   const dev = p.device && p.capacity ? ` (${p.device})` : "";
   const used = p.planned_bytes ? `${gb(p.planned_bytes)} of ` : "";  // what the plan puts there, of what it offers
   const scope = p.scope && p.scope !== "host" ? ` · ${p.scope} scope` : "";
-  d.children[2].textContent = `${layers} · ${p.capacity ? used + gb(p.capacity) : "no capacity"}${dev}${scope}`;
+  // [big] RAM beside it: what the plan keeps there (experts, whole layers) of what the node offers
+  const ram = p.ram && p.capacity ? ` + ${p.planned_ram_bytes ? gb(p.planned_ram_bytes) + " of " : ""}${gb(p.ram)} RAM` : "";
+  d.children[2].textContent = `${layers} · ${p.capacity ? used + gb(p.capacity) : "no capacity"}${dev}${ram}${scope}`;
   d.children[3].textContent = `${path}${rtt}`;
   return d;
 }
