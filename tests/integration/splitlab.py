@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,13 +126,14 @@ def stop_split(s: Split) -> None:
         r.close()
 
 
-def stock_split_text(tmp: Path, stock: Binaries, model: Path, counts: list[float], n: int) -> str:
+def stock_split_text(tmp: Path, stock: Binaries, model: Path, counts: list[float], n: int,
+                     extra: Sequence[str] = ()) -> str:  # fmt: skip
     """Greedy text of the same layer split loaded the stock way: stock binaries, one rpc-server per device
-    (the last one plays the host's own), weights pushed over the wire."""
+    (the last one plays the host's own), weights pushed over the wire; ``extra``: llama-server's flags beside."""
     children: list[Child] = []
     relays: list[CountingRelay] = []
     ref = start_split(tmp, stock, [Worker(stock) for _ in counts], model, children, relays, threads=2,
-                      tensor_split=counts, extra=["--fit", "off"])  # fmt: skip
+                      tensor_split=counts, extra=["--fit", "off", *extra])  # fmt: skip
     try:
         return ref.complete(PROMPT, n)
     finally:

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from meshllm.llama.build import Binaries
-from meshllm.llama.gguf import read_header
+from meshllm.llama.gguf import model_shape, read_header
+from meshllm.proto.planner import experts_override
 from tests.moe_model import tiny_moe_path
 
 from .meshlab import NodeProc, wait_for
@@ -95,3 +96,50 @@ def _cmdline_of_children(n: NodeProc) -> str:
     import psutil
 
     return "\n".join(" ".join(c.cmdline()) for c in psutil.Process(n.proc.pid).children(recursive=True))
+
+
+def test_a_mesh_short_of_accelerator_memory_keeps_whole_layers_and_experts_in_ram_and_answers_as_stock(
+    tmp_path: Path, tiny_moe: Path, stock_bins: Binaries
+) -> None:
+    """[big] 2: two nodes whose offered memory (``--max-vram``) holds one layer each of the tiny MoE with its routed
+    experts in RAM: the plan keeps the first two layers whole in the host's RAM (llama-server's --n-gpu-layers) and
+    the experts of the others in RAM (the host's by a tensor override; the CPU worker's one device is its RAM). It
+    serves instead of waiting, and answers as the same placement loaded by stock binaries. The host's llama-server
+    puts each class of weights where the plan says."""
+    import re
+
+    nodes: list[NodeProc] = []
+    try:  # the host: its buffers (40.11 MB at this context) and 0.15 MB; the worker: its buffer and 0.15 MB
+        a = NodeProc(tmp_path, "a", tiny_moe, "--max-vram", "0.04026", "--max-ram", "0.5", "--ctx-size", "512",
+                     "--parallel", "1", "--rpc-path", "tunnel")  # fmt: skip
+        nodes.append(a)
+        wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
+        b = NodeProc(tmp_path, "b", tiny_moe, "--max-vram", "0.02387", "--max-ram", "0.5", "--ctx-size", "512",
+                     "--join", (a.state / "token").read_text().strip())  # fmt: skip
+        nodes.append(b)
+        wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 120, "a to serve a split with b")
+        plan = a.status()["plan"]
+        assert isinstance(plan, dict)
+        assert (plan["ram_layers"], plan["n_gpu_layers"], plan["tensor_split"]) == (2, 3, [1, 2]), plan
+        worker, host = _assignments(a)
+        assert (worker["first"], worker["experts_in_ram"], host["experts_in_ram"]) == (2, [2], [3]), plan
+        assert "layers 0-1 whole in RAM" in a.text(), a.text()[-2000:]
+        text = _ask(a.port)
+        flags = ["--n-gpu-layers", "3", "--override-tensor", experts_override((3,))]
+        ours = (a.state / "llama-server.log").read_text().split("\n$ ")[-1].splitlines()[0]  # its last command line
+        assert " --n-gpu-layers 3 " in ours and ours.count("--n-gpu-layers") == 1 and flags[-1] in ours, ours
+        ref = tmp_path / "ref"
+        assert stock_split_text(ref, stock_bins, tiny_moe, [1.0, 2.0], N, [*flags, "-lv", "4"]) == text
+        # where this placement puts the weights (the reference's buffer lines, -lv 4): the worker's device its
+        # layer 2 whole (a CPU worker's experts in RAM are on its one device), the host's device layer 3's attention
+        # and the output, the host's CPU the embedding, layers 0-1 whole and layer 3's routed experts
+        log = (ref / "llama.log").read_text()
+        buffers = [float(m) * 2**20 for m in re.findall(r"load_tensors: +\S+ model buffer size = +([\d.]+) MiB", log)]
+        shape = model_shape(read_header(tiny_moe))
+        want = [shape.embd_bytes + sum(shape.layer_bytes[:2]) + shape.experts(3), shape.layer_bytes[2],
+                shape.layer_bytes[3] - shape.experts(3) + shape.output_bytes + shape.other_bytes]  # fmt: skip
+        pairs = zip(sorted(buffers), sorted(want), strict=True)  # (the log's order is not the devices')
+        assert len(buffers) == 3 and all(abs(g - w) <= 0.02 * w + 8192 for g, w in pairs), (buffers, want)
+    finally:
+        for n in nodes:
+            n.stop()

@@ -324,8 +324,8 @@ def test_ram_flags_put_each_nodes_experts_in_its_own_ram_and_whole_layers_on_the
     assert flags == (
         "--override-tensor", r"blk\.(2|3)\.ffn_(up|down|gate)_exps=RPC2[127.0.0.1:5001]",
         "--override-tensor", r"blk\.(7)\.ffn_(up|down|gate)_exps=CPU",
-        "--n-gpu-layers", "9",
     )  # fmt: skip
+    assert p.n_gpu_layers == 9
     assert p.tensor_split == (2, 1, 0, 2, 4)  # W1's two GPUs and its CPU, W2, the host (+ output)
     assert s.ram_flags(replace(p, assignments=p.assignments[2:], ram_layers=0), ME, {}) == (
         "--override-tensor", r"blk\.(7)\.ffn_(up|down|gate)_exps=CPU")  # fmt: skip

@@ -189,6 +189,7 @@ class ServerConfig:
     tls_keys: Path | None = None  # the keys of the rpc endpoints reached directly (TLS), one file per generation
     peers: tuple[str, ...] = ()  # "ENDPOINT=IP:PORT": workers' listeners for their predecessor (patch 0011)
     embd_first: bool = False  # the token embedding on the first RPC server, with layer 0 (patch 0013)
+    n_gpu_layers: int | None = None  # [big] fewer than every unit: the first layers on this process's CPU
 
 
 class LocalServer(Supervised):
@@ -214,7 +215,8 @@ class LocalServer(Supervised):
             return llama_server_argv(
                 bins, cfg.model, port, ctx_size=cfg.ctx_size, parallel=cfg.parallel, tuning=cfg.tuning,
                 chat=cfg.chat, threads=cfg.threads, alias=cfg.alias, rpc=cfg.rpc,
-                tensor_split=[float(x) for x in cfg.tensor_split], n_gpu_layers=999 if cfg.rpc else None,
+                tensor_split=[float(x) for x in cfg.tensor_split],
+                n_gpu_layers=cfg.n_gpu_layers or (999 if cfg.rpc else None),
                 extra=(*cfg.extra, "--api-key-file", str(key_file)), draft=cfg.draft, draft_max=cfg.draft_max,
                 draft_device=cfg.draft_device,
             )  # fmt: skip

@@ -255,8 +255,8 @@ def ram_flags(plan: Plan, me: NodeId, endpoints: Mapping[NodeId, str]) -> tuple[
     """[big] 2: llama-server's flags that put what ``plan`` keeps in RAM there: the host's (``me``) layers' routed
     experts in its own CPU buffers, a worker's in its rpc-server's CPU device (the one after its accelerators,
     named ``RPC<index>[<endpoint>]`` by llama.cpp, ``endpoints`` being the addresses given to --rpc; a worker
-    without an accelerator has that one device only: nothing to move), and the host's whole layers in RAM as
-    --n-gpu-layers. --rpc must come before these on the command line: llama.cpp looks the buffers up as it parses."""
+    without an accelerator has that one device only: nothing to move). --rpc must come before these on the command
+    line: llama.cpp looks the buffers up as it parses. (The host's whole layers in RAM: ``Plan.n_gpu_layers``.)"""
     out: list[str] = []
     for a in plan.assignments:
         if not a.spilled:
@@ -266,8 +266,6 @@ def ram_flags(plan: Plan, me: NodeId, endpoints: Mapping[NodeId, str]) -> tuple[
         elif a.cpu_last:
             cpu = f"RPC{max(1, len(a.shares))}[{endpoints[a.node]}]"  # its devices: accelerators, then the CPU
             out += ["--override-tensor", experts_override(a.spilled, cpu)]
-    if plan.n_gpu_layers is not None:
-        out += ["--n-gpu-layers", str(plan.n_gpu_layers)]
     return tuple(out)
 
 

@@ -522,6 +522,7 @@ class Hosting:
                 draft_device=first_device(self.device),
                 tls_keys=state.rpc_client_keys(self.state_dir) if direct else None, peers=peers,
                 embd_first=isinstance(w, serving.Split) and w.embd_first,
+                n_gpu_layers=plan.n_gpu_layers if isinstance(plan, Plan) else None,
             )  # fmt: skip
         if want == self.server_cfg:
             return
