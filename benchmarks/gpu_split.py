@@ -366,6 +366,13 @@ def main() -> None:
                          "tests/moe_model.py) and --max-vram GB: its plan line, llama-server's buffers (experts on "
                          "the CPU, the rest on the GPU) and its text next to llama-server alone with the same "
                          "overrides")  # fmt: skip
+    ap.add_argument("--big", metavar="MODELS",
+                    help="instead ([big] 5, benchmarks/gpu_big.py): models that need RAM, 'moe' (Qwen3-30B-A3B's "
+                         "shape) and/or 'dense' (Llama-3-8B's), comma-separated: one node, two GPU nodes, a GPU host "
+                         "and a CPU-only worker under --max-vram caps, next to llama-server's best offload and stock "
+                         "RPC")  # fmt: skip
+    ap.add_argument("--big-cap-moe", type=float, default=10.0, help="--big: GB each node offers for the MoE")
+    ap.add_argument("--big-cap-dense", type=float, default=3.0, help="--big: GB each node offers for the dense model")
     args = ap.parse_args()
     print("$ python3 " + " ".join(sys.argv), flush=True)
     work: Path = args.work
@@ -385,7 +392,11 @@ def main() -> None:
     )
 
     model = work / "m-q4.gguf"
-    if not model.is_file():
+    if args.big:  # its own models (benchmarks/gpu_big.py), written in Q4_K
+        from gpu_big import models
+
+        models(args.carry.resolve(), work)
+    elif not model.is_file():
         t0 = time.monotonic()
         random_model(args.carry / "vocab.gguf", work / "m-f16.gguf")
         subprocess.run([str(quantize), str(work / "m-f16.gguf"), str(model), "Q4_K_M", str(os.cpu_count() or 4)],
@@ -402,7 +413,8 @@ def main() -> None:
 
     # the mesh: one node per (GPUs, --max-vram) in ``spec``; the first makes the mesh, the others join
     def run_mesh(name: str, rpc_path: str, spec: list[tuple[str, float | None]], extra: tuple[str, ...] = (),
-                 measure: Any = None, everyone: bool = False) -> tuple[Any, dict[str, object]]:  # fmt: skip
+                 measure: Any = None, everyone: bool = False, model_: Path | None = None
+                 ) -> tuple[Any, dict[str, object]]:  # fmt: skip
         """``measure(base_url)``: what to measure at the host's API (default: single-stream decode tok/s);
         ``everyone``: once every node's llama-server serves (replicas), at the first node's API. ``rpc_path``
         "tunnel-host": the first node (the host) on --rpc-path tunnel, the others on auto (their rpc-servers keep
@@ -415,7 +427,8 @@ def main() -> None:
             t.unlink(missing_ok=True)  # a "ready:" from an earlier run on this machine must not count
         try:
             for i, ((gpus, cap), port) in enumerate(zip(spec, ports, strict=True)):
-                cmd = [sys.executable, "-m", "meshllm.cli", "--model", str(model), "--state-dir", str(state / f"n{i}"),
+                cmd = [sys.executable, "-m", "meshllm.cli", "--model", str(model_ or model),
+                       "--state-dir", str(state / f"n{i}"),
                        "--port", str(port), "--bind-host", "127.0.0.1",
                        "--rpc-path", ("auto" if i else "tunnel") if rpc_path == "tunnel-host" else rpc_path,
                        *(extra or ("--ctx-size", "2048", "--parallel", "1"))]  # fmt: skip
@@ -456,10 +469,11 @@ def main() -> None:
 
     def server(name: str, dev: str, rpc: list[str], tensor_split: list[float], extra: tuple[str, ...] = (),
                measure: Any = None, ctx: int = 2048, parallel: int = 1,
-               env_: dict[str, str] | None = None) -> Any:  # fmt: skip
+               env_: dict[str, str] | None = None, model_: Path | None = None) -> Any:  # fmt: skip
         port = free_port()
-        argv = llama_server_argv(bins, model, port, ctx_size=ctx, parallel=parallel, rpc=rpc, n_gpu_layers=999,
-                                 tensor_split=tensor_split, extra=("--fit", "off", *extra))  # fmt: skip
+        argv = llama_server_argv(bins, model_ or model, port, ctx_size=ctx, parallel=parallel, rpc=rpc,
+                                 n_gpu_layers=999, tensor_split=tensor_split,
+                                 extra=("--fit", "off", *extra))  # fmt: skip
         with Child.start(name, argv, logs / f"{name}.log", env={**gpu(dev), **(env_ or {})}) as c:
             wait_http_ready(c, f"http://127.0.0.1:{port}/health", 600)
             if measure is not None:
@@ -475,6 +489,11 @@ def main() -> None:
         wait_tcp_ready(c, port, 60)
         return c, f"127.0.0.1:{port}"
 
+    if args.big:
+        from gpu_big import big
+
+        big(run_mesh, server, rpc_server, args.carry.resolve(), work, args)
+        return
     if args.quad:
         quad(run_mesh, server, rpc_server, args.tokens, args.runs)
         return
