@@ -66,7 +66,7 @@ def write_q4k(shape: dict[str, Any], vocab_file: Path, out: Path) -> None:
                 w.add_key_value(key, field.contents(), field.types[0])
     n_vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
     rng = np.random.default_rng(0)
-    pool = rng.integers(0, 256, size=(1 << 20, 144), dtype=np.uint8)  # 151 MB of blocks, sliced for every matrix
+    pool = rng.integers(0, 256, size=(2_100_000, 144), dtype=np.uint8)  # 302 MB of blocks, sliced for every matrix
     scale = np.full(2, 2e-4, dtype=np.float16).view(np.uint8)
     pool[:, 0:4] = scale  # d and dmin of every block
 
