@@ -19,9 +19,12 @@ the median of --runs; every server with 4 slots of 3,072 tokens.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +148,28 @@ def measure(tokens: int, runs: int) -> Any:
     return run
 
 
+def settled(run: Any, nodes: int) -> Any:
+    """``run`` once the host's plan names ``nodes`` nodes and its API answers (a mesh serves alone with RAM before
+    the others join: a node short of memory no longer waits); returns (its numbers, the status then)."""
+
+    def go(base: str, path: str) -> tuple[dict[str, float], dict[str, Any]]:
+        deadline = time.monotonic() + 600
+        while True:
+            assert time.monotonic() < deadline, "the plan never named every node"
+            with urllib.request.urlopen(base + "/mesh/status", timeout=30) as r:
+                st = json.loads(r.read())
+            if len((st.get("plan") or {}).get("assignments", [])) == nodes:
+                try:
+                    one(base, path, ids(8, 3), 2)
+                    break
+                except (AssertionError, urllib.error.URLError, OSError):
+                    pass
+            time.sleep(1)
+        return run(base, path), st
+
+    return go
+
+
 def flags_of(log: Path) -> tuple[list[str], list[str], list[float]]:
     """From a llama-server log's last command line: its --rpc endpoints, the flags that place memory
     (--override-tensor, --n-gpu-layers) and its --tensor-split."""
@@ -168,7 +193,8 @@ def big(run_mesh: Any, server: Any, rpc_server: Any, carry: Path, work: Path, ar
 
     def bench(name: str, model: Path, cap: float, n_layer: int) -> None:
         def mesh(label: str, spec: list[tuple[str, float | None]], extra: tuple[str, ...] = ()) -> dict[str, Any]:
-            r, st = run_mesh(f"big-{name}-{label}", "auto", spec, (*sizes, *extra), run, model_=model)
+            (r, st), _ = run_mesh(f"big-{name}-{label}", "auto", spec, (*sizes, *extra), settled(run, len(spec)),
+                                  model_=model)  # fmt: skip
             p = st["plan"]
             text = "; ".join(f"{a['first']}+{a['count']}" + (f" ({len(a['experts_in_ram'])} exps in RAM)"
                                                                 if a["experts_in_ram"] else "")
@@ -176,11 +202,19 @@ def big(run_mesh: Any, server: Any, rpc_server: Any, carry: Path, work: Path, ar
             note = (f"layers 0-{p['ram_layers'] - 1} whole in RAM; " if p.get("ram_layers") else "") + text
             rows.append((name, f"mesh-llm: {label}", r, note))
             print(rows[-1], flush=True)
-            return {"st": st, "log": work / f"mesh-big-{name}-{label}" / "n0" / "llama-server.log", "r": r}
+            logs = sorted((work / f"mesh-big-{name}-{label}").glob("n*/llama-server.log"), key=lambda f: f.stat().st_mtime)
+            return {"st": st, "log": logs[-1], "r": r}  # the host's (the node that ran a llama-server last)
 
-        # (a) one node
+        parts = args.big_parts.split(",")
+        if "a" in parts:
+            one_node(name, model, cap, n_layer, mesh)
+        if "b" in parts:
+            two_nodes(name, model, cap, mesh, "b0" in parts)
+        if "c" in parts:  # a GPU host and a CPU-only worker
+            mesh(f"GPU host capped at {cap} GB + CPU-only worker", [("0", cap), ("", None)])
+
+    def one_node(name: str, model: Path, cap: float, n_layer: int, mesh: Any) -> None:
         a = mesh(f"one node capped at {cap} GB", [("0", cap)])
-        _, placing, _ = flags_of(a["log"])
         if name == "moe":  # the mesh's spill as --n-cpu-moe, then fewer while llama-server alone stays in its VRAM
             k = len(a["st"]["plan"]["assignments"][-1]["experts_in_ram"])
             cands = [["--n-cpu-moe", str(n)] for n in range(max(0, k - 3), k + 1)]
@@ -199,9 +233,11 @@ def big(run_mesh: Any, server: Any, rpc_server: Any, carry: Path, work: Path, ar
             r = server(f"big-{name}-alone", "0", [], [], (*best[0],), run, SLOT_CTX, PARALLEL, model_=model)
             rows.append((name, f"llama-server alone, {' '.join(best[0])}", r, "best one-node offload in that VRAM"))
             print(rows[-1], flush=True)
-        # (b) two GPU nodes
+
+    def two_nodes(name: str, model: Path, cap: float, mesh: Any, no_ram_too: bool) -> None:
         b = mesh(f"two GPU nodes capped at {cap} GB each", [("0", cap), ("1", cap)])
-        mesh(f"two GPU nodes capped at {cap} GB each, --max-ram 0", [("0", cap), ("1", cap)], ("--max-ram", "0"))
+        if no_ram_too:  # the workers' rpc-servers then serve no CPU device
+            mesh(f"two GPU nodes capped at {cap} GB each, --max-ram 0", [("0", cap), ("1", cap)], ("--max-ram", "0"))
         eps, placing, split = flags_of(b["log"])
         cpu_dev = len(split) > len(eps) + 1  # an entry for the worker's CPU: the stock worker serves it too
         worker, at = rpc_server(f"big-{name}-stock-w", "1", "CUDA0,CPU" if cpu_dev else None)
@@ -212,8 +248,6 @@ def big(run_mesh: Any, server: Any, rpc_server: Any, carry: Path, work: Path, ar
             print(rows[-1], flush=True)
         finally:
             worker.stop()
-        # (c) a GPU host and a CPU-only worker
-        mesh(f"GPU host capped at {cap} GB + CPU-only worker", [("0", cap), ("", None)])
 
     for name in args.big.split(","):
         cap = args.big_cap_moe if name == "moe" else args.big_cap_dense
@@ -230,10 +264,11 @@ def big(run_mesh: Any, server: Any, rpc_server: Any, carry: Path, work: Path, ar
     for name in args.big.split(","):
         mine = {s: v for m, s, v, _ in rows if m == name}
         alone = next((v for s, v in mine.items() if s.startswith("llama-server alone")), None)
-        one_ = next(v for s, v in mine.items() if "one node" in s)
-        two = next(v for s, v in mine.items() if "two GPU nodes" in s)
+        one_ = next((v for s, v in mine.items() if "one node" in s), None)
+        two = next((v for s, v in mine.items() if "two GPU nodes" in s), None)
         stock = mine.get("stock RPC, the mesh's split and flags")
         for k in ("dec", "c4", "pre"):
-            got = [f"(a) {one_[k] / alone[k]:.2f}, (b) {two[k] / alone[k]:.2f}×" if alone else "(no llama-server row)"]
-            got += [f"(b) ÷ stock {two[k] / stock[k]:.2f}"] if stock else []
+            got = [f"(a) {one_[k] / alone[k]:.2f}" if one_ and alone else "(a) -"]
+            got += [f"(b) {two[k] / alone[k]:.2f}× one node" if two and alone else "(b) -"]
+            got += [f"(b) ÷ stock {two[k] / stock[k]:.2f}"] if two and stock else []
             print(f"{name} {k}: {'; '.join(got)}")

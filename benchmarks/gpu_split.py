@@ -371,6 +371,9 @@ def main() -> None:
                          "shape) and/or 'dense' (Llama-3-8B's), comma-separated: one node, two GPU nodes, a GPU host "
                          "and a CPU-only worker under --max-vram caps, next to llama-server's best offload and stock "
                          "RPC")  # fmt: skip
+    ap.add_argument("--big-parts", default="a,b,b0,c",
+                    help="--big: which: a (one node), b (two GPU nodes), b0 (and with --max-ram 0), c (a GPU host "
+                         "and a CPU-only worker)")  # fmt: skip
     ap.add_argument("--big-cap-moe", type=float, default=10.0, help="--big: GB each node offers for the MoE")
     ap.add_argument("--big-cap-dense", type=float, default=3.0, help="--big: GB each node offers for the dense model")
     args = ap.parse_args()
