@@ -202,14 +202,17 @@ def big(run_mesh: Any, server: Any, rpc_server: Any, carry: Path, work: Path, ar
             note = (f"layers 0-{p['ram_layers'] - 1} whole in RAM; " if p.get("ram_layers") else "") + text
             rows.append((name, f"mesh-llm: {label}", r, note))
             print(rows[-1], flush=True)
-            logs = sorted((work / f"mesh-big-{name}-{label}").glob("n*/llama-server.log"), key=lambda f: f.stat().st_mtime)
+            logs = sorted((work / f"mesh-big-{name}-{label}").glob("n*/llama-server.log"),
+                          key=lambda f: f.stat().st_mtime)  # fmt: skip
             return {"st": st, "log": logs[-1], "r": r}  # the host's (the node that ran a llama-server last)
 
         parts = args.big_parts.split(",")
         if "a" in parts:
             one_node(name, model, cap, n_layer, mesh)
         if "b" in parts:
-            two_nodes(name, model, cap, mesh, "b0" in parts)
+            two_nodes(name, model, cap, mesh)
+        if "b0" in parts:  # the workers' rpc-servers then serve no CPU device
+            mesh(f"two GPU nodes capped at {cap} GB each, --max-ram 0", [("0", cap), ("1", cap)], ("--max-ram", "0"))
         if "c" in parts:  # a GPU host and a CPU-only worker
             mesh(f"GPU host capped at {cap} GB + CPU-only worker", [("0", cap), ("", None)])
 
@@ -234,10 +237,8 @@ def big(run_mesh: Any, server: Any, rpc_server: Any, carry: Path, work: Path, ar
             rows.append((name, f"llama-server alone, {' '.join(best[0])}", r, "best one-node offload in that VRAM"))
             print(rows[-1], flush=True)
 
-    def two_nodes(name: str, model: Path, cap: float, mesh: Any, no_ram_too: bool) -> None:
+    def two_nodes(name: str, model: Path, cap: float, mesh: Any) -> None:
         b = mesh(f"two GPU nodes capped at {cap} GB each", [("0", cap), ("1", cap)])
-        if no_ram_too:  # the workers' rpc-servers then serve no CPU device
-            mesh(f"two GPU nodes capped at {cap} GB each, --max-ram 0", [("0", cap), ("1", cap)], ("--max-ram", "0"))
         eps, placing, split = flags_of(b["log"])
         cpu_dev = len(split) > len(eps) + 1  # an entry for the worker's CPU: the stock worker serves it too
         worker, at = rpc_server(f"big-{name}-stock-w", "1", "CUDA0,CPU" if cpu_dev else None)
