@@ -165,7 +165,16 @@ def settled(run: Any, nodes: int) -> Any:
                 except (AssertionError, urllib.error.URLError, OSError):
                     pass
             time.sleep(1)
-        return run(base, path), st
+        for _ in range(20):  # the probe may have reached the llama-server that serves alone, just before its restart
+            try:
+                got = run(base, path)
+                with urllib.request.urlopen(base + "/mesh/status", timeout=30) as r:
+                    return got, json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                if e.code != 503:
+                    raise
+                time.sleep(5)
+        raise AssertionError("the split never served")
 
     return go
 
