@@ -509,7 +509,7 @@ def test_ram_is_used_only_where_accelerators_are_short_and_every_layer_once(
               enumerate(workers)]  # fmt: skip
     p = plan(shape, host, others, ctx)
     without = plan(shape, replace(host, ram=0), [replace(o, ram=0) for o in others], ctx)
-    if isinstance(without, Plan):
+    if isinstance(without, Plan) and all(o.gpu for o in others):  # (CPU workers: after the GPUs' RAM, below)
         assert isinstance(p, Plan) and [(a.node, a.first, a.count, a.spilled) for a in p.assignments] == [
             (a.node, a.first, a.count, ()) for a in without.assignments]
     if not isinstance(p, Plan):
@@ -562,3 +562,20 @@ def test_the_fewest_expert_bytes_in_ram_by_brute_force(
     else:
         assert isinstance(p, Plan) and p.ram_layers == 0
         assert sum(a.ram_bytes for a in p.assignments) == best, (p, best)
+
+
+def test_accelerators_host_and_their_ram_comes_before_cpu_nodes() -> None:
+    """[big] c: a GPU node and a CPU node with far more (RAM) capacity: the GPU node hosts (the plan keeps the
+    per-token work on accelerators), and keeps experts in its own RAM rather than handing whole layers to the CPU
+    node; the CPU node takes layers only where the GPU's memory and RAM are short. Between nodes of one kind, the
+    capacity rule holds (and a sitting CPU host yields to a GPU node at once)."""
+    gpu, cpu = Candidate(A, 10 * GB, "f", gpu=True), Candidate(B, 200 * GB, "f")
+    assert elect([gpu, cpu], "f") == A and elect([gpu, cpu], "f", sitting=B) == A
+    assert elect([Candidate(A, 10 * GB, "f"), cpu], "f") == B  # both CPU nodes: the most memory
+    assert elect([gpu, Candidate(C, 11 * GB, "f", gpu=True)], "f", sitting=A) == A  # within the margin
+    whole = host_fixed_bytes(MOE, CTX) + sum(MOE.layer_cost(i, CTX) for i in range(10))
+    p = plan(MOE, Slot(A, whole - 100 * MiB, ram=GB, gpu=True), [Slot(B, 200 * GB)], CTX)
+    assert isinstance(p, Plan) and [a.node for a in p.assignments] == [A] and p.standby == (B,)
+    assert p.assignments[0].spilled == (0, 1)
+    q = plan(MOE, Slot(A, whole - 100 * MiB, gpu=True), [Slot(B, 200 * GB)], CTX)  # no RAM offered: the CPU node
+    assert isinstance(q, Plan) and [a.node for a in q.assignments] == [B, A] and q.assignments[1].spilled == ()

@@ -301,3 +301,15 @@ def test_a_node_whose_election_settles_answers_a_sitting_host_that_plans_it() ->
         assert core.sitting_host_for_me(now) == (m.ids[0] if expect else None), (role, replica, plans_me)
         assert core.elected_host(now + DEBOUNCE_S + 0.1) == m.ids[0]
         assert core.sitting_host_for_me(now + DEBOUNCE_S + 0.2) is None  # settled: the elected one counts
+
+
+def test_the_mesh_elects_a_gpu_node_over_a_cpu_node_with_more_memory() -> None:
+    """[big] c: the election every node runs over gossiped records reads a node's device: a GPU node beats a CPU
+    node whose RAM is the larger figure."""
+    m = _members(2)
+    core, now = m.core, m.now
+    for i, (cap, dev) in enumerate([(10, "cuda: NVIDIA H200"), (200, "cpu")]):
+        r = PeerRecord(m.ids[i], 1, 1, model=X, chain=m.chains[i], role=Role.WORKER, capacity=cap, device=dev)
+        core.table.merge_record(r.to_wire(m.keys[i]), now)
+        core.on_connected(m.ids[i], now)
+    assert core.elected_for(X.fingerprint, now) == m.ids[0]

@@ -449,6 +449,7 @@ def _elect(recs: list[PeerRecord], fp: str) -> NodeId | None:
              and r.model.fingerprint == fp]  # fmt: skip
     # after a partition heals there may be two sitting hosts: every node keeps the same one (a replica sits nowhere)
     sitting = max(hosts, key=lambda r: (r.capacity, r.node)).node if hosts else None
-    cands = [Candidate(r.node, r.capacity, r.model.fingerprint if r.model and r.whole else None, r.role, r.scope)
+    cands = [Candidate(r.node, r.capacity, r.model.fingerprint if r.model and r.whole else None, r.role, r.scope,
+                       r.device != "cpu")
              for r in recs]  # a partial copy of the model cannot host it  # fmt: skip
     return elect(cands, fp, sitting)

@@ -207,6 +207,13 @@ def plan(
     def far_order(s: Slot) -> tuple[bool, bool, int, int, bytes]:
         return (s.node not in keep, s.node in busy, int(s.rtt_ms // RTT_BUCKET_MS), -s.capacity, s.node)
 
+    if host.gpu and split is None and any(not s.gpu for s in others):
+        # [big] accelerators first, with their nodes' RAM where short; nodes without one only where even that is
+        # (their capacity is RAM: layers whole on a CPU beside a GPU host keep less of the work on accelerators)
+        with_gpus = plan(shape, host, [s for s in others if s.gpu], ctx, max_rtt_ms, None, prefer, busy)
+        if isinstance(with_gpus, Plan):
+            cpus = tuple(s.node for s in others if not s.gpu)
+            return replace(with_gpus, standby=tuple(sorted(with_gpus.standby + cpus)))
     near = sorted((s for s in others if s.rtt_ms <= max_rtt_ms), key=near_order)
     far = sorted((s for s in others if s.rtt_ms > max_rtt_ms), key=far_order)
     if split is not None:
