@@ -20,6 +20,7 @@ the median of --runs; every server with 4 slots of 3,072 tokens.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import time
@@ -34,6 +35,7 @@ MOE = {"arch": "qwen3moe", "n_layer": 48, "n_embd": 2048, "n_head": 32, "n_head_
        "n_expert": 128, "n_expert_used": 8, "n_ff_exp": 768}  # fmt: skip
 DENSE = {"arch": "llama", "n_layer": 32, "n_embd": 4096, "n_head": 32, "n_head_kv": 8, "head_dim": 128, "n_ff": 14336}
 PARALLEL, SLOT_CTX = 4, 3072
+THREADS = ("--threads", str(len(os.sched_getaffinity(0))))  # as mesh-llm gives its llama-server (default_threads)
 
 
 def write_q4k(shape: dict[str, Any], vocab_file: Path, out: Path) -> None:
@@ -235,14 +237,14 @@ def big(run_mesh: Any, server: Any, rpc_server: Any, carry: Path, work: Path, ar
             cands = [["--n-gpu-layers", str(n_layer + 1 - m)] for m in range(max(0, c - 3), c + 1)]
         best: tuple[list[str], float] | None = None
         for flags in cands:  # the least offload whose GPU memory is no more than the mesh's
-            mib = server(f"big-{name}-probe", "0", [], [], (*flags,), lambda b, p: float(gpu_mib()), SLOT_CTX,
+            mib = server(f"big-{name}-probe", "0", [], [], (*flags, *THREADS), lambda b, p: float(gpu_mib()), SLOT_CTX,
                          PARALLEL, model_=model)  # fmt: skip
             print(f"llama-server alone {' '.join(flags)}: {mib:.0f} MiB (mesh: {a['r']['vram']:.0f})", flush=True)
             if mib <= a["r"]["vram"] * 1.01:
                 best = (flags, mib)
                 break
         if best is not None:
-            r = server(f"big-{name}-alone", "0", [], [], (*best[0],), run, SLOT_CTX, PARALLEL, model_=model)
+            r = server(f"big-{name}-alone", "0", [], [], (*best[0], *THREADS), run, SLOT_CTX, PARALLEL, model_=model)
             rows.append((name, f"llama-server alone, {' '.join(best[0])}", r, "best one-node offload in that VRAM"))
             print(rows[-1], flush=True)
 
@@ -253,7 +255,8 @@ def big(run_mesh: Any, server: Any, rpc_server: Any, carry: Path, work: Path, ar
         worker, at = rpc_server(f"big-{name}-stock-w", "1", "CUDA0,CPU" if cpu_dev else None)
         try:
             mapped = [re.sub(r"\[[^\]]+\]$", f"[{at}]", f) for f in placing]
-            r = server(f"big-{name}-stock", "0", [at], split, (*mapped,), run, SLOT_CTX, PARALLEL, model_=model)
+            r = server(f"big-{name}-stock", "0", [at], split, (*mapped, *THREADS), run, SLOT_CTX, PARALLEL,
+                       model_=model)  # fmt: skip
             rows.append((name, "stock RPC, the mesh's split and flags", r, " ".join(mapped) or "no RAM"))
             print(rows[-1], flush=True)
         finally:

@@ -1,7 +1,8 @@
 """[big] 4: a mixture-of-experts model on the mesh, on CPU — the tiny random-weight ``qwen3moe`` of
 ``tests/moe_model.py`` (8 routed experts, 2 active) split over two real nodes: the greedy text equals the same split
 loaded by stock binaries, and the worker loads its layers' expert tensors from its own copy of the file (nothing of
-them crosses the wire). Placement by tensor class (experts in RAM) is not built yet: layers move whole."""
+them crosses the wire); a node, and a mesh, short of memory keep routed experts and whole layers in RAM and answer as
+the same placement loaded by stock binaries."""
 
 from __future__ import annotations
 
