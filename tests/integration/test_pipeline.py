@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -44,11 +45,11 @@ def module_children() -> Iterator[list[Child]]:
 
 
 def _split(tmp: Path, client: Binaries, workers: list[Worker], model: Path, children: list[Child],
-           env: dict[str, str] | None = None) -> Split:  # fmt: skip
+           env: dict[str, str] | None = None, ctx: int = 1024) -> Split:  # fmt: skip
     relays: list[CountingRelay] = []
     env = {"LLAMA_INPUT_ON_FIRST_RPC": "0", **(env or {})}  # the token embedding on llama-server's CPU (stock)
     return start_split(tmp, client, workers, model, children, relays, env=env, threads=2, tensor_split=SPLIT,
-                       extra=["--fit", "off"])  # fmt: skip
+                       extra=["--fit", "off", "--ctx-size", str(ctx)])  # fmt: skip
 
 
 def _through_host(s: Split, n: int) -> tuple[str, list[WireStats]]:
@@ -149,6 +150,58 @@ def test_a_stock_rpc_server_gets_the_star(
         assert ring.complete(PROMPT, N) == text
     finally:
         stop_split(ring)
+
+
+def test_the_inputs_workers_get_each_token_stay_flat_as_the_context_grows(
+    tmp_path: Path, tiny_model: Path, patched_bins: Binaries, module_children: list[Child]
+) -> None:
+    """[pipeline-2] 3 (patch 0014): worker to worker, what llama-server still sends each worker every token is its
+    graph inputs — the KQ masks (n_kv values each, growing with the context) above all. Sent as what changed since the
+    last token, the bytes to the workers per generated token stay flat from a short prompt to a ~1,500-token one;
+    every input whole (GGML_RPC_DELTA=0, stock's way) they grow. Same greedy text both ways."""
+    long_prompt = PROMPT + " " + " ".join(["the quick brown fox jumps over the lazy dog"] * 150)
+    got: dict[str, dict[str, tuple[float, str, Counter[int]]]] = {}
+    for name, env in (("delta", {}), ("whole", {"GGML_RPC_DELTA": "0"})):
+        s = _split(tmp_path / name, patched_bins, _workers(patched_bins, tiny_model, True), tiny_model,
+                   module_children, env=env, ctx=4096)  # fmt: skip
+        try:
+            got[name] = {label: _per_token(s, prompt) for label, prompt in (("short", PROMPT), ("long", long_prompt))}
+            commands = sum((r.snapshot().commands for r in s.relays[:2]), Counter[int]())
+        finally:
+            stop_split(s)
+        assert (commands[Cmd.SET_TENSOR_DELTA] > 0) == (name == "delta"), commands
+    print({k: {c: (round(v[0]), {Cmd(x).name: round(y) for x, y in v[2].items()}) for c, v in d.items()}
+           for k, d in got.items()})  # fmt: skip
+    for label in ("short", "long"):
+        assert got["delta"][label][1] == got["whole"][label][1]
+    d, w = got["delta"], got["whole"]
+    assert w["long"][0] >= 1.5 * w["short"][0]  # the masks grow with the context, sent whole
+    assert d["long"][0] <= 1.25 * d["short"][0] and d["long"][0] < 0.5 * w["long"][0]
+
+
+def _per_token(s: Split, prompt: str, n: int = 48) -> tuple[float, str, Counter[int]]:
+    """Bytes llama-server sent the two workers per generated token from the third on (the prompt's prefill and the
+    first decode graphs are sent by then), less any graph it sent again (GRAPH_COMPUTE: a new shape, once per 256
+    cells of context; GRAPH_RECOMPUTE otherwise), the greedy answer, and the payload per command per token."""
+    import http.client
+
+    c = http.client.HTTPConnection("127.0.0.1", s.port, timeout=300)
+    body = {"prompt": prompt, "n_predict": n, "temperature": 0, "seed": 1, "cache_prompt": False, "stream": True}
+    c.request("POST", "/completion", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    r = c.getresponse()
+    before: list[WireStats] = []
+    text, seen = "", 0
+    for line in r:
+        if line.startswith(b"data: {"):
+            text += json.loads(line[6:])["content"]
+            seen += 1
+            if seen == 2:
+                before = [x.snapshot() for x in s.relays[:2]]
+    c.close()
+    after = [x.snapshot().minus(b) for x, b in zip(s.relays[:2], before, strict=True)]
+    payload = sum((a.payload for a in after), Counter[int]())
+    per = {k: v / (n - 2) for k, v in payload.items()}
+    return (sum(a.bytes_up for a in after) - payload[Cmd.GRAPH_COMPUTE]) / (n - 2), text, Counter(per)
 
 
 # ------------------------------------------------------------------ who gets through to a peer listener

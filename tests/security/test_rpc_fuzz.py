@@ -117,3 +117,51 @@ def test_the_patched_rpc_commands_survive_arbitrary_fields(
         assert srv.alive(), "the patched rpc-server died on a HELLO"
 
     hello()
+
+
+def test_set_tensor_delta_survives_arbitrary_runs_and_patches_only_its_copy(
+    patched_bins: Binaries, tiny_model: Path, tmp_path: Path, children: list[Child]
+) -> None:
+    """Patch 0014's SET_TENSOR_DELTA with arbitrary sizes, run tables and frame lengths, against a real buffer: the
+    server stays up (a bad frame closes the connection), and afterwards a whole input then a patch of it read back
+    as the client's bytes."""
+    port = free_port()
+    srv = Child.start("rpc", rpc_server_argv(patched_bins, port, threads=1, gguf=tiny_model), tmp_path / "rpc.log")
+    children.append(srv)
+    wait_tcp_ready(srv, port)
+    c, remote, base = _connect(port)
+
+    def tensor(at: int, size: int) -> bytes:  # (the server reads its buffer and address only: the shape is a guess)
+        n = min(max(size // 4, 1), 2**32 - 1)
+        return pack_rpc_tensor(ggml_type=0, buffer=remote, ne=(n, 1, 1, 1), nb=(4, 4 * n, 4 * n, 4 * n) if n < 2**30
+                               else (4, 4, 4, 4), data=(base + at) % 2**64, name=b"in")  # fmt: skip
+
+    def delta(at: int, size: int, runs: list[tuple[int, int]], data: bytes, n_runs: int | None = None) -> bytes:
+        head = struct.pack("<QQI", 0, size, len(runs) if n_runs is None else n_runs)
+        return tensor(at, size) + head + b"".join(struct.pack("<II", s, n) for s, n in runs) + data
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(at=st.one_of(st.integers(0, BUF), st.integers(-4096, BUF + 4096)), size=st.one_of(st.integers(0, 4096), U64),
+           runs=st.lists(st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1)), max_size=4),
+           data=st.binary(max_size=512), n_runs=st.one_of(st.none(), st.integers(0, 2**32 - 1)))  # fmt: skip
+    def one(at: int, size: int, runs: list[tuple[int, int]], data: bytes, n_runs: int | None) -> None:
+        nonlocal c, remote, base
+        try:
+            c.send(Cmd.SET_TENSOR_DELTA, delta(at, size, runs, data, n_runs))
+            c.call(Cmd.BUFFER_GET_BASE, struct.pack("<Q", remote))  # still serving this connection?
+        except OSError:
+            c.close()
+            c, remote, base = _connect(port)
+        assert srv.alive(), "the patched rpc-server died on a SET_TENSOR_DELTA"
+
+    one()
+    whole = bytes(range(256)) * 4
+    c.send(Cmd.SET_TENSOR_DELTA, delta(64, 1024, [(0, 1024)], whole))
+    c.send(Cmd.BUFFER_CLEAR, struct.pack("<QB", remote, 7))  # the memory reused in between: the copy is whole
+    c.send(Cmd.SET_TENSOR_DELTA, delta(64, 1024, [(16, 4), (1000, 2)], b"ABCDxy"))
+    got = c.call(Cmd.GET_TENSOR, tensor(64, 1024) + struct.pack("<QQ", 0, 1024))
+    want = bytearray(whole)
+    want[16:20], want[1000:1002] = b"ABCD", b"xy"
+    assert got == bytes(want)
+    c.close()
+    assert srv.alive()

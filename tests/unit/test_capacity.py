@@ -72,12 +72,14 @@ def test_llama_threads_follow_the_cpus_this_process_may_use() -> None:
 
 
 def test_a_node_offers_ram_beside_its_accelerator_for_routed_experts() -> None:
-    """[big] 1: a GPU node offers three quarters of its RAM besides its VRAM; a CPU node what of that its capacity
-    leaves (nothing, unless --max-vram caps it); --max-ram caps either."""
+    """[big] 1: a GPU node offers three quarters of its RAM besides its VRAM (--max-ram caps it); a CPU node's RAM is
+    its capacity, capped by --max-vram: RAM beside that only as much as --max-ram says (so a capped CPU node in a
+    test or on a shared machine keeps to its cap), within what the capacity leaves."""
     gpu = offer(parse_devices(TWO_GPUS), 256 * GB, max_gb=None)
     assert gpu.ram == 192 * GB
     assert offer(parse_devices(TWO_GPUS), 256 * GB, None, max_ram_gb=10).ram == 10 * GB
     assert offer([], 24 * GB, None).ram == 0  # a CPU node's capacity is its RAM already
     capped = offer([], 24 * GB, max_gb=2, max_ram_gb=None)
-    assert (capped.capacity, capped.ram) == (2 * GB, 16 * GB)
+    assert (capped.capacity, capped.ram) == (2 * GB, 0)
     assert offer([], 24 * GB, max_gb=2, max_ram_gb=0.5).ram == int(0.5 * GB)
+    assert offer([], 24 * GB, max_gb=2, max_ram_gb=100).ram == 16 * GB  # what the 3/4 share leaves

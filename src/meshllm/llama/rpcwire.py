@@ -44,6 +44,7 @@ class Cmd(IntEnum):
     PEER_CONNECT = 22  # mesh-llm patch 0011: connect to the successor's peer listener with a key
     PEER_SEND = 23  # mesh-llm patch 0011: send a tensor to the successor
     PEER_RECV = 24  # mesh-llm patch 0011: write what the predecessor sent into a tensor
+    SET_TENSOR_DELTA = 25  # mesh-llm patch 0014: what changed of a compute-buffer input since the last one there
 
 
 NO_REPLY = frozenset(
@@ -58,6 +59,7 @@ NO_REPLY = frozenset(
         Cmd.SET_TENSOR_GGUF,
         Cmd.PEER_SEND,
         Cmd.PEER_RECV,
+        Cmd.SET_TENSOR_DELTA,
     }
 )
 

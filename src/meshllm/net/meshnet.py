@@ -516,7 +516,10 @@ class MeshNet:
                 return
             await asyncio.wait_for(self._auth_as_listener(conn, st), AUTH_TIMEOUT_S * 2)
         except (TimeoutError, ConnectionError, RemoteProtocolError) as e:
-            self._refused(conn, None, f"auth did not complete: {e or type(e).__name__}")
+            if isinstance(e, RemoteProtocolError) or str(e):
+                self._refused(conn, None, f"auth did not complete: {e}")
+            else:  # [face-3] 4: the other side went away mid-auth (two nodes dialling each other keep one): no refusal
+                log.debug("auth from %s ended: %s", tok.host_port(*conn.addr), type(e).__name__)
             conn.close("auth failed")
             return
         if not conn.authenticated:

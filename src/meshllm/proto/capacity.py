@@ -79,9 +79,10 @@ def _label(devices: list[Device]) -> str:
 def offer(devices: list[Device], ram_total: int, max_gb: float | None, max_ram_gb: float | None = None) -> Offer:
     """The memory this node offers. With accelerators: every one's free memory less a margin, all of them served
     (the rpc-server serves each as a device of its own; a host runs them in-process); without: RAM_SHARE of the
-    RAM. ``--max-vram`` (``max_gb``) caps the total, each device's share shrinking in proportion. Besides, for a
-    model's routed experts ([big]): RAM_SHARE of the RAM (on a CPU node, what of it ``capacity`` leaves), capped by
-    ``--max-ram``."""
+    RAM. ``--max-vram`` (``max_gb``) caps the total, each device's share shrinking in proportion. Besides ([big]:
+    routed experts, whole layers where accelerators are short): a GPU node RAM_SHARE of its RAM, capped by
+    ``--max-ram``; a CPU node, whose capacity is its RAM already, only what ``--max-ram`` asks for (of what its
+    capacity leaves of RAM_SHARE): a CPU node capped with ``--max-vram`` keeps to that cap."""
     share = int(ram_total * RAM_SHARE)
 
     def ram(used: int) -> int:
@@ -90,7 +91,7 @@ def offer(devices: list[Device], ram_total: int, max_gb: float | None, max_ram_g
 
     if not devices:
         cap = min(share, int(max_gb * GB)) if max_gb is not None else share
-        return Offer(cap, "cpu", None, ram=ram(cap))
+        return Offer(cap, "cpu", None, ram=ram(cap) if max_ram_gb is not None else 0)
     shares = [max(0, d.free - max(int(d.total * MARGIN_SHARE), MARGIN_MIN)) for d in devices]
     total = sum(shares)
     if max_gb is not None and total > int(max_gb * GB):

@@ -167,7 +167,7 @@ class Hosting:
         """Worker side: only the elected host may reach our rpc-server (anyone reaching it owns the machine)."""
         peer = conn.peer
         if peer is None or not serving.may_open_rpc(peer, self.elected(), self.rpc_up()):
-            log.warning("refused an RPC tunnel from %s: not the elected host", crypto.short(peer) if peer else "?")
+            log.info("refused an RPC tunnel from %s: not the elected host", crypto.short(peer) if peer else "?")
             st.reset()
             return
         await self.bridge_rpc(peer, st)
@@ -177,7 +177,8 @@ class Hosting:
         peer, host = conn.peer, self.elected()
         if peer is None or not serving.may_open_rpc(peer, host, self.rpc_up()):
             if peer is None or peer != host:
-                log.warning("refused an RPC key to %s: not the elected host", crypto.short(peer) if peer else "?")
+                # [face-3] 4: ordinary while an election settles (the host asks before this node agrees): not a warning
+                log.info("refused an RPC key to %s: not the elected host", crypto.short(peer) if peer else "?")
             st.reset()
             return
         ip = conn.addr[0] if conn.relay is None else None  # an IPv4 address reads dotted (sockets.py)
