@@ -810,12 +810,37 @@ def _parse_with_config(parser: argparse.ArgumentParser, argv: list[str]) -> argp
     return args
 
 
+def unknown_option(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """[face-3] 4: the first ``--word`` no parser here knows, with the nearest one it may be a typo of (argparse
+    itself would read `--modle gemma3-270m` as a subcommand named gemma3-270m); None when every one is known."""
+    import difflib
+
+    known: set[str] = set()
+    parsers = [parser]
+    while parsers:
+        p = parsers.pop()
+        for action in p._actions:
+            known.update(action.option_strings)
+            if isinstance(action, argparse._SubParsersAction):
+                parsers.extend(action.choices.values())
+    for word in argv:
+        if word == "--":
+            break
+        flag = word.split("=", 1)[0]
+        if flag.startswith("--") and flag not in known:
+            near = difflib.get_close_matches(flag, sorted(known), n=1, cutoff=0.7)
+            return f"unknown option {flag}" + (f" (did you mean {near[0]}?)" if near else "")
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if not argv:
         parser.print_help()
         return 2
+    if (unknown := unknown_option(parser, argv)) is not None:
+        parser.error(unknown)
     before = _options_before_subcommand(parser, argv)
     if before:
         parser.error(f"{before[0]} comes before the subcommand {argv[len(before)]!r}, where it means nothing: write "

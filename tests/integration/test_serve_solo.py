@@ -174,6 +174,14 @@ def test_streaming_arrives_token_by_token(solo: Solo) -> None:
     # token by token, not buffered: the first token reached us well before the last (a proxy that buffers the
     # whole reply delivers every event within a few milliseconds of the end)
     assert content[-1] - content[0] >= 0.25 * (content[-1] - t0), (content[0] - t0, content[-1] - t0)
+    # [face-3] 4: more tokens than a slot holds (max_tokens 10,000,000 was taken as asked): as many as it holds, and a
+    # header says how many (a stop string ends this one at once)
+    st = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{solo.port}/mesh/status", timeout=10).read())
+    big = {"prompt": "Once upon a time", "max_tokens": 10_000_000, "stop": [" "], "temperature": 0}
+    with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{solo.port}/v1/completions",
+                                data=json.dumps(big).encode(), headers={"Content-Type": "application/json"}),
+                                timeout=60) as r:  # fmt: skip
+        assert r.status == 200 and r.headers["X-Mesh-Max-Tokens"] == str(st["slots"]["ctx"]), (dict(r.headers), st)
 
 
 def test_listen_all_requires_the_api_key(tmp_path: Path) -> None:

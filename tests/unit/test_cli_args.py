@@ -232,3 +232,16 @@ def test_relay_rate_reads_megabytes_per_second() -> None:
     for bad in ("-1", "fast", "nan"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["--model", "m", "--relay-rate", bad])
+
+
+def test_an_unknown_option_is_named_with_the_one_it_may_be_a_typo_of() -> None:
+    """[face-3] 4: `--modle gemma3-270m` was reported as "invalid choice: 'gemma3-270m'" (argparse read the model's
+    name as a subcommand)."""
+    from meshllm.cli import build_parser, unknown_option
+
+    p = build_parser()
+    assert unknown_option(p, ["--modle", "gemma3-270m"]) == "unknown option --modle (did you mean --model?)"
+    assert unknown_option(p, ["status", "--jsn"]) == "unknown option --jsn (did you mean --json?)"
+    assert unknown_option(p, ["--frobnicate"]) == "unknown option --frobnicate"
+    assert unknown_option(p, ["--model", "x", "--max-vram=3", "--", "--anything"]) is None
+    assert unknown_option(p, ["service", "install", "--model", "gemma3-270m"]) is None

@@ -198,6 +198,14 @@ def cap_tokens(req: dict[str, object], cap: int, ep: Endpoint = ENDPOINTS["/v1/c
     return {**{k: v for k, v in req.items() if k not in TOKEN_FIELDS}, ep.cap_field: n}
 
 
+CAPPED_HEADER = "X-Mesh-Max-Tokens"  # on an answer whose request asked for more tokens than its slot holds
+
+
+def over_context(req: dict[str, object], ctx: int) -> bool:
+    """Whether a request asks for more tokens than a slot of ``ctx`` tokens holds, under any name."""
+    return any(_count(n) and n > ctx for n in (req.get(f) for f in TOKEN_FIELDS))  # type: ignore[operator]
+
+
 def _completions(req: dict[str, object]) -> int:
     """How many completions a request asks for (``n``, llama-server's ``n_cmpl``): each takes a slot."""
     n = req.get("n_cmpl", req.get("n", 1))
@@ -311,6 +319,7 @@ class Api:
         max_tokens: int | None = None,
         door: bool = False,
         source_of: Callable[[int], str] | None = None,
+        slot_ctx: Callable[[], int | None] = lambda: None,
     ) -> None:
         """``door``: the host's door for requests its peers forward over the mesh (loopback, our own user only, no
         API key: the peer is an authenticated member) — the same endpoints and the same --max-tokens as the API,
@@ -319,6 +328,7 @@ class Api:
         self.door = door
         self.source_of = source_of  # the door: whose request a connection (by its client port) carries
         self.max_tokens = max_tokens  # --max-tokens: the most a completion request may ask for (None: no cap)
+        self.slot_ctx = slot_ctx  # the context of a slot of the llama-server behind us, when we run it
         self.metrics = metrics
         self.counters = Counters()
         self.models = models
@@ -477,6 +487,12 @@ class Api:
         if capped is not None:
             parsed = capped
             body = json.dumps(capped).encode()
+        ctx = self.slot_ctx()
+        if ctx and over_context(parsed, ctx) and (fit := cap_tokens(parsed, ctx, ep)) is not None:
+            # [face-3] 4: more than a slot holds (max_tokens 10,000,000 was taken): as many as it holds, and a header
+            # says so (the door's answer carries it back through every node)
+            parsed, body = fit, json.dumps(fit).encode()
+            request["capped_to"] = ctx
         served = self.models()
         if model is not None and self.dropped(model):
             return _error(404, f"model {model!r} was dropped from this mesh by its founder or an admin (served: "
@@ -649,6 +665,8 @@ class Api:
                     if k.lower() not in HOP_HEADERS:
                         resp.headers.add(k, v)
                 resp.headers.update(webguard.cors_for(request))
+                if request.get("capped_to"):
+                    resp.headers[CAPPED_HEADER] = str(request["capped_to"])
                 await resp.prepare(request)
                 sse = "event-stream" in r.headers.get("Content-Type", "")
                 tally = _TokenTally(sse)

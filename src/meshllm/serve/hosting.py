@@ -367,8 +367,12 @@ class Hosting:
         """The door peers' requests come through (never llama-server's own port): an API of our own on loopback that
         passes the API's endpoints only, capped as the API caps them, to our llama-server only."""
         self.door = Api(self.local_upstream, models, lambda: {}, max_tokens=max_tokens, door=True,
-                        source_of=self._door_source)  # fmt: skip
+                        source_of=self._door_source, slot_ctx=self.slot_ctx)  # fmt: skip
         self.door_port = await self.door.start("127.0.0.1", 0)
+
+    def slot_ctx(self) -> int | None:
+        """[face-3] 4: the context of each slot of the llama-server we run (None: we run none)."""
+        return self.server_cfg.ctx_size if self.server_cfg is not None else None
 
     def chat_stops(self) -> tuple[str, ...]:
         """The stop strings every chat to our llama-server gets: a base model's transcript turns (llama/chat.py)."""

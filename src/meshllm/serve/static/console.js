@@ -1,6 +1,12 @@
 // mesh-llm console: renders the node's status object (pushed over SSE) and chats through the console server.
 "use strict";
 const $ = (id) => document.getElementById(id);
+
+// [face-3] 4: 24-hour times, whatever the browser's locale would pick (a timeline of "9:41:07 PM" reads badly)
+function clock(d) {
+  return d.toLocaleTimeString([], { hour: "2-digit", minute: "2-digit", second: "2-digit", hour12: false });
+}
+
 const gb = (b) => (b / 1e9).toFixed(1) + " GB";
 
 // where a node stands, as every node computes it (proto/standing.py): "serving", "loading: 43%", "standby: ..."
@@ -16,7 +22,8 @@ function segment(p, models) {
   d.className = "seg " + kind + (suspect ? " suspect" : "");
   d.dataset.node = p.short;
   d.title = `node ${p.node}`;
-  d.style.flex = String(Math.max(p.capacity || 0, 2e8));
+  // [face-3] 4: wider for more memory, never narrower than its name (CSS min-width); the row wraps instead
+  d.style.flexGrow = String(Math.max(p.capacity || 0, 2e8) / 1e9);
   const layers = p.layers ? `layers ${p.layers[0]}–${p.layers[1]}` : kind === "client" ? "lite client" : "no layers";
   const path = (p.path === "self" ? "this node" : p.path) + (p.rpc_path ? `; RPC ${p.rpc_path}` : "");
   const rtt = p.rtt_ms != null ? ` · ${p.rtt_ms.toFixed(1)} ms` : "";
@@ -95,7 +102,7 @@ function timeline(events) {
     const li = document.createElement("li");
     li.className = e.kind;
     const t = document.createElement("time");
-    t.textContent = new Date(e.t * 1000).toLocaleTimeString();
+    t.textContent = clock(new Date(e.t * 1000));
     li.append(t, document.createTextNode(e.text));
     return li;
   }));
@@ -110,7 +117,7 @@ function connect() {
   es.onerror = () => {  // the browser retries by itself; until then the page says it is out of date, and since when
     lostAt = lostAt || new Date();
     document.body.classList.add("lost");
-    $("conn").textContent = `lost contact at ${lostAt.toLocaleTimeString()}: what is shown is from then; reconnecting…`;
+    $("conn").textContent = `lost contact at ${clock(lostAt)}: what is shown is from then; reconnecting…`;
   };
 }
 
