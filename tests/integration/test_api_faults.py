@@ -249,3 +249,39 @@ async def test_every_request_to_llama_server_has_a_connection_of_its_own(llama: 
     finally:
         await a.stop()
         srv.close()
+
+
+async def test_an_upstream_error_keeps_its_retry_after_and_llama_servers_fields() -> None:
+    """[face-3] 5: a lite client dropped Retry-After from the host's 429, and llama-server's own fields of an error
+    (``n_prompt_tokens``, ``n_ctx`` of a context overflow) were lost on the way. The upstream here is a stand-in for
+    the host's door (its answers as the door and llama-server give them: status, Retry-After, the error object)."""
+    from aiohttp import web
+
+    answers = {
+        "busy": (429, {"Retry-After": "3"}, {"error": {"code": 429, "message": "all slots busy",
+                                                        "type": "rate_limit_error"}}),
+        "long": (400, {}, {"error": {"code": 400, "message": "the request exceeds the available context size",
+                                     "type": "exceed_context_size_error", "n_prompt_tokens": 5000, "n_ctx": 4096}}),
+    }  # fmt: skip
+
+    async def answer(request: web.Request) -> web.Response:
+        status, headers, body = answers[(await request.json())["prompt"]]
+        return web.json_response(body, status=status, headers=headers)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    a, url = await _api(Routes(Upstream("tiny", f"http://127.0.0.1:{port}")))
+    try:
+        status, headers, body = await _post(url, {**BODY, "prompt": "busy"})
+        assert status == 429 and headers.get("Retry-After") == "3", (headers, body)
+        status, headers, body = await _post(url, {**BODY, "prompt": "long"})
+        err = json.loads(body)["error"]
+        assert status == 400 and (err["n_prompt_tokens"], err["n_ctx"]) == (5000, 4096), err
+        assert err["type"] == "exceed_context_size_error" and "Retry-After" not in headers
+    finally:
+        await a.stop()
+        await runner.cleanup()

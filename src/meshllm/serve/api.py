@@ -140,10 +140,11 @@ def _error(
     *,
     code: str | None = None,
     param: str | None = None,
+    extra: dict[str, object] | None = None,
 ) -> web.Response:
     """An error in OpenAI's shape: ``code`` a string such as "model_not_found" (or null), ``param`` the field at
-    fault (or null); what the SDKs read into their exceptions."""
-    err = {"message": message, "type": kind, "param": param, "code": code}
+    fault (or null); what the SDKs read into their exceptions. ``extra``: more fields of the error object."""
+    err = {**(extra or {}), "message": message, "type": kind, "param": param, "code": code}
     return _json(status, {"error": err}, headers)
 
 
@@ -251,10 +252,11 @@ _JSON_LIB = re.compile(r"\s*\[json\.exception\.[\w.]+\]")  # llama-server's JSON
 _FIELD = re.compile(r"^Field '([\w.]{1,64})'")
 
 
-def upstream_error(status: int, body: bytes) -> web.Response:
+def upstream_error(status: int, body: bytes, retry_after: str | None = None) -> web.Response:
     """llama-server's error (``{"error": {"code": 400, "message": ..., "type": ...}}``) in OpenAI's shape, as the
     API's own errors are: ``code`` a string or null, ``param`` the field at fault (or null), its JSON library's
-    exception names left out of the message."""
+    exception names left out of the message; its other fields kept ([face-3] 5: ``n_prompt_tokens`` and ``n_ctx``
+    of a context overflow), and ``retry_after`` (the host's 429 or 503 through a lite client) kept as Retry-After."""
     try:
         err = json.loads(body).get("error")
     except (ValueError, AttributeError):
@@ -265,8 +267,11 @@ def upstream_error(status: int, body: bytes) -> web.Response:
     msg = _JSON_LIB.sub("", str(err.get("message") or f"the model server answered {status}"))
     field = _FIELD.match(msg)
     code = err.get("code")
-    return _error(status, msg, str(err.get("type") or "invalid_request_error"),
-                  code=code if isinstance(code, str) else None, param=field.group(1) if field else None)
+    extra: dict[str, object] = {k: v for k, v in err.items() if k not in ("message", "type", "code", "param")
+                                and isinstance(k, str) and (v is None or isinstance(v, int | float | str | bool))}
+    wait = {"Retry-After": retry_after} if retry_after and retry_after.isdigit() else None
+    return _error(status, msg, str(err.get("type") or "invalid_request_error"), wait,
+                  code=code if isinstance(code, str) else None, param=field.group(1) if field else None, extra=extra)
 
 
 def _without_role_only(events: bytes) -> bytes:
@@ -659,7 +664,8 @@ class Api:
         try:
             async with self._session.request(request.method, url, data=body or None, headers=headers) as r:
                 if r.status >= 400 and "json" in r.headers.get("Content-Type", ""):
-                    return upstream_error(r.status, await r.read())  # one shape for every error the API answers
+                    # one shape for every error the API answers
+                    return upstream_error(r.status, await r.read(), r.headers.get("Retry-After"))
                 resp = web.StreamResponse(status=r.status)
                 for k, v in webguard.strip_cors(r.headers.items()):
                     if k.lower() not in HOP_HEADERS:
