@@ -218,6 +218,12 @@ def test_bad_input_is_one_clear_line(tmp_path: Path) -> None:
         busy.listen()
         r = run("--model", "gemma3-270m", "--rpc-port", str(busy.getsockname()[1]))
     assert r.returncode == 2 and "--rpc-port" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    with socket.socket() as busy:  # [face-3] 4: the console's port, before the node founds a mesh (no token written)
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        r = run("--model", "gemma3-270m", "--console", str(busy.getsockname()[1]))
+    assert r.returncode == 2 and "--console" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "s" / "token").exists()
     with _port_with_next_taken() as taken:  # PORT+1 (the links between workers) taken, PORT itself free
         r = run("--model", "gemma3-270m", "--rpc-port", str(taken - 1))
     assert r.returncode == 2 and f"port {taken} is in use" in r.stderr, r.stderr
