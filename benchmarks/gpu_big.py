@@ -11,7 +11,8 @@ Qwen's 151,936). Each under --max-vram caps that force RAM:
   (b) two GPU nodes capped at CAP each (the model fits neither): mesh-llm (and again with ``--max-ram 0``: the
       workers' rpc-servers then serve no CPU device) next to the best one-node offload of (a) and stock RPC with the
       mesh's flags (host GPU in-process + an rpc-server on GPU 1, weights over the wire)
-  (c) a GPU host capped at CAP and a CPU-only worker (its RAM only)
+  (c) a GPU host capped at CAP that offers no RAM (--max-ram 0) and a CPU-only worker (its RAM only: the first
+      layers whole on its CPU), next to stock RPC with the mesh's flags (host GPU in-process + a CPU rpc-server)
 
 Each row: one stream's decode (--tokens greedy tokens), 4 clients at once (aggregate), a 2,000-token prompt's prefill,
 the median of --runs; every server with 4 slots of 3,072 tokens.
@@ -203,7 +204,7 @@ def big(run_mesh: Any, server: Any, rpc_server: Any, carry: Path, work: Path, ar
     rows: list[tuple[str, str, dict[str, float], str]] = []  # (model, setup, numbers, note)
 
     def bench(name: str, model: Path, cap: float, n_layer: int) -> None:
-        def mesh(label: str, spec: list[tuple[str, float | None]], extra: tuple[str, ...] = ()) -> dict[str, Any]:
+        def mesh(label: str, spec: list[tuple[Any, ...]], extra: tuple[str, ...] = ()) -> dict[str, Any]:
             (r, st), _ = run_mesh(f"big-{name}-{label}", "auto", spec, (*sizes, *extra), settled(run, len(spec)),
                                   model_=model)  # fmt: skip
             p = st["plan"]
@@ -224,8 +225,10 @@ def big(run_mesh: Any, server: Any, rpc_server: Any, carry: Path, work: Path, ar
             two_nodes(name, model, cap, mesh)
         if "b0" in parts:  # the workers' rpc-servers then serve no CPU device
             mesh(f"two GPU nodes capped at {cap} GB each, --max-ram 0", [("0", cap), ("1", cap)], ("--max-ram", "0"))
-        if "c" in parts:  # a GPU host and a CPU-only worker
-            mesh(f"GPU host capped at {cap} GB + CPU-only worker", [("0", cap), ("", None)])
+        if "c" in parts:  # a GPU host without RAM and a CPU-only worker: the worker's RAM holds what the GPU cannot
+            c = mesh(f"GPU host capped at {cap} GB, --max-ram 0 + CPU-only worker",
+                     [("0", cap, ("--max-ram", "0")), ("", None)])
+            stock(name, model, c, "", "CPU")
 
     def one_node(name: str, model: Path, cap: float, n_layer: int, mesh: Any) -> None:
         a = mesh(f"one node capped at {cap} GB", [("0", cap)])
@@ -250,14 +253,21 @@ def big(run_mesh: Any, server: Any, rpc_server: Any, carry: Path, work: Path, ar
 
     def two_nodes(name: str, model: Path, cap: float, mesh: Any) -> None:
         b = mesh(f"two GPU nodes capped at {cap} GB each", [("0", cap), ("1", cap)])
-        eps, placing, split = flags_of(b["log"])
+        eps, _, split = flags_of(b["log"])
         cpu_dev = len(split) > len(eps) + 1  # an entry for the worker's CPU: the stock worker serves it too
-        worker, at = rpc_server(f"big-{name}-stock-w", "1", "CUDA0,CPU" if cpu_dev else None)
+        stock(name, model, b, "1", "CUDA0,CPU" if cpu_dev else None)
+
+    def stock(name: str, model: Path, b: dict[str, Any], gpus: str, device: str | None) -> None:
+        """Stock RPC with the mesh's split and placing flags: the host GPU in-process, one rpc-server on ``gpus``
+        serving ``device`` (weights over the wire)."""
+        _, placing, split = flags_of(b["log"])
+        worker, at = rpc_server(f"big-{name}-stock-w", gpus, device)
         try:
             mapped = [re.sub(r"\[[^\]]+\]$", f"[{at}]", f) for f in placing]
             r = server(f"big-{name}-stock", "0", [at], split, (*mapped, *THREADS), run, SLOT_CTX, PARALLEL,
                        model_=model)  # fmt: skip
-            rows.append((name, "stock RPC, the mesh's split and flags", r, " ".join(mapped) or "no RAM"))
+            on = "CPU-only worker" if device == "CPU" else "GPU worker"
+            rows.append((name, f"stock RPC, the mesh's split and flags ({on})", r, " ".join(mapped) or "no RAM"))
             print(rows[-1], flush=True)
         finally:
             worker.stop()
@@ -279,9 +289,12 @@ def big(run_mesh: Any, server: Any, rpc_server: Any, carry: Path, work: Path, ar
         alone = next((v for s, v in mine.items() if s.startswith("llama-server alone")), None)
         one_ = next((v for s, v in mine.items() if "one node" in s), None)
         two = next((v for s, v in mine.items() if "two GPU nodes" in s), None)
-        stock = mine.get("stock RPC, the mesh's split and flags")
+        b_stock = mine.get("stock RPC, the mesh's split and flags (GPU worker)")
+        c = next((v for s, v in mine.items() if "CPU-only worker" in s and s.startswith("mesh-llm")), None)
+        c_stock = mine.get("stock RPC, the mesh's split and flags (CPU-only worker)")
         for k in ("dec", "c4", "pre"):
             got = [f"(a) {one_[k] / alone[k]:.2f}" if one_ and alone else "(a) -"]
             got += [f"(b) {two[k] / alone[k]:.2f}× one node" if two and alone else "(b) -"]
-            got += [f"(b) ÷ stock {two[k] / stock[k]:.2f}"] if two and stock else []
+            got += [f"(b) ÷ stock {two[k] / b_stock[k]:.2f}"] if two and b_stock else []
+            got += [f"(c) ÷ stock {c[k] / c_stock[k]:.2f}"] if c and c_stock else []
             print(f"{name} {k}: {'; '.join(got)}")

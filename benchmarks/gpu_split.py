@@ -415,10 +415,11 @@ def main() -> None:
         return dict(env, CUDA_VISIBLE_DEVICES=i)
 
     # the mesh: one node per (GPUs, --max-vram) in ``spec``; the first makes the mesh, the others join
-    def run_mesh(name: str, rpc_path: str, spec: list[tuple[str, float | None]], extra: tuple[str, ...] = (),
+    def run_mesh(name: str, rpc_path: str, spec: list[tuple[Any, ...]], extra: tuple[str, ...] = (),
                  measure: Any = None, everyone: bool = False, model_: Path | None = None
                  ) -> tuple[Any, dict[str, object]]:  # fmt: skip
-        """``measure(base_url)``: what to measure at the host's API (default: single-stream decode tok/s);
+        """``spec``: (GPUs, --max-vram or None[, that node's own flags]) per node; ``measure(base_url)``: what to
+        measure at the host's API (default: single-stream decode tok/s);
         ``everyone``: once every node's llama-server serves (replicas), at the first node's API. ``rpc_path``
         "tunnel-host": the first node (the host) on --rpc-path tunnel, the others on auto (their rpc-servers keep
         the predecessor listener worker to worker through the mesh needs)."""
@@ -429,18 +430,20 @@ def main() -> None:
         for t in texts:
             t.unlink(missing_ok=True)  # a "ready:" from an earlier run on this machine must not count
         try:
-            for i, ((gpus, cap), port) in enumerate(zip(spec, ports, strict=True)):
+            for i, ((gpus, cap, *own), port) in enumerate(zip(spec, ports, strict=True)):
                 cmd = [sys.executable, "-m", "meshllm.cli", "--model", str(model_ or model),
                        "--state-dir", str(state / f"n{i}"),
                        "--port", str(port), "--bind-host", "127.0.0.1",
                        "--rpc-path", ("auto" if i else "tunnel") if rpc_path == "tunnel-host" else rpc_path,
                        *(extra or ("--ctx-size", "2048", "--parallel", "1"))]  # fmt: skip
                 cmd += ["--max-vram", str(cap)] if cap is not None else []
+                cmd += list(own[0]) if own else []
                 if i:
                     cmd += ["--join-file", str(state / "n0" / "token")]
                 started = time.monotonic()  # the last node's start: what --start times from
                 nodes.append(Child.start(f"n{i}", cmd, texts[i], env=gpu(gpus)))
                 while i == 0 and not (state / "n0" / "token").is_file():
+                    assert nodes[0].alive(), f"the first node ended: {texts[0].read_text()[-600:]}"
                     time.sleep(0.1)
             deadline = time.monotonic() + 600
             while not (all if everyone else any)("ready:" in t.read_text() for t in texts):

@@ -121,6 +121,11 @@ def gigabytes(text: str) -> float:
     return value
 
 
+def ram_gigabytes(text: str) -> float:
+    """--max-ram: as --max-vram, and 0 (offer no RAM: the model stays on accelerators)."""
+    return 0.0 if text.strip() in ("0", "0.0") else gigabytes(text)
+
+
 def ip_address(text: str) -> str:
     import ipaddress
 
@@ -607,9 +612,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"standing renew themselves at half time (default {tok.ADMIT_S // 86400}d, at most "
                         f"{tok.MAX_ADMIT_S // 86400}d)")  # fmt: skip
     p.add_argument("--max-vram", type=gigabytes, metavar="GB", help="cap the memory this node offers")
-    p.add_argument("--max-ram", type=gigabytes, metavar="GB",
+    p.add_argument("--max-ram", type=ram_gigabytes, metavar="GB",
                    help="cap the RAM this node offers besides, for a MoE model's routed experts when the mesh's "
-                        "accelerator memory is short (default: three quarters of its RAM)")  # fmt: skip
+                        "accelerator memory is short (default: three quarters of its RAM; 0: none)")  # fmt: skip
     p.add_argument("--tensor-split", type=parse_split, metavar="P,P,...", help="override the split plan")
     p.add_argument("--split-replicas", action=argparse.BooleanOptionalAction, default=True,
                    help="let the nodes the host's plan leaves out, which hold the model only together, serve it as a "

@@ -78,6 +78,7 @@ def test_a_node_offers_ram_beside_its_accelerator_for_routed_experts() -> None:
     gpu = offer(parse_devices(TWO_GPUS), 256 * GB, max_gb=None)
     assert gpu.ram == 192 * GB
     assert offer(parse_devices(TWO_GPUS), 256 * GB, None, max_ram_gb=10).ram == 10 * GB
+    assert offer(parse_devices(TWO_GPUS), 256 * GB, None, max_ram_gb=0).ram == 0  # --max-ram 0: no RAM at all
     assert offer([], 24 * GB, None).ram == 0  # a CPU node's capacity is its RAM already
     capped = offer([], 24 * GB, max_gb=2, max_ram_gb=None)
     assert (capped.capacity, capped.ram) == (2 * GB, 0)

@@ -22,6 +22,8 @@ BAD = [
     (["--model", "m.gguf", "--relay", ":4000"], "--relay"),
     (["--model", "m.gguf", "--max-vram", "-3"], "--max-vram"),
     (["--model", "m.gguf", "--max-vram", "0"], "--max-vram"),
+    (["--model", "m.gguf", "--max-ram", "-1"], "--max-ram"),
+    (["--model", "m.gguf", "--max-ram", "nan"], "--max-ram"),
     (["--model", "m.gguf", "--max-vram", "nan"], "--max-vram"),
     (["--model", "m.gguf", "--max-vram", "lots"], "--max-vram"),
     (["--model", "m.gguf", "--ctx-size", "0"], "--ctx-size"),
@@ -110,6 +112,8 @@ def test_good_values_parse() -> None:
          "[2001:db8::1]:7000", "--max-vram", "0.5", "--token-ttl", "12h", "--console"]
     )  # fmt: skip
     assert (a.port, a.bind_port, a.bind_host, a.max_vram, a.token_ttl, a.console) == (65535, 0, "::", 0.5, 43200, 3131)
+    # [big]: --max-ram 0 offers no RAM (the model stays on accelerators); --max-vram 0 is still refused above
+    assert build_parser().parse_args(["--model", "m.gguf", "--max-ram", "0"]).max_ram == 0.0
 
 
 def test_gossiped_addresses_with_impossible_ports_are_refused() -> None:
