@@ -105,9 +105,9 @@ def children(proc: subprocess.Popen[bytes]) -> list[psutil.Process]:
 
 
 def split_pair(tmp: Path, model: Path, nodes: list[NodeProc], *host_args: str) -> tuple[NodeProc, NodeProc]:
-    """A host (0.5 GB) and a worker (0.3 GB) serving a 2-node split of the tiny model; both go into ``nodes`` (the
-    caller stops them)."""
-    a = NodeProc(tmp, "a", model, "--max-vram", "0.5", "--ctx-size", "1024", *host_args)
+    """A host (0.446 GB: 9 of the tiny model's 18 layers beside the output, and too little for a second slot) and a
+    worker (0.3 GB) serving a 2-node split of the tiny model; both go into ``nodes`` (the caller stops them)."""
+    a = NodeProc(tmp, "a", model, "--max-vram", "0.446", "--ctx-size", "1024", *host_args)
     nodes.append(a)
     wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
     b = NodeProc(tmp, "b", model, "--max-vram", "0.3", "--ctx-size", "1024", "--join",

@@ -285,3 +285,53 @@ async def test_an_upstream_error_keeps_its_retry_after_and_llama_servers_fields(
     finally:
         await a.stop()
         await runner.cleanup()
+
+
+async def test_a_mesh_of_several_models_answers_per_model_and_asks_which_when_a_request_names_none() -> None:
+    """[face-3] 1: with two models served (one up, one without a host), a request naming none goes to this node's own
+    model, and where the node has none (a lite client) it is a 400 listing them — not whichever model sorts first.
+    ``/health`` is "ok" only when every model answers, says each one's state under its name, and answers for one
+    model with ``?model=``."""
+    asked: list[str | None] = []
+
+    def route(model: str | None) -> Upstream | Unavailable | None:
+        asked.append(model)
+        return Upstream("a", "http://127.0.0.1:9") if model == "a" else Unavailable("no host elected yet")
+
+    async def run(own: str | None) -> tuple[int, dict[str, object]]:
+        a = Api(route, models=lambda: ["a", "b"], status=dict, default_model=lambda: own)
+        port = free_port()
+        await a.start("127.0.0.1", port)
+        try:
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi"}) as r,
+            ):
+                return r.status, await r.json()
+        finally:
+            await a.stop()
+
+    status, body = await run("b")
+    assert (status, asked) == (503, ["b"]), body  # the node's own model, which has no host yet
+    asked.clear()
+    status, body = await run(None)
+    assert status == 400 and asked == [], body
+    assert body["error"]["message"] == "this mesh serves several models (a, b): name one in 'model'", body  # type: ignore[index]
+
+    a = Api(route, models=lambda: ["a", "b"], status=dict, default_model=lambda: "a")
+    port = free_port()
+    await a.start("127.0.0.1", port)
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"http://127.0.0.1:{port}/health") as r:
+                assert r.status == 503, await r.text()
+                got = await r.json()
+                assert got["models"] == {"a": {"status": "ok"}, "b": {"status": "unavailable",
+                                                                      "reason": "no host elected yet"}}, got
+                assert got["reason"] == "b: no host elected yet", got
+            async with s.get(f"http://127.0.0.1:{port}/health?model=a") as r:
+                assert r.status == 200 and (await r.json())["models"] == {"a": {"status": "ok"}}
+            async with s.get(f"http://127.0.0.1:{port}/health?model=c") as r:
+                assert r.status == 404 and "served: a, b" in (await r.json())["reason"]
+    finally:
+        await a.stop()

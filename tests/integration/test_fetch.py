@@ -83,7 +83,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, hub: HubSta
     env = {"HF_ENDPOINT": hub.url}
     nodes: list[NodeProc] = []
     try:
-        a = NodeProc(tmp, "a", tiny_model, "--max-vram", "0.5", "--ctx-size", "1024", env=env)
+        a = NodeProc(tmp, "a", tiny_model, "--max-vram", "0.446", "--ctx-size", "1024", env=env)
         nodes.append(a)
         wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
         token = (a.state / "token").read_text().strip()

@@ -47,7 +47,7 @@ def test_a_worker_fetches_only_its_layers_and_the_split_pushes_no_weight(
     nodes: list[NodeProc] = []
     try:
         # the host reaches its worker through the tunnel, where it counts the weight bytes it pushes
-        a = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.5", "--ctx-size", "1024", "--rpc-path", "tunnel",
+        a = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.446", "--ctx-size", "1024", "--rpc-path", "tunnel",
                      env=env)  # fmt: skip
         nodes.append(a)
         wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
@@ -148,7 +148,7 @@ def test_a_source_that_lies_about_the_sampled_bytes_is_dropped_and_the_copy_comp
     nodes: list[NodeProc] = []
     sources = contextlib.ExitStack()
     try:
-        a = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.5", "--ctx-size", "1024")
+        a = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.446", "--ctx-size", "1024")
         nodes.append(a)
         wait_for(lambda: (a.state / "token").exists() and (a.state / "status.json").exists(), 30, "a's token")
         a_id = bytes.fromhex(json.loads((a.state / "status.json").read_text())["node"])

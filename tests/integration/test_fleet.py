@@ -274,7 +274,7 @@ def test_a_node_with_model_auto_joins_the_model_that_needs_it_most(tmp_path: Pat
         wait_for(lambda: (d.state / "key").exists(), 30, "d's key")
         wait_for(lambda: d.short() in (_models_info(b.port).get(tiny_model.stem, {}).get("nodes") or []), 60,
                  "d to take up the tiny model")  # type: ignore[operator]  # fmt: skip
-        a = NodeProc(tmp_path, "w", other, "--max-vram", "0.5", "--ctx-size", "1024", "--join", token)
+        a = NodeProc(tmp_path, "w", other, "--max-vram", "0.446", "--ctx-size", "1024", "--join", token)
         nodes.append(a)
         wait_for(lambda: "ready:" in a.text(), 120, "the waiting model's split to serve")
         assert "waiting for more peers" in a.text(), a.text()[-2000:]

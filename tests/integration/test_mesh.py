@@ -83,7 +83,7 @@ def test_three_nodes_form_a_mesh_from_one_token_and_refuse_intruders(
     nodes: list[NodeProc], tmp_path: Path, tiny_model: Path
 ) -> None:
     # sized so that two nodes hold the model: the host and one worker; the third stands by
-    a = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.5")
+    a = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.446")
     nodes.append(a)
     wait_for(lambda: (a.state / "token").exists() and bool(a.status()), 20, "the first node's token")
     assert (a.state / "token").stat().st_mode & 0o777 == 0o600

@@ -304,7 +304,7 @@ def test_a_three_node_mesh_sends_activations_worker_to_worker(
 ) -> None:
     """Two workers reached on the direct path: the host hands llama-server their predecessor listeners, the first
     worker's hidden state goes straight to the second, and the answer is the stock split's."""
-    a = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.5", "--ctx-size", "1024")
+    a = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.446", "--ctx-size", "1024")
     nodes = [a]
     try:
         wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
@@ -350,7 +350,7 @@ def test_workers_behind_tunnels_send_activations_worker_to_worker_through_the_me
     from meshllm.proto.auth import AuthWelcome, make_proof
     from tests.integration.test_mesh import _handshake_as
 
-    a = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.5", "--ctx-size", "1024", "--rpc-path", "tunnel")
+    a = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.446", "--ctx-size", "1024", "--rpc-path", "tunnel")
     nodes = [a]
     try:
         wait_for(lambda: (a.state / "token").exists(), 30, "a's token")

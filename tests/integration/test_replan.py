@@ -105,7 +105,7 @@ def until_answered(nodes: list[NodeProc], t0: float, limit: float) -> float:
 
 
 def test_joins_leaves_and_deaths(tmp_path: Path, tiny_model: Path, stock_bins: Binaries) -> None:
-    args = ("--max-vram", "0.5", "--ctx-size", "1024")
+    args = ("--max-vram", "0.446", "--ctx-size", "1024")
     a = NodeProc(tmp_path, "a", tiny_model, *args)
     nodes = [a]
     lite: NodeProc | None = None

@@ -95,10 +95,10 @@ def test_nodes_that_hold_the_model_only_together_serve_a_replica_that_is_a_split
     by the one with the most memory (``fleet.split_replica_host``) over the other's rpc-server; every node lists it
     as a replica and requests through a lite client run on both splits."""
     name = tiny_model.stem
-    half = ("--max-vram", "0.5", "--ctx-size", "1024")
+    half = ("--max-vram", "0.446", "--ctx-size", "1024")
     nodes: list[NodeProc] = []
     try:
-        _, token = _founder(tmp_path, tiny_model, nodes, "--max-vram", "0.5")
+        _, token = _founder(tmp_path, tiny_model, nodes, "--max-vram", "0.446")
         for n in "bcd":
             nodes.append(NodeProc(tmp_path, n, tiny_model, *half, "--join", token))
         e = NodeProc(tmp_path, "e", None, "--client", "--join", token)

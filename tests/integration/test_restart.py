@@ -90,7 +90,7 @@ def test_a_restarted_worker_client_and_founder_rejoin_with_their_plain_command(t
         udp = _udp(a)
         a.stop()
         t0 = time.monotonic()
-        a = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.5", "--ctx-size", "1024", port=a.port)
+        a = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.446", "--ctx-size", "1024", port=a.port)
         nodes.append(a)
         wait_for(lambda: _sees(a, b) and _sees(b, a), 30, "the founder to rejoin")
         assert time.monotonic() - t0 <= REJOIN_S, f"the founder rejoined in {time.monotonic() - t0:.1f} s"
@@ -128,7 +128,7 @@ def test_a_restart_with_no_member_answering_says_so_in_one_line(tmp_path: Path, 
         # it keeps dialling: the founder comes back (knowing nobody, so only the lone node's dialling can find it)
         # and they are one mesh again
         (a.state / "members.json").unlink()
-        a2 = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.5", "--ctx-size", "1024")
+        a2 = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.446", "--ctx-size", "1024")
         nodes.append(a2)
         wait_for(lambda: _sees(lone, a2) and _sees(a2, lone), 30, "the two to find each other")
     finally:

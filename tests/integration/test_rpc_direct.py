@@ -49,7 +49,7 @@ def test_a_split_goes_direct_with_tls_and_only_the_host_gets_through(
     port = free_port("0.0.0.0")  # --rpc-port: the worker's TLS port, as a firewall would need it fixed
     while port_in_use(port + 1, "0.0.0.0"):  # and PORT+1, its listener for worker-to-worker links
         port = free_port("0.0.0.0")
-    with two_nodes(tmp_path, tiny_model, ("--max-vram", "0.5"), ("--max-vram", "0.3", "--rpc-port", str(port))) as (
+    with two_nodes(tmp_path, tiny_model, ("--max-vram", "0.446"), ("--max-vram", "0.3", "--rpc-port", str(port))) as (
         a,
         b,
     ):
@@ -141,7 +141,7 @@ def test_a_split_goes_direct_with_tls_and_only_the_host_gets_through(
 def test_rpc_path_tunnel_keeps_every_byte_in_the_mesh(tmp_path: Path, tiny_model: Path) -> None:
     """A worker started with --rpc-path tunnel opens no TLS listener and says so when its (default) host asks for a
     key: the split runs through the QUIC tunnel, without the host waiting on the worker."""
-    with two_nodes(tmp_path, tiny_model, ("--max-vram", "0.5"), ("--max-vram", "0.3", "--rpc-path", "tunnel")) as (
+    with two_nodes(tmp_path, tiny_model, ("--max-vram", "0.446"), ("--max-vram", "0.3", "--rpc-path", "tunnel")) as (
         a,
         b,
     ):
@@ -164,7 +164,7 @@ def test_a_member_that_is_not_the_host_gets_neither_a_key_nor_a_tunnel(tmp_path:
     from meshllm.proto import crypto
     from meshllm.proto import token as tok
 
-    with two_nodes(tmp_path, tiny_model, ("--max-vram", "0.5"), ("--max-vram", "0.3")) as (a, b):
+    with two_nodes(tmp_path, tiny_model, ("--max-vram", "0.446"), ("--max-vram", "0.3")) as (a, b):
         wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 120, "a two-way split")
         worker = bytes.fromhex(str(_assignments(a)[0]["node"]))
         token = tok.parse((a.state / "token").read_text().strip())

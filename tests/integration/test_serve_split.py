@@ -57,7 +57,7 @@ def llama_server_port(node: NodeProc) -> int:
 def mesh(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[dict[str, NodeProc]]:
     tmp = tmp_path_factory.mktemp("split-mesh")
     # the tunnel path (--rpc-path tunnel): its byte counts are what proves no weights and no logits cross
-    a = NodeProc(tmp, "a", tiny_model, "--max-vram", "0.5", "--ctx-size", "1024", "--rpc-path", "tunnel")
+    a = NodeProc(tmp, "a", tiny_model, "--max-vram", "0.446", "--ctx-size", "1024", "--rpc-path", "tunnel")
     nodes = {"a": a}
     try:
         wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
@@ -251,8 +251,8 @@ def test_a_split_with_a_draft_keeps_the_draft_on_the_host(
 ) -> None:
     """The draft model stays on the host. [pipeline] The worker has room for the token embedding beside its layers,
     so it holds that too (patch 0013), loaded from its own file; the answer is the stock split's."""
-    host_args = ("--max-vram", "0.5", "--draft", str(tiny_model), "--rpc-path", "tunnel")  # counted bytes
-    with two_nodes(tmp_path, tiny_model, host_args, ("--max-vram", "0.45")) as (a, _):
+    host_args = ("--max-vram", "0.446", "--draft", str(tiny_model), "--rpc-path", "tunnel")  # counted bytes
+    with two_nodes(tmp_path, tiny_model, host_args, ("--max-vram", "0.3")) as (a, _):
         wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 120, "a split with a draft")
         assert "--spec-draft-device none" in (a.state / "llama-server.log").read_text()
         worker = _assignments(a)[0]

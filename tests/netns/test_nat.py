@@ -211,7 +211,7 @@ def test_split_completion_across_nats(
     cap: subprocess.Popen[bytes] | None = None
     try:
         rdv, a, b, _ = start_mesh(lab, tmp_path, tiny_model, mode_a, mode_b, 0.0,
-                                  ("--max-vram", "0.5", "--ctx-size", "1024"),
+                                  ("--max-vram", "0.446", "--ctx-size", "1024"),
                                   ("--max-vram", "0.3", "--ctx-size", "1024"))  # fmt: skip
         nodes = [rdv, a, b]
         wait(lambda: connected(a, b) and connected(b, a), 60, "A and B to connect", nodes)
@@ -266,7 +266,7 @@ def test_a_relayed_split_moves_to_a_punched_path_without_a_reload(lab: Lab, tmp_
     nodes: list[Node] = []
     try:
         rdv, a, b, _ = start_mesh(lab, tmp_path, tiny_model, "blocked", "cone", 0.0,
-                                  ("--max-vram", "0.5", "--ctx-size", "1024"),
+                                  ("--max-vram", "0.446", "--ctx-size", "1024"),
                                   ("--max-vram", "0.3", "--ctx-size", "1024"))  # fmt: skip
         nodes = [rdv, a, b]
         wait(lambda: connected(a, b) and connected(b, a), 60, "A and B to connect", nodes)
@@ -339,7 +339,7 @@ def test_a_mesh_found_on_the_lan_is_joined_only_with_approval(lab: Lab, tmp_path
     behind the other NAT (mDNS stays on its LAN: C finds nothing and says so). Approved, B joins and the split
     serves; S, never approved, is in nothing."""
     lab.up("cone", "cone", True)
-    half = ("--model", str(tiny_model), "--max-vram", "0.5", "--ctx-size", "1024")
+    half = ("--model", str(tiny_model), "--max-vram", "0.446", "--ctx-size", "1024")
     nodes: list[Node] = []
     try:
         a = Node(lab, "homeA", tmp_path, "a", *half, "--name", "desk-a")
@@ -401,7 +401,7 @@ def test_a_split_over_three_lan_machines_sends_activations_worker_to_worker(
     lab.up("cone", "cone", True)
     nodes: list[Node] = []
     try:
-        a = Node(lab, "homeA", tmp_path, "a", "--model", str(tiny_model), "--max-vram", "0.5", "--ctx-size", "1024")
+        a = Node(lab, "homeA", tmp_path, "a", "--model", str(tiny_model), "--max-vram", "0.446", "--ctx-size", "1024")
         nodes.append(a)
         wait(lambda: (a.state / "token").exists(), 30, "A's token", nodes)
         token = (a.state / "token").read_text().strip()
@@ -448,7 +448,7 @@ def test_a_split_over_an_ipv6_only_link_connects_and_serves_directly(
     lab.up_v6()
     nodes: list[Node] = []
     try:
-        a = Node(lab, "v6a", tmp_path, "a", "--model", str(tiny_model), "--max-vram", "0.5", "--ctx-size", "1024")
+        a = Node(lab, "v6a", tmp_path, "a", "--model", str(tiny_model), "--max-vram", "0.446", "--ctx-size", "1024")
         nodes.append(a)
         wait(lambda: (a.state / "token").exists(), 30, "A's token", nodes)
         token = (a.state / "token").read_text().strip()

@@ -35,7 +35,7 @@ def test_a_client_scoped_member_cannot_make_a_fetched_model_its_own(tmp_path: Pa
     nodes: list[NodeProc] = []
     sources = contextlib.ExitStack()
     try:
-        a = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.5", "--ctx-size", "1024")
+        a = NodeProc(tmp_path, "a", tiny_model, "--max-vram", "0.446", "--ctx-size", "1024")
         nodes.append(a)
         wait_for(lambda: (a.state / "token").exists() and (a.state / "status.json").exists(), 30, "a's token")
         a_id = bytes.fromhex(json.loads((a.state / "status.json").read_text())["node"])

@@ -461,7 +461,7 @@ def test_a_host_short_of_ram_lets_its_workers_keep_experts_in_theirs() -> None:
     split) and keeps the routed experts of its first layers there: the fewest expert bytes in RAM over the mesh, the
     host's RAM where that costs no more; a worker with no RAM offered serves no CPU device."""
     per = MOE.compute_bytes(CTX, output=False)
-    host_cap = host_fixed_bytes(MOE, CTX) + sum(MOE.layer_cost(i, CTX) for i in range(5)) - 160 * MiB
+    host_cap = host_fixed_bytes(MOE, CTX, gpu=True) + sum(MOE.layer_cost(i, CTX) for i in range(5)) - 160 * MiB
     worker = 5 * MOE.layer_cost(0, CTX) + per - 160 * MiB  # each two layers' experts short of five layers
     p = plan(MOE, Slot(A, host_cap, ram=GB, gpu=True), [Slot(B, worker, ram=GB, gpu=True)], CTX)
     assert isinstance(p, Plan) and p.tensor_split == (5, 0, 6)  # the worker's GPU, its CPU, the host (+ output)
@@ -484,7 +484,7 @@ def test_a_host_short_of_ram_lets_its_workers_keep_experts_in_theirs() -> None:
 def test_layers_whole_in_the_hosts_ram_come_first_and_the_devices_split_the_rest() -> None:
     """[big] 2: whole layers in RAM are llama.cpp's --n-gpu-layers: its CPU takes layers [0, ram_layers) ahead of
     every device; the split spreads the offloaded units only, so each offloaded layer lands where the plan says."""
-    host_cap = host_fixed_bytes(SHAPE, CTX) + 4 * SHAPE.layer_cost(0, CTX)
+    host_cap = host_fixed_bytes(SHAPE, CTX, gpu=True) + 4 * SHAPE.layer_cost(0, CTX)
     p = plan(SHAPE, Slot(A, host_cap, ram=GB, gpu=True), [Slot(B, _fits(3), ram=GB, gpu=True)], CTX)
     assert isinstance(p, Plan) and p.ram_layers == 3 and p.n_gpu_layers == 8
     assert [(a.node, a.first, a.count) for a in p.assignments] == [(B, 3, 3), (A, 6, 4)]
@@ -536,7 +536,7 @@ def test_the_fewest_expert_bytes_in_ram_by_brute_force(
 
     shape = replace(MOE, n_layer=n, layer_bytes=(100 * MiB,) * n, expert_bytes=tuple(e * MiB for e in experts[:n]))
     per = shape.compute_bytes(CTX, output=False)
-    hs = Slot(A, host_fixed_bytes(shape, CTX) + host[0] * MiB, ram=host[1] * MiB + per, gpu=True)
+    hs = Slot(A, host_fixed_bytes(shape, CTX, gpu=True) + host[0] * MiB, ram=host[1] * MiB + per, gpu=True)
     ws = [Slot(bytes([10 + i]) * 32, w * MiB + per, rtt_ms=1.0, ram=r * MiB + per, gpu=True)
           for i, (w, r) in enumerate(workers)]  # fmt: skip
     p = plan(shape, hs, ws, CTX)
@@ -573,7 +573,7 @@ def test_accelerators_host_and_their_ram_comes_before_cpu_nodes() -> None:
     assert elect([gpu, cpu], "f") == A and elect([gpu, cpu], "f", sitting=B) == A
     assert elect([Candidate(A, 10 * GB, "f"), cpu], "f") == B  # both CPU nodes: the most memory
     assert elect([gpu, Candidate(C, 11 * GB, "f", gpu=True)], "f", sitting=A) == A  # within the margin
-    whole = host_fixed_bytes(MOE, CTX) + sum(MOE.layer_cost(i, CTX) for i in range(10))
+    whole = host_fixed_bytes(MOE, CTX, gpu=True) + sum(MOE.layer_cost(i, CTX) for i in range(10))
     p = plan(MOE, Slot(A, whole - 100 * MiB, ram=GB, gpu=True), [Slot(B, 200 * GB)], CTX)
     assert isinstance(p, Plan) and [a.node for a in p.assignments] == [A] and p.standby == (B,)
     assert p.assignments[0].spilled == (0, 1)

@@ -337,3 +337,15 @@ def test_a_gpu_node_offering_ram_serves_its_cpu_after_its_accelerators() -> None
     assert Offer(1, "cuda: x", "CUDA0,CUDA1", ram=1).served == "CUDA0,CUDA1,CPU"
     assert Offer(1, "cuda: x", "CUDA0", ram=0).served == "CUDA0"  # --max-ram 0: no CPU device
     assert Offer(1, "cpu", None, ram=5).served is None  # a CPU node: its rpc-server's default, the CPU
+
+
+def test_a_request_naming_no_model_is_for_the_nodes_own_else_the_meshs_only_one() -> None:
+    """[face-3] 1: this node's own model first, then the one model served; with several and none of our own: None
+    (the API answers 400 listing them)."""
+    from meshllm.proto.serving import default_model
+
+    assert default_model(["a", "b"], "b") == "b"
+    assert default_model(["a", "b"], "c") == "c"  # ours, though no host serves it yet: its 503 says why
+    assert default_model(["a"], None) == "a"
+    assert default_model(["a", "b"], None) is None
+    assert default_model([], None) is None

@@ -24,6 +24,10 @@ RTT_BUCKET_MS = 25.0
 MiB = 1 << 20
 GB = 1_000_000_000
 COMPUTE_BASE = 22 * MiB  # per device: graph and scratch buffers beyond what scales (calibrated: see the split test)
+# the host's compute and output buffers per token of the vocabulary (calibrated: CUDA, the 8B and 30B-A3B shapes on an
+# H200, README "Mixtures of experts"; CPU, the tiny model's split, tests/integration/test_moe.py -k allocation)
+OUTPUT_GPU = 256
+OUTPUT_CPU = 64
 
 
 @dataclass(frozen=True)
@@ -49,10 +53,12 @@ class ModelShape:
     def layer_cost(self, i: int, ctx: int) -> int:
         return self.layer_bytes[i] + self.kv_bytes_per_token_layer * ctx
 
-    def compute_bytes(self, ctx: int, output: bool, ubatch: int = 512) -> int:
+    def compute_bytes(self, ctx: int, output: bool, ubatch: int = 512, gpu: bool = False) -> int:
+        """A device's compute buffers; ``output``: the host's, which also computes the logits (``gpu``: on an
+        accelerator, whose graph keeps more of them live than ggml's CPU backend does)."""
         act = 4 * ubatch * self.n_embd * 4  # a few live f32 activations of the micro-batch
-        logits = 4 * ubatch * self.n_vocab if output else 0
-        return COMPUTE_BASE + act + logits // 8 + ctx * 256
+        logits = (OUTPUT_GPU if gpu else OUTPUT_CPU) * self.n_vocab if output else 0
+        return COMPUTE_BASE + act + logits + ctx * 256
 
 
 @dataclass(frozen=True)
@@ -179,8 +185,10 @@ class Waiting:
         return f"{WAITING} — need {self.need / GB:.1f} GB, have {self.have / GB:.1f} GB"
 
 
-def host_fixed_bytes(shape: ModelShape, ctx: int) -> int:
-    return shape.embd_bytes + shape.output_bytes + shape.other_bytes + shape.compute_bytes(ctx, output=True)
+def host_fixed_bytes(shape: ModelShape, ctx: int, gpu: bool = False) -> int:
+    """What the host holds whatever its layers: embedding, output, norms, its compute and output buffers."""
+    fixed = shape.embd_bytes + shape.output_bytes + shape.other_bytes
+    return fixed + shape.compute_bytes(ctx, output=True, gpu=gpu)
 
 
 def plan(
@@ -219,7 +227,7 @@ def plan(
     if split is not None:
         return _plan_override(shape, host, near + far, ctx, split)
     per_device = shape.compute_bytes(ctx, output=False)  # every device of a node holds its own compute buffer
-    host_budget = host.capacity - host_fixed_bytes(shape, ctx) - (host.devices - 1) * per_device
+    host_budget = host.capacity - host_fixed_bytes(shape, ctx, host.gpu) - (host.devices - 1) * per_device
     # the host takes the last layers, as many as fit
     host_count = 0
     used = 0
@@ -232,7 +240,7 @@ def plan(
     if reached < remaining:  # short of accelerator memory: RAM, as little of it as the model needs
         got = _spilling_plan(shape, ctx, host, others, host_budget, near + far, per_device)
         if got is None:
-            need = host_fixed_bytes(shape, ctx) + sum(shape.layer_cost(i, ctx) for i in range(n))
+            need = host_fixed_bytes(shape, ctx, host.gpu) + sum(shape.layer_cost(i, ctx) for i in range(n))
             need += sum(s.devices for s in others) * per_device + (host.devices - 1) * per_device
             return Waiting(need=need, have=host.capacity + sum(s.capacity for s in others)
                            + host.ram + sum(s.ram for s in others))  # fmt: skip
@@ -249,7 +257,7 @@ def plan(
     for s, count, b in chosen:
         assignments.append(Assignment(s.node, first, count, b, s.shares, cpu_last=s.cpu_last))
         first += count
-    host_bytes = used + host_fixed_bytes(shape, ctx) + (host.devices - 1) * per_device
+    host_bytes = used + host_fixed_bytes(shape, ctx, host.gpu) + (host.devices - 1) * per_device
     assignments.append(Assignment(host.node, first, host_count, host_bytes, host.shares))
     used_nodes = {a.node for a in assignments}
     standby = tuple(sorted(s.node for s in others if s.node not in used_nodes))
@@ -395,7 +403,8 @@ def _spilling_plan(shape: ModelShape, ctx: int, host: Slot, others: list[Slot], 
     assignments = []
     for s, first, count, spilled, vram, ram in got.parts:
         if s is host:
-            b, ram = vram + host_fixed_bytes(shape, ctx) + (s.devices - 1) * per_device, ram + got.ram_layer_bytes
+            b = vram + host_fixed_bytes(shape, ctx, host.gpu) + (s.devices - 1) * per_device
+            ram += got.ram_layer_bytes
         else:
             b = vram + s.devices * per_device
         assignments.append(Assignment(s.node, first, count, b, s.shares, spilled, ram, cpu_last=s.cpu_last))
@@ -452,7 +461,7 @@ def _plan_override(shape: ModelShape, host: Slot, ordered: list[Slot], ctx: int,
     first = 0
     for s, c in zip([*nodes, host], counts, strict=True):
         b = sum(shape.layer_cost(i, ctx) for i in range(first, first + c))
-        b += host_fixed_bytes(shape, ctx) if s is host else shape.compute_bytes(ctx, output=False)
+        b += host_fixed_bytes(shape, ctx, host.gpu) if s is host else shape.compute_bytes(ctx, output=False)
         assignments.append(Assignment(s.node, first, c, b, s.shares))
         first += c
     used = {a.node for a in assignments}

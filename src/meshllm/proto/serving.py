@@ -66,6 +66,15 @@ class LocalServing:
     reason: str = ""
 
 
+def default_model(served: list[str], own: str | None) -> str | None:
+    """[face-3] 1: the model a request that names none is for — this node's own model (``--model``), else the one
+    model the mesh serves; None when this node has none and the mesh serves several (the request must name one: a
+    400 that lists them) or none at all."""
+    if own is not None:
+        return own
+    return served[0] if len(served) == 1 else None
+
+
 def route(
     requested: str | None,
     served: list[str],

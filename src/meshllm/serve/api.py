@@ -325,11 +325,13 @@ class Api:
         door: bool = False,
         source_of: Callable[[int], str] | None = None,
         slot_ctx: Callable[[], int | None] = lambda: None,
+        default_model: Callable[[], str | None] = lambda: None,
     ) -> None:
         """``door``: the host's door for requests its peers forward over the mesh (loopback, our own user only, no
         API key: the peer is an authenticated member) — the same endpoints and the same --max-tokens as the API,
         so no member reaches llama-server's own endpoints or generates past the cap by skipping its own API."""
         self.router = router
+        self.default_model = default_model  # [face-3] 1: a request naming no model is for this one (None: ask)
         self.door = door
         self.source_of = source_of  # the door: whose request a connection (by its client port) carries
         self.max_tokens = max_tokens  # --max-tokens: the most a completion request may ask for (None: no cap)
@@ -427,11 +429,29 @@ class Api:
         return resp
 
     async def health(self, request: web.Request) -> web.Response:
-        up = self.router(None)
-        if isinstance(up, Upstream):
-            return _json(200, {"status": "ok", "model": up.model})
-        reason = up.reason if isinstance(up, Unavailable) else "no model"
-        return _json(503, {"status": "unavailable", "reason": reason})
+        """[face-3] 1: ``?model=NAME`` that model's state; else every model this node serves or routes (its own and
+        each the mesh serves), "ok" only when every one of them answers, and each one's state under its name."""
+        asked = request.query.get("model")
+        if asked is not None and asked not in self.models():
+            return _json(404, {"status": "unavailable", "model": asked,
+                               "reason": f"not served by this mesh (served: {', '.join(self.models()) or 'none'})"})
+        names = [asked] if asked is not None else list(dict.fromkeys([*filter(None, [self.default_model()]),
+                                                                       *self.models()]))  # fmt: skip
+        states: dict[str, dict[str, str]] = {}
+        for name in names:
+            up = self.router(name)
+            states[name] = {"status": "ok"} if isinstance(up, Upstream) else {
+                "status": "unavailable", "reason": up.reason if isinstance(up, Unavailable) else "not served"}
+        if not states:
+            up = self.router(None)
+            reason = up.reason if isinstance(up, Unavailable) else "no model"
+            return _json(503, {"status": "unavailable", "reason": reason})
+        ok = all(v["status"] == "ok" for v in states.values())
+        first = next(iter(states))
+        body: dict[str, object] = {"status": "ok" if ok else "unavailable", "model": first, "models": states}
+        if not ok:
+            body["reason"] = next(f"{n}: {v['reason']}" for n, v in states.items() if v["status"] != "ok")
+        return _json(200 if ok else 503, body)
 
     def _model(self, name: str) -> dict[str, object]:
         info = self.model_info(name) if self.model_info is not None else None
@@ -503,6 +523,9 @@ class Api:
             return _error(404, f"model {model!r} was dropped from this mesh by its founder or an admin (served: "
                           f"{', '.join(served) or 'none'}; `mesh-llm serve {model[:100]}` serves it again)",
                           "invalid_request_error", code="model_not_found", param="model")  # fmt: skip
+        if model is None and (model := self.default_model()) is None and len(served) > 1:
+            return _error(400, f"this mesh serves several models ({', '.join(served)}): name one in 'model'",
+                          "invalid_request_error", code="model_required", param="model")  # fmt: skip
         if model is not None and model not in served and len(served) == 1:
             # one model served: any name reaches it (clients configured for another name work, as with
             # llama-server); the answer names the real one, and the body says it to every node on the way

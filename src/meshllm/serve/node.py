@@ -184,10 +184,10 @@ class Node:
             serving = self._view().unavailable is None if self.hosting else False
             return self.report.metrics(self.me, self.elections, time.monotonic(), serving) if self.report else ""
 
-        assert self.router is not None and self.hosting is not None
-        self.api = Api(self.router.route, self.router.models, lambda: self.status(time.monotonic()),
-                       api_key=self.o.api_key, metrics=metrics, listen_all=self.o.listen_all,
-                       max_tokens=self.o.max_tokens, slot_ctx=self.hosting.slot_ctx)  # fmt: skip
+        r, o, h = self.router, self.o, self.hosting
+        assert r is not None and h is not None
+        self.api = Api(r.route, r.models, lambda: self.status(time.monotonic()), o.api_key, metrics, o.listen_all,
+                       o.max_tokens, slot_ctx=h.slot_ctx, default_model=r.default_model)  # fmt: skip
         try:
             await self.api.start(self.api_host, self.o.port)
         except OSError as e:

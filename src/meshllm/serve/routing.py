@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from meshllm.llama.supervisor import ChildState
 from meshllm.net.meshnet import MeshNet
-from meshllm.proto import crypto, standing
+from meshllm.proto import crypto, serving, standing
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.fleet import Spread
 from meshllm.proto.gossip import SUSPECT_AFTER_S, ModelFacts, PeerRecord
@@ -30,6 +30,11 @@ class Router:
 
     def models(self) -> list[str]:
         return self.net.core.served_models(time.monotonic()) if self.net.core else []
+
+    def default_model(self) -> str | None:
+        """The model a request naming none is for (``serving.default_model``)."""
+        facts = self.facts()
+        return serving.default_model(self.models(), facts.source if facts else None)
 
     def serving_hosts(self) -> list[NodeId]:
         """Every host of every model the mesh serves — the one our election picks and its replicas (ourselves left
