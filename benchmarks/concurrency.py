@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from loadgen import concurrent, ids, one, pct, wait_until
+from provenance import header  # benchmarks/provenance.py: the command line and machine
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,6 +34,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=5)
     args = ap.parse_args()
+    header()
     sys.path.insert(0, str(ROOT / "src"))
     from meshllm.llama.build import find_binaries
     from meshllm.llama.processes import Child, free_port, llama_server_argv, wait_http_ready

@@ -24,6 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from provenance import header  # benchmarks/provenance.py: the command line and machine
+
 from meshllm.llama import build as b
 from meshllm.llama.processes import Child, ChildFailed, describe_exit, free_port, llama_server_argv, wait_http_ready
 from meshllm.models.tiny import tiny_model_path
@@ -69,6 +71,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--build", action="append", default=[], metavar="LABEL=BIN_DIR")
     args = ap.parse_args()
+    header()
     builds = default_builds()
     for spec in args.build:
         label, _, d = spec.partition("=")

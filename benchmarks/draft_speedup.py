@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from provenance import header  # benchmarks/provenance.py: the command line and machine
 from tests.integration.meshlab import NodeProc, wait_for
 
 from meshllm.models.tiny import tiny_model_path
@@ -39,6 +40,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=128)
     args = ap.parse_args()
+    header()
     model = tiny_model_path()
     res: dict[tuple[str, str], float] = {}
     with tempfile.TemporaryDirectory(prefix="mesh-llm-bench-") as tmpd:

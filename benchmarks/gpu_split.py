@@ -377,7 +377,9 @@ def main() -> None:
     ap.add_argument("--big-cap-moe", type=float, default=10.0, help="--big: GB each node offers for the MoE")
     ap.add_argument("--big-cap-dense", type=float, default=3.0, help="--big: GB each node offers for the dense model")
     args = ap.parse_args()
-    print("$ python3 " + " ".join(sys.argv), flush=True)
+    from provenance import header  # benchmarks/provenance.py
+
+    header()
     work: Path = args.work
     work.mkdir(parents=True, exist_ok=True)
     env = prepare_python(args.carry.resolve(), work)

@@ -36,6 +36,7 @@ from delayrelay import DelayProxy  # benchmarks/delayrelay.py
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from provenance import header  # benchmarks/provenance.py: the command line and machine
 from tests.integration.meshlab import NodeProc, wait_for
 
 from meshllm.llama.build import find_binaries
@@ -126,6 +127,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=32)
     args = ap.parse_args()
+    header()
     model = tiny_model_path()
     res: dict[str, dict[str, float]] = {"mesh": {}, "stock, same way": {}, "stock, 2 workers": {}}
     counts: list[int] = []

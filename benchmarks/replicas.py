@@ -33,6 +33,7 @@ import urllib.request
 from pathlib import Path
 
 from loadgen import concurrent, ids, one, pct, wait_until
+from provenance import header  # benchmarks/provenance.py: the command line and machine
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -173,6 +174,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--kill", action="store_true", help="instead: a host killed -9 mid-stream (see above)")
     args = ap.parse_args()
+    header()
     assert len(os.sched_getaffinity(0)) >= 2, "needs two CPUs"
     sys.path.insert(0, str(ROOT / "src"))
     from meshllm.llama.build import find_binaries

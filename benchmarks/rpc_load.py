@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from provenance import header  # benchmarks/provenance.py: the command line and machine
 from tests.integration.splitlab import Worker, start_split, stop_split
 
 from meshllm.llama.build import find_binaries
@@ -82,6 +83,7 @@ def main() -> int:
     ap.add_argument("--model", type=Path, help="GGUF model (default: the tiny test model)")
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
+    header()
     model = args.model or tiny_model_path()
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="mesh-llm-bench-") as tmpd:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from provenance import header  # benchmarks/provenance.py: the command line and machine
 from tests.integration.meshlab import NodeProc, wait_for
 
 from meshllm.llama.build import find_binaries
@@ -108,6 +109,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
+    header()
     model = tiny_model_path()
     rows: dict[str, list[float]] = {p: [] for p in PHASES}
     stock: list[float] = []

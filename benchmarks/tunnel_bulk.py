@@ -23,6 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from provenance import header  # benchmarks/provenance.py: the command line and machine
+
 from meshllm.net.endpoint import STREAM_RPC, Conn, Endpoint, Stream
 from meshllm.net.tunnel import TunnelListener, TunnelStats, connect_and_bridge
 from meshllm.proto import crypto
@@ -132,6 +134,7 @@ def main() -> int:
     ap.add_argument("--mb", type=int, default=200)
     ap.add_argument("--pings", type=int, default=2000)
     args = ap.parse_args()
+    header()
     ctx = mp.get_context("spawn")
     pq, q, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=service, args=(pq,), daemon=True)]

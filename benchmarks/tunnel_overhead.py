@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from provenance import header  # benchmarks/provenance.py: the command line and machine
 from tests.integration.meshlab import NodeProc, wait_for
 from tests.integration.splitlab import Worker, start_split, stop_split
 from tests.integration.test_serve_split import llama_server_port
@@ -52,6 +53,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args()
+    header()
     model = tiny_model_path()
     rows: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="mesh-llm-bench-") as tmpd:

@@ -160,6 +160,50 @@ async def test_a_stream_cut_mid_way_goes_on_where_it_was_cut(llama: Upstream) ->
         proxy.close()
 
 
+async def test_two_cuts_in_one_stream_each_get_their_own_wait_and_the_client_hears_all_along(
+    llama: Upstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """[face-3] 2: the host cut mid-stream, ~2 s with no model server, the next one cut too, ~2 s again, then one
+    that serves: the answer ends whole (the uninterrupted text, no error) although the two waits together outlast
+    one wait (3 s here) — each cut waits anew — and the client hears an SSE comment at least every KEEPALIVE_S
+    while nothing else comes (a client or proxy read timeout does not end an answer about to go on)."""
+    monkeypatch.setattr(api_mod, "RETRY_WAIT_S", 3.0)
+    monkeypatch.setattr(api_mod, "KEEPALIVE_S", 0.5)
+    body = {**BODY, "max_tokens": 120, "stream": True}
+    a, url = await _api(Routes(llama))
+    try:
+        _, _, whole = await asyncio.wait_for(_post(url, body), 120)
+    finally:
+        await a.stop()
+    first, first_url = await _cutting_proxy(llama.base_url, cut_after=1500)
+    second, second_url = await _cutting_proxy(llama.base_url, cut_after=4500)  # the replay, then a few more events
+    gone = Unavailable("the host is unreachable: electing another")
+    routes = Routes(Upstream("tiny", first_url, llama.key), *[gone] * 4, Upstream("tiny", second_url, llama.key),
+                    *[gone] * 4, llama)  # fmt: skip
+    a, url = await _api(routes)
+    loop = asyncio.get_running_loop()
+    try:
+        got, gaps = b"", []
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s,
+            s.post(url + "/v1/completions", json=body) as r,
+        ):
+            last = loop.time()
+            async for chunk in r.content.iter_any():
+                gaps.append(loop.time() - last)
+                last, got = loop.time(), got + chunk
+        events = _events(got)
+        assert r.status == 200 and events[-1] == "[DONE]" and not any('"error"' in e for e in events), events[-3:]
+        assert _text(events) == _text(_events(whole)) and len(_text(events)) > 60
+        assert routes.calls >= 11 and got.count(api_mod.KEEPALIVE) >= 4, (routes.calls, got[:600])
+        print(f"\ntwo cuts: longest client silence {max(gaps[1:]):.2f} s, {got.count(api_mod.KEEPALIVE)} keep-alives")
+        assert max(gaps[1:]) < 1.5, gaps
+    finally:
+        await a.stop()
+        first.close()
+        second.close()
+
+
 async def test_a_stream_whose_host_goes_silent_goes_on_elsewhere(llama: Upstream) -> None:
     """[fleet] a host killed -9 mid-stream leaves its tunnel open until the mesh declares it dead (6 s): an answer
     that brings nothing for a second asks whether the mesh still hears from its node, and goes on at the next host

@@ -30,6 +30,8 @@ log = logging.getLogger("meshllm.api")
 
 RETRY_WAIT_S = 60.0  # how long a failed request waits for the mesh to serve again before its one retry
 RESUMES = 2  # how many times a streamed answer cut mid-way is continued on the next model server
+KEEPALIVE_S = 2.0  # while a cut answer waits and is continued, the client gets an SSE comment at least this often
+KEEPALIVE = b": mesh-llm: continuing the answer on another model server\n\n"  # SSE comment: clients skip it
 BODY_S = 30.0  # a request's body must arrive within this long of its head
 QUIET_S = 1.0  # an answer that brings nothing for this long asks whether its host is still alive (``Upstream.alive``)
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade", "te", "trailer"}
@@ -312,6 +314,24 @@ def _openai_ids(body: bytes) -> bytes:
     return body.replace(b'"id":"chatcmpl-', b'"id":"cmpl-')
 
 
+class _Beat:
+    """[face-3] 2: a client's stream kept alive while its cut answer waits for the mesh and is replayed — an SSE
+    comment (which clients skip) once ``KEEPALIVE_S`` passed without a byte; a client or proxy with a read timeout
+    does not end the answer that is about to go on."""
+
+    def __init__(self, resp: web.StreamResponse) -> None:
+        self.resp = resp
+        self.last = time.monotonic()
+
+    def wrote(self) -> None:
+        self.last = time.monotonic()
+
+    async def tick(self) -> None:
+        if time.monotonic() - self.last >= KEEPALIVE_S:
+            await self.resp.write(KEEPALIVE)
+            self.wrote()
+
+
 class Api:
     def __init__(
         self,
@@ -564,13 +584,17 @@ class Api:
             return False
         model = parsed.get("model") if isinstance(parsed.get("model"), str) else None
         loop = asyncio.get_running_loop()
-        deadline, cuts = loop.time() + RETRY_WAIT_S, 0
+        deadline, cuts = loop.time() + RETRY_WAIT_S, 0  # [face-3] 2: each cut its own wait (see below)
+        beat = _Beat(resp)
         while cuts < RESUMES:
             text = "".join(sent.text)
             more = resume.continuation(path, parsed, text, sent.tokens)
             if more is None or sent.finished:
                 return False
-            up = await self._wait_for_upstream(model, deadline)
+            try:
+                up = await self._wait_for_upstream(model, deadline, beat)
+            except ConnectionError:  # the client went away while its answer waited: nothing left to send it
+                return True
             if not isinstance(up, Upstream):
                 return False
             log.warning("%s cut after %d tokens: continuing on %s", path, sent.tokens, up.base_url)
@@ -578,10 +602,10 @@ class Api:
             # out otherwise, the prompt extended by the text instead
             replay = resume.Replay(text, chat=path == resume.CHAT)
             before = sent.tokens
-            done = await self._stream_more(request, path, resp, up, parsed, sent, replay)
+            done = await self._stream_more(request, path, resp, up, parsed, sent, replay, beat)
             if done is None:
                 log.warning("%s: the answer came out otherwise on %s; continuing its prompt", path, up.base_url)
-                done = await self._stream_more(request, path, resp, up, more, sent, None)
+                done = await self._stream_more(request, path, resp, up, more, sent, None, beat)
             if done:
                 return True
             if up.spread is not None:  # the next try goes to another host of the model while one serves
@@ -590,11 +614,12 @@ class Api:
             # until the deadline; one that failed after giving more is a new cut, and cuts are counted
             if sent.tokens > before or loop.time() > deadline:
                 cuts += 1
+                deadline = loop.time() + RETRY_WAIT_S  # the next cut waits as long as the first
         return False
 
     async def _stream_more(self, request: web.Request, path: str, resp: web.StreamResponse, up: Upstream,
-                           body: dict[str, object], sent: _TokenTally, replay: resume.Replay | None
-                           ) -> bool | None:  # fmt: skip
+                           body: dict[str, object], sent: _TokenTally, replay: resume.Replay | None,
+                           beat: _Beat | None = None) -> bool | None:  # fmt: skip
         """The continuation's events into the client's stream (a chat's new opening event, the assistant's role
         alone, left out; with ``replay``, what the client has); True once it ended whole, None when the replay
         came out otherwise (nothing of it was sent)."""
@@ -620,6 +645,10 @@ class Api:
                     if events:
                         await resp.write(_openai_ids(events) if path == "/v1/completions" else events)
                         sent.feed(events)
+                        if beat is not None:
+                            beat.wrote()
+                    elif beat is not None:  # the replay of what the client has: it hears that the answer goes on
+                        await beat.tick()
                 await resp.write_eof()
                 return True
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
@@ -660,14 +689,18 @@ class Api:
             if up.spread is not None:
                 up.spread.end(up.node)
 
-    async def _wait_for_upstream(self, model: str | None, deadline: float | None = None
+    async def _wait_for_upstream(self, model: str | None, deadline: float | None = None, beat: _Beat | None = None
                                  ) -> Upstream | Unavailable | None:  # fmt: skip
+        """What serves ``model`` once something does, or the last answer at the deadline; ``beat``: a stream kept
+        alive meanwhile."""
         deadline = deadline or asyncio.get_running_loop().time() + RETRY_WAIT_S
         await asyncio.sleep(0.5)
         while True:
             up = self.router(model)
             if isinstance(up, Upstream) or up is None or asyncio.get_running_loop().time() > deadline:
                 return up
+            if beat is not None:
+                await beat.tick()
             await asyncio.sleep(0.5)
 
     async def _forward(self, request: web.Request, path: str, up: Upstream, body: bytes) -> web.StreamResponse | str:
