@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, NoReturn
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from meshllm import __version__
+from meshllm import __version__, sockets
 from meshllm.admin import cmd_admin, cmd_approve, cmd_direct, cmd_refuse, cmd_revoke, cmd_rotate, cmd_token
 from meshllm.errors import UserError
 from meshllm.llama.build import Binaries, BuildPlan
@@ -147,7 +147,7 @@ def host_port(text: str) -> str:
         ip = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_DGRAM)[0][4][0]
     except (OSError, UnicodeError):
         raise argparse.ArgumentTypeError(f"cannot resolve {host!r} to an IP address") from None
-    return tok.host_port(str(ip), int(port))
+    return sockets.host_port(str(ip), int(port))
 
 
 def python_versions(text: str) -> tuple[str, ...]:

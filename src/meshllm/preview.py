@@ -76,8 +76,9 @@ def describe(model: str, shape: ModelShape, file_size: int, got: tuple[Plan | Wa
 
 def preview(model_arg: str, state: Path, models_dir: Path | None, parallel: int | None, ctx: int | None,
             cache: str = "f16") -> list[str]:  # fmt: skip
-    from meshllm.llama.gguf import model_shape, read_header
+    from meshllm.llama.gguf import read_header
     from meshllm.models.download import resolve
+    from meshllm.serve.modelfiles import model_shape
     from meshllm.state import running_pid
 
     path = resolve(model_arg, models_dir, fetch=False)

@@ -76,3 +76,8 @@ def gso_runs(datagrams: list[tuple[bytes, A]]) -> list[tuple[A, list[bytes]]]:
                 continue
         out.append((addr, [data]))
     return out
+
+
+def host_port(host: str, port: int) -> str:
+    """An address as ``proto/token.ip_port`` reads it: "1.2.3.4:5", an IPv6 host in brackets ("[::1]:5")."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -181,9 +181,9 @@ def test_a_source_that_lies_about_the_sampled_bytes_is_dropped_and_the_copy_comp
 def test_a_partial_copy_gives_back_the_layers_a_plan_took_away(tmp_path: Path, tiny_model: Path) -> None:
     """[trust-3] 2: layers a stable plan no longer gives a worker are given back — holes punched in its sparse copy
     (the disk freed, the file's size kept), the chunks forgotten in ``.have`` — and the layers it keeps are intact."""
-    from meshllm.llama.gguf import model_shape
     from meshllm.proto import crypto
     from meshllm.serve.fetch_pull import PartialCopy, _resume
+    from meshllm.serve.modelfiles import model_shape
     from meshllm.serve.sharing import _manifest_of
 
     fp = model_fingerprint(tiny_model)

@@ -17,7 +17,7 @@ import pytest
 
 from meshllm.llama.build import Binaries
 from meshllm.llama.gguf import read_header
-from meshllm.proto import token as tok
+from meshllm.sockets import host_port
 
 from .meshlab import NodeProc, children, wait_for
 from .splitlab import PROMPT, stock_split_text
@@ -222,7 +222,7 @@ def test_children_listen_on_loopback_and_go_with_sigterm(mesh: dict[str, NodePro
             env = p.environ() if p.name() == "ggml-rpc-server" else {}
             tls = {env.get("GGML_RPC_TLS_LISTEN", ""), env.get("GGML_RPC_PEER_LISTEN", "")}
             for conn in p.net_connections(kind="tcp"):
-                if conn.status == psutil.CONN_LISTEN and tok.host_port(conn.laddr.ip, conn.laddr.port) not in tls:
+                if conn.status == psutil.CONN_LISTEN and host_port(conn.laddr.ip, conn.laddr.port) not in tls:
                     assert conn.laddr.ip == "127.0.0.1", (p.name(), conn.laddr)
     assert {p.name() for p in kids} >= {"llama-server", "ggml-rpc-server"}
     for n in mesh.values():

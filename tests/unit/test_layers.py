@@ -1,8 +1,11 @@
-"""[house] The import graph reads cli → serve → net → proto (llama, models, state beside) with no circle."""
+"""[house] The import graph reads cli → serve → net → proto (llama, models, state beside) with no circle; [house-2] 4:
+the network knows nothing of llama.cpp, llama.cpp's shells nothing of the protocol, and the protocol cores only
+themselves, the standard library and pure libraries."""
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "meshllm"
@@ -42,8 +45,8 @@ def test_layers_import_only_downwards() -> None:
     above = {
         "meshllm.proto": ("meshllm.net", "meshllm.serve", "meshllm.llama", "meshllm.models", "meshllm.cli",
                           "meshllm.state", "meshllm.bundle"),
-        "meshllm.net": ("meshllm.serve", "meshllm.cli", "meshllm.bundle"),
-        "meshllm.llama": ("meshllm.serve", "meshllm.net", "meshllm.cli"),
+        "meshllm.net": ("meshllm.serve", "meshllm.cli", "meshllm.bundle", "meshllm.llama"),
+        "meshllm.llama": ("meshllm.serve", "meshllm.net", "meshllm.cli", "meshllm.proto"),
         "meshllm.serve": ("meshllm.cli",),
     }  # fmt: skip
     for mod, deps in imports().items():
@@ -51,3 +54,24 @@ def test_layers_import_only_downwards() -> None:
             if mod.startswith(layer + ".") or mod == layer:
                 bad = sorted(d for d in deps if d.startswith(forbidden))
                 assert not bad, f"{mod} imports {bad}"
+
+
+PURE = {"msgpack", "cryptography"}  # libraries with no I/O of their own that the protocol cores may use
+NEUTRAL = {"meshllm.errors"}  # leaves of our own, importing nothing of meshllm, that every layer may use
+
+
+def test_the_protocol_cores_import_only_themselves_the_standard_library_and_pure_libraries() -> None:
+    """[house-2] 4: ``proto/`` takes ``now`` and does no I/O, so it imports no asyncio shell, no llama.cpp, no
+    aiohttp or psutil — read from the source of every module there, lazy imports too."""
+    for p in sorted((SRC / "proto").rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                top = name.split(".")[0]
+                ok = (name.startswith("meshllm.proto") or name in NEUTRAL or top in PURE or top == "__future__"
+                      or (top in sys.stdlib_module_names and top not in ("asyncio", "socket", "subprocess")))
+                assert ok, f"{p.relative_to(SRC)} imports {name}"
+    for leaf in NEUTRAL:
+        assert not imports()[leaf], f"{leaf} must import nothing of meshllm"

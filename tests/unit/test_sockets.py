@@ -27,7 +27,7 @@ def test_addresses_read_the_same_whichever_family_carried_them() -> None:
     assert sockets.canonical("::ffff:192.168.1.2") == "192.168.1.2" and sockets.canonical("10.0.0.1") == "10.0.0.1"
     assert sockets.canonical("2001:DB8:0:0::1") == "2001:db8::1" and sockets.canonical("::ffff:10.0.0.1") == "10.0.0.1"
     assert parse_addr("[2001:DB8:0::1]:7000") == ("2001:db8::1", 7000)  # as a datagram from there reads
-    assert tok.host_port("2001:db8::1", 5) == "[2001:db8::1]:5" and tok.host_port("10.0.0.1", 5) == "10.0.0.1:5"
+    assert sockets.host_port("2001:db8::1", 5) == "[2001:db8::1]:5" and sockets.host_port("10.0.0.1", 5) == "10.0.0.1:5"
     for a in ("[2001:db8::1]:5", "10.0.0.1:5"):
         assert tok.ip_port(a)
 

@@ -37,7 +37,7 @@ from meshllm.llama.processes import (
     wait_http_ready,
     wait_tcp_ready,
 )
-from meshllm.proto.token import host_port
+from meshllm.sockets import host_port
 
 log = logging.getLogger("meshllm.supervisor")
 

@@ -309,9 +309,9 @@ class Conn:
     def path(self) -> str:
         r, d = self.relay, self.shortcut
         if r is None:
-            return f"direct {tok.host_port(*self.addr)}"
+            return f"direct {sockets.host_port(*self.addr)}"
         if d is not None:
-            return f"direct {tok.host_port(*d)} (punched, first relayed via {crypto.short(r)})"
+            return f"direct {sockets.host_port(*d)} (punched, first relayed via {crypto.short(r)})"
         return f"relayed via {crypto.short(r)}"
 
     @property
@@ -645,7 +645,7 @@ class Endpoint:
         try:
             sock = sockets.bound(host, port, socket.SOCK_DGRAM)
         except OSError as e:
-            raise MeshError(f"cannot bind UDP {tok.host_port(host, port)}: {e.strerror}") from None
+            raise MeshError(f"cannot bind UDP {sockets.host_port(host, port)}: {e.strerror}") from None
         self.transport = UdpSocket(sock, self)
         return self.local_addr
 
@@ -839,8 +839,8 @@ class Endpoint:
             raise
         except TimeoutError:
             conn.close("handshake timed out")
-            raise DialError(f"no answer from {tok.host_port(*addr)} within {timeout:.0f} s") from None
+            raise DialError(f"no answer from {sockets.host_port(*addr)} within {timeout:.0f} s") from None
         except DialError as e:
             conn.close(str(e))
-            raise DialError(f"{tok.host_port(*addr)}: {e}") from None
+            raise DialError(f"{sockets.host_port(*addr)}: {e}") from None
         return conn

@@ -56,6 +56,7 @@ from meshllm.proto.knock import REFUSED, KnockAnswer, KnockAsk
 from meshllm.proto.meshcore import EventKind, MeshCore, Out, token_alternates
 from meshllm.proto.reach import RELAY_RATE, Observed, PunchRequest, RelayMode
 from meshllm.proto.wire import FrameDecoder, Message, encode
+from meshllm.sockets import host_port
 from meshllm.state import (
     ADMINS,
     DIRECTIVES,
@@ -83,7 +84,7 @@ def local_addresses(port: int, ipv6: bool) -> list[str]:
     """host:port for every address of this machine (IPv6 ones too with ``ipv6``), IPv4 first, loopback last."""
     ips = sorted((ip for ip in local_ips() if ipv6 or ":" not in ip),
                  key=lambda ip: (ip.startswith("127.") or ip == "::1", ":" in ip, ip))  # fmt: skip
-    return [tok.host_port(ip, port) for ip in ips] or [f"127.0.0.1:{port}"]
+    return [host_port(ip, port) for ip in ips] or [f"127.0.0.1:{port}"]
 
 
 async def _read_frame(stream: Stream, dec: FrameDecoder, timeout: float) -> Message:
@@ -167,7 +168,7 @@ class MeshNet:
         if self.advertise:
             self.addrs = self.advertise
         elif host not in ("0.0.0.0", "::"):
-            self.addrs = [tok.host_port(host, port)]
+            self.addrs = [host_port(host, port)]
         else:
             self.addrs = local_addresses(port, self.ep.ipv6)
         self.ep.relay_server = self.nat.relay_mode == RelayMode.ON
@@ -519,7 +520,7 @@ class MeshNet:
             if isinstance(e, RemoteProtocolError) or str(e):
                 self._refused(conn, None, f"auth did not complete: {e}")
             else:  # [face-3] 4: the other side went away mid-auth (two nodes dialling each other keep one): no refusal
-                log.debug("auth from %s ended: %s", tok.host_port(*conn.addr), type(e).__name__)
+                log.debug("auth from %s ended: %s", host_port(*conn.addr), type(e).__name__)
             conn.close("auth failed")
             return
         if not conn.authenticated:
@@ -533,7 +534,7 @@ class MeshNet:
             ask = await _read_frame(st, FrameDecoder(AUTH_MAX_FRAME), AUTH_TIMEOUT_S)
             if not isinstance(ask, KnockAsk):
                 raise RemoteProtocolError("expected a knock")
-            addr = tok.host_port(*conn.addr)
+            addr = host_port(*conn.addr)
             no = KnockAnswer(REFUSED, reason="this node takes no knocks")
             ans = self.on_knock(ask, addr) if self.on_knock else no
             st.write(encode(ans))
@@ -556,7 +557,7 @@ class MeshNet:
             conn.close("knocked")
 
     def _refused(self, conn: Conn, who: NodeId | None, reason: str) -> None:
-        line = f"refused {crypto.short(who) if who else '?'} from {tok.host_port(*conn.addr)}: {reason}"
+        line = f"refused {crypto.short(who) if who else '?'} from {host_port(*conn.addr)}: {reason}"
         self.refusals.append(line)
         log.warning(line)
 
@@ -593,7 +594,7 @@ class MeshNet:
         st.write(encode(AuthWelcome(chain=tok.chain_to_wire(v.chain))))
         st.close()
         if v.joined:
-            log.info("admitted %s from %s with a token", crypto.short(hello.dialler), tok.host_port(*conn.addr))
+            log.info("admitted %s from %s with a token", crypto.short(hello.dialler), host_port(*conn.addr))
         conn.peer = hello.dialler
         conn.set_authenticated()
         self._register(conn, hello.dialler, listener=True)
@@ -624,7 +625,7 @@ class MeshNet:
         self.gossip[node] = st
         self.send(self.core.on_connected(node, self.now))
         if conn.relay is None:
-            self.send([(node, Observed(addr=tok.host_port(*conn.addr)))])
+            self.send([(node, Observed(addr=host_port(*conn.addr)))])
         rekey = self._rekey()
         if rekey is not None:
             self.send([(node, rekey)])  # a member that was away when the secret rotated learns it here

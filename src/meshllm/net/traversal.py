@@ -39,6 +39,7 @@ from meshllm.proto.reach import (
     relayed_addr,
     rendezvous,
 )
+from meshllm.sockets import host_port
 
 
 class MeshSide(Protocol):
@@ -265,4 +266,4 @@ class Traversal:
 
 def _seen(conn: Conn) -> list[str]:
     """Where a direct connection's packets come from (what a NAT maps the peer to), as a candidate address."""
-    return [tok.host_port(*conn.addr)] if conn.relay is None else []
+    return [host_port(*conn.addr)] if conn.relay is None else []

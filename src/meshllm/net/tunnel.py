@@ -25,7 +25,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from meshllm.errors import RemoteProtocolError
-from meshllm.llama.rpcwire import CommandParser, WireStats
 from meshllm.net.endpoint import Stream
 from meshllm.net.localuser import other_user
 
@@ -46,7 +45,9 @@ class TunnelStats:
     bytes_up: int = 0  # TCP -> QUIC (to the peer)
     bytes_down: int = 0  # QUIC -> TCP (from the peer)
     tunnels: int = 0
-    rpc: WireStats | None = None  # host side of RPC tunnels: what llama-server asked of the worker
+    # what goes up (TCP -> QUIC) is shown to a watcher this makes, a new one per connection (the host's RPC tunnels
+    # count llama-server's commands to each worker: the parser lives above, this layer carries bytes only)
+    watcher: Callable[[], Callable[[bytes], None]] | None = None
 
 
 class _Decoder:
@@ -106,7 +107,7 @@ class Bridge(asyncio.Protocol):
     def __init__(self, stream: Stream, stats: TunnelStats) -> None:
         self.stream = stream
         self.stats = stats
-        self.parser = CommandParser(stats.rpc) if stats.rpc is not None else None
+        self.watch = stats.watcher() if stats.watcher is not None else None
         self.transport: asyncio.Transport | None = None
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         # TCP -> QUIC
@@ -206,8 +207,8 @@ class Bridge(asyncio.Protocol):
         """Frames to the peer (the caller checked the window)."""
         self.window -= len(data)
         self.stats.bytes_up += len(data)
-        if self.parser is not None:
-            self.parser.feed(bytes(data))
+        if self.watch is not None:
+            self.watch(bytes(data))
         try:
             for i in range(0, len(data), MAX_FRAME):
                 part = data[i : i + MAX_FRAME]

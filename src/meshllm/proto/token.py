@@ -222,11 +222,6 @@ def ip_port(text: object) -> bool:
     return True
 
 
-def host_port(host: str, port: int) -> str:
-    """An address as ``ip_port`` reads it: "1.2.3.4:5", an IPv6 host in brackets ("[::1]:5")."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 def _is_scope(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v in set(Scope)
 

@@ -35,7 +35,7 @@ from cryptography.x509.oid import NameOID
 
 from meshllm import sockets
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.token import host_port
+from meshllm.sockets import host_port
 from meshllm.state import write_private
 
 log = logging.getLogger("meshllm.fetch")

@@ -29,7 +29,7 @@ from typing import Any
 import msgpack
 
 from meshllm.errors import UserError
-from meshllm.llama.gguf import GGUFHeader, held_with_layer, model_fingerprint, model_shape, read_header, sampled
+from meshllm.llama.gguf import GGUFHeader, held_with_layer, model_fingerprint, read_header, sampled
 from meshllm.net.endpoint import STREAM_FETCH
 from meshllm.net.meshnet import MeshNet
 from meshllm.proto import crypto
@@ -38,6 +38,7 @@ from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import is_fingerprint
 from meshllm.proto.serving import as_ranges
 from meshllm.serve.fetch_direct import DirectLink
+from meshllm.serve.modelfiles import model_shape
 from meshllm.serve.sharing import MANIFEST_TIMEOUT_S, WINDOWS_MAX, Progress, Sharing, read_all
 
 log = logging.getLogger("meshllm.fetch")

@@ -138,8 +138,8 @@ async def obtain_and_open(net: MeshNet, name: str, o: NodeOptions, console: Cons
     found = await _in_mesh(net, name, wait_s) if not o.fetch_all else None
     if found is not None:
         from meshllm.llama.chat import chat_default
-        from meshllm.llama.gguf import model_shape
         from meshllm.paths import models_dir
+        from meshllm.serve.modelfiles import model_shape
 
         fp, served_as, size = found
         n = len(sources_of(net, fp))

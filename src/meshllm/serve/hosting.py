@@ -19,7 +19,7 @@ from meshllm import state
 from meshllm.errors import UserError
 from meshllm.llama.build import Binaries
 from meshllm.llama.processes import ChildFailed, Tuning, speaks_tls
-from meshllm.llama.rpcwire import Cmd, WireStats
+from meshllm.llama.rpcwire import Cmd, CommandParser, WireStats
 from meshllm.llama.supervisor import ChildState, LocalServer, RpcServer, ServerConfig, default_threads
 from meshllm.net.endpoint import (
     STREAM_FETCH,
@@ -40,12 +40,12 @@ from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import MAX_WHY, ModelFacts, NodeState
 from meshllm.proto.planner import BASE_CTX, Plan, Sizing, Waiting
 from meshllm.proto.serving import LAYER_WAIT_S
-from meshllm.proto.token import host_port
 from meshllm.serve.api import Api, Unavailable, Upstream
 from meshllm.serve.modelfiles import ModelFiles
 from meshllm.serve.peerlinks import PeerLinks
 from meshllm.serve.sharing import Sharing
 from meshllm.serve.slotgate import SlotGate
+from meshllm.sockets import host_port
 
 log = logging.getLogger("meshllm.hosting")
 
@@ -90,6 +90,7 @@ class Hosting:
         self.say: Callable[[str, str], None] | None = None  # a line for the terminal and the timeline (node._say)
         self.sharing: Sharing | None = None  # our model file, for members that fetch it (serve/fetching.py)
         self.rpc_stats: dict[NodeId, TunnelStats] = {}  # per peer
+        self.rpc_wire: dict[NodeId, WireStats] = {}  # per worker: what our llama-server asked of it through tunnels
         self.http_stats: dict[NodeId, TunnelStats] = {}
         self.at_load: dict[NodeId, tuple[int, int, int]] = {}  # per worker: weight bytes, round trips, allocated
         self.rpc_listeners: dict[NodeId, TunnelListener] = {}  # host side: one per worker
@@ -561,7 +562,8 @@ class Hosting:
         for n in nodes:
             if n not in self.rpc_listeners:
                 stats = self.rpc_stats.setdefault(n, TunnelStats())
-                stats.rpc = stats.rpc or WireStats()
+                wire = self.rpc_wire.setdefault(n, WireStats())
+                stats.watcher = lambda wire=wire: CommandParser(wire).feed
                 lst = TunnelListener(self._opener(n, STREAM_RPC), stats)
                 await lst.start()
                 rec = self.net.record(n)
@@ -618,7 +620,7 @@ class Hosting:
                 self.say("[green]llama-server serves again[/]", "ready")
             return False
         # what loading the model cost on each worker's wire (later traffic is per-token inputs)
-        self.at_load = {n: _weights_and_trips(st) for n, st in self.rpc_stats.items() if st.rpc is not None}
+        self.at_load = {n: _weights_and_trips(w) for n, w in self.rpc_wire.items()}
         return True
 
     # ---------------------------------------------------------------- counts and shutdown
@@ -629,8 +631,8 @@ class Hosting:
         # bytes_up: what we sent to that peer through tunnels; bytes_down: what came back from it
         out = {"rpc_sent": rpc.bytes_up, "rpc_received": rpc.bytes_down, "rpc_tunnels": rpc.tunnels,
                "http_sent": http.bytes_up, "http_received": http.bytes_down}  # fmt: skip
-        if rpc.rpc is not None:
-            out["rpc_local_loads"] = rpc.rpc.commands[Cmd.SET_TENSOR_GGUF]
+        if (wire := self.rpc_wire.get(node)) is not None:
+            out["rpc_local_loads"] = wire.commands[Cmd.SET_TENSOR_GGUF]
             if node in self.at_load:
                 out["load_weight_bytes"], out["load_round_trips"], out["load_allocated"] = self.at_load[node]
         return out
@@ -649,7 +651,5 @@ class Hosting:
         await self.links.close()
 
 
-def _weights_and_trips(st: TunnelStats) -> tuple[int, int, int]:
-    assert st.rpc is not None
-    return (st.rpc.payload[Cmd.SET_TENSOR] + st.rpc.payload[Cmd.SET_TENSOR_HASH], st.rpc.round_trips,
-            st.rpc.allocated)  # fmt: skip
+def _weights_and_trips(w: WireStats) -> tuple[int, int, int]:
+    return w.payload[Cmd.SET_TENSOR] + w.payload[Cmd.SET_TENSOR_HASH], w.round_trips, w.allocated

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from meshllm.errors import MeshError, UserError
 from meshllm.llama.chat import chat_default
-from meshllm.llama.gguf import model_shape, read_header
+from meshllm.llama.gguf import read_header
 from meshllm.net.meshnet import MeshNet
 from meshllm.paths import models_dir
 from meshllm.proto import crypto, fleet
@@ -24,7 +24,7 @@ from meshllm.proto.planner import GB, ModelShape
 from meshllm.serve import lan
 from meshllm.serve.fetching import LayerKeeper, obtain_and_open, obtain_model
 from meshllm.serve.hosting import Hosting
-from meshllm.serve.modelfiles import ModelFiles, find_by_fingerprint
+from meshllm.serve.modelfiles import ModelFiles, find_by_fingerprint, model_shape
 from meshllm.serve.narration import duration
 from meshllm.serve.options import NodeOptions, default_name
 from meshllm.state import load_members, load_token, save_addrs, save_members, save_token

@@ -3,12 +3,13 @@ that joined without --model — the mesh's model found on this machine by finger
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from meshllm.errors import UserError
 from meshllm.llama.chat import ChatDefault, chat_default
-from meshllm.llama.gguf import GGUFHeader, model_fingerprint, model_shape, vocab_signature
+from meshllm.llama.gguf import GGUFHeader, model_fingerprint, vocab_signature
 from meshllm.llama.gguf import read_header as read_gguf_header
 from meshllm.models import catalog
 from meshllm.models.download import installed, resolve
@@ -83,3 +84,52 @@ def find_by_fingerprint(where: Path, fingerprint: str, size: int) -> Path | None
         except (OSError, UserError):
             continue
     return None
+
+
+def model_shape(hdr: GGUFHeader) -> ModelShape:
+    """What the planner needs to know about a model, from its header (all parts' tensors given together): here, above
+    both the file format (``llama/``) and the planner (``proto/``), which know nothing of each other."""
+    arch = str(hdr.metadata.get("general.architecture", ""))
+
+    def meta_int(key: str, default: int = 0) -> int:
+        v = hdr.metadata.get(f"{arch}.{key}", default)
+        return int(v) if isinstance(v, int | float) else default
+
+    n_layer = meta_int("block_count")
+    if n_layer <= 0:
+        raise UserError(f"{hdr.path}: no {arch}.block_count in the model metadata")
+    layer = [0] * n_layer
+    experts = [0] * n_layer  # the routed experts (ffn_up/down/gate_exps; shared experts, _shexp, are not)
+    embd = output = other = 0
+    for t in hdr.tensors:
+        m = re.match(r"blk\.(\d+)\.", t.name)
+        if m and int(m.group(1)) < n_layer:
+            layer[int(m.group(1))] += t.nbytes
+            if re.match(r"blk\.\d+\.ffn_(up|down|gate)_exps\.", t.name):
+                experts[int(m.group(1))] += t.nbytes
+        elif t.name == "token_embd.weight":
+            embd = t.nbytes
+        elif t.name == "output.weight":
+            output = t.nbytes
+        else:
+            other += t.nbytes
+    if output == 0:
+        output = embd  # tied embeddings: llama.cpp copies the matrix to the output device
+    n_embd = meta_int("embedding_length")
+    n_head = max(meta_int("attention.head_count", 1), 1)
+    n_head_kv = meta_int("attention.head_count_kv", n_head) or n_head
+    k_len = meta_int("attention.key_length", n_embd // n_head)
+    v_len = meta_int("attention.value_length", n_embd // n_head)
+    vocab = hdr.metadata.get("tokenizer.ggml.tokens", 0)
+    return ModelShape(
+        n_layer=n_layer,
+        layer_bytes=tuple(layer),
+        embd_bytes=embd,
+        output_bytes=output,
+        other_bytes=other,
+        kv_bytes_per_token_layer=2 * n_head_kv * (k_len + v_len),  # f16 K and V
+        n_embd=n_embd,
+        n_vocab=int(vocab) if isinstance(vocab, int) else 0,
+        n_ctx_train=meta_int("context_length"),
+        expert_bytes=tuple(experts) if any(experts) else (),
+    )
