@@ -36,7 +36,7 @@ def cmd_token(args: argparse.Namespace) -> int:
     addrs = load_addrs(sd)
     also = list(load_members(sd).items())  # the members the node last knew: a joiner dials them too
     t = mint_scoped(load_or_create_key(sd), m, addrs, time.time(), args.ttl, args.scope, also)
-    from meshllm.serve.narration import duration
+    from meshllm.serve.report.narration import duration
 
     saved = ""
     if args.scope is None or args.scope == tok.chain_scope(m.chain):
@@ -47,7 +47,7 @@ def cmd_token(args: argparse.Namespace) -> int:
 
 
 def cmd_approve(args: argparse.Namespace) -> int:
-    from meshllm.serve.lan import approve
+    from meshllm.serve.life.lan import approve
 
     sd, _ = _founder_state(args.state_dir)
     print(approve(sd, args.node, args.scope))
@@ -55,7 +55,7 @@ def cmd_approve(args: argparse.Namespace) -> int:
 
 
 def cmd_refuse(args: argparse.Namespace) -> int:
-    from meshllm.serve.lan import refuse
+    from meshllm.serve.life.lan import refuse
 
     sd, _ = _founder_state(args.state_dir)
     print(refuse(sd, args.node))

@@ -29,7 +29,7 @@ from meshllm.errors import UserError
 from meshllm.llama.build import Binaries, BuildPlan
 from meshllm.proto import token as tok
 from meshllm.proto.reach import RELAY_RATE, RelayMode
-from meshllm.serve.serving_flags import add_serving_flags, int_in, tuning_from
+from meshllm.serve.split.serving_flags import add_serving_flags, int_in, tuning_from
 
 if TYPE_CHECKING:
     pass
@@ -75,7 +75,7 @@ def relay_rate(text: str) -> float:
 
 
 
-_int_in = int_in  # a whole number in a range, or one line naming the option (serve/serving_flags.py)
+_int_in = int_in  # a whole number in a range, or one line naming the option (serve/split/serving_flags.py)
 
 
 def tcp_port(text: str) -> int:
@@ -255,7 +255,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     )  # fmt: skip
     from meshllm.machine import LogFile, registered
     from meshllm.paths import state_dir as node_state_dir
-    from meshllm.serve.terminal import terminal_for_node
+    from meshllm.serve.report.terminal import terminal_for_node
 
     state = node_state_dir(args.state_dir)
     model = str(args.model or ("lite client" if args.client else ""))
@@ -401,7 +401,7 @@ def cmd_download(args: argparse.Namespace) -> int:
     if tokens:  # from the mesh's members: by a catalog name, the name the mesh serves it under, or its fingerprint
         import asyncio
 
-        from meshllm.serve.joining import download_through_mesh
+        from meshllm.serve.life.joining import download_through_mesh
 
         path = asyncio.run(download_through_mesh(tokens, args.name, args.models_dir, console))
         console.print(f"[green]ready:[/] {args.name} at {path}")

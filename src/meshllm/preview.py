@@ -78,7 +78,7 @@ def preview(model_arg: str, state: Path, models_dir: Path | None, parallel: int 
             cache: str = "f16") -> list[str]:  # fmt: skip
     from meshllm.llama.gguf import read_header
     from meshllm.models.download import resolve
-    from meshllm.serve.modelfiles import model_shape
+    from meshllm.serve.fetch.modelfiles import model_shape
     from meshllm.state import running_pid
 
     path = resolve(model_arg, models_dir, fetch=False)

@@ -1,4 +1,4 @@
-"""The API's answers when its model server fails (serve/api.py), against a real llama-server with faults injected
+"""The API's answers when its model server fails (serve/http/api.py), against a real llama-server with faults injected
 on the TCP path to it: nothing sent yet → one retry on whatever serves the model next; already streaming → an error
 event and the end of the response, never a hang; nobody serving → 503 with the reason and Retry-After."""
 
@@ -12,8 +12,8 @@ import aiohttp
 import pytest
 
 from meshllm.llama.processes import free_port
-from meshllm.serve import api as api_mod
-from meshllm.serve.api import Api, Unavailable, Upstream
+from meshllm.serve.http import api as api_mod
+from meshllm.serve.http.api import Api, Unavailable, Upstream
 
 BODY = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 48, "temperature": 0}
 

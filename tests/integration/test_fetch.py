@@ -58,7 +58,7 @@ def _rotted_copy(src: Path, dest: Path, m: core.Manifest) -> None:
 def _stale_manifest(good: Path, rotted: Path, state: Path, fp: str) -> core.Manifest:
     """x's manifest cache as it was written before the rot: the honest hashes, stamped with the file as it is now
     (its size and time unchanged by the rot), so x promises the honest chunks and sends others."""
-    from meshllm.serve.sharing import _manifest_of
+    from meshllm.serve.fetch.sharing import _manifest_of
 
     m = _manifest_of(good, fp, crypto.new_key(), state)  # the cache, as x wrote it of the good file
     cache = state / "manifests" / f"{fp}.json"
@@ -225,7 +225,7 @@ def test_share_off_answers_no_request_of_any_kind(mesh: dict[str, object], tiny_
 
     from meshllm.net.meshnet import MeshNet
     from meshllm.proto import token as tok
-    from meshllm.serve.fetch_pull import ask
+    from meshllm.serve.fetch.pull import ask
 
     a, b, tmp = mesh["a"], mesh["b"], mesh["tmp"]
     assert isinstance(a, NodeProc) and isinstance(b, NodeProc) and isinstance(tmp, Path)

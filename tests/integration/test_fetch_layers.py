@@ -138,7 +138,7 @@ def test_a_source_that_lies_about_the_sampled_bytes_is_dropped_and_the_copy_comp
     from meshllm.proto import crypto
     from meshllm.proto import token as tok
     from meshllm.proto.gossip import ModelFacts
-    from meshllm.serve.sharing import Sharing
+    from meshllm.serve.fetch.sharing import Sharing
 
     class Lying(Sharing):
         async def windows(self, peer: bytes, fp: str, path: Path, which: object) -> bytes | None:
@@ -182,9 +182,9 @@ def test_a_partial_copy_gives_back_the_layers_a_plan_took_away(tmp_path: Path, t
     """[trust-3] 2: layers a stable plan no longer gives a worker are given back — holes punched in its sparse copy
     (the disk freed, the file's size kept), the chunks forgotten in ``.have`` — and the layers it keeps are intact."""
     from meshllm.proto import crypto
-    from meshllm.serve.fetch_pull import PartialCopy, _resume
-    from meshllm.serve.modelfiles import model_shape
-    from meshllm.serve.sharing import _manifest_of
+    from meshllm.serve.fetch.modelfiles import model_shape
+    from meshllm.serve.fetch.pull import PartialCopy, _resume
+    from meshllm.serve.fetch.sharing import _manifest_of
 
     fp = model_fingerprint(tiny_model)
     m = _manifest_of(tiny_model, fp, crypto.new_key(), tmp_path / "state")

@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from meshllm.proto import crypto
-from meshllm.serve.lan import browse
+from meshllm.serve.life.lan import browse
 
 from .meshlab import NodeProc, _free_port, wait_for
 from .test_fleet import _complete, _founder

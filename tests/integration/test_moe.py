@@ -16,7 +16,7 @@ import pytest
 from meshllm.llama.build import Binaries
 from meshllm.llama.gguf import read_header
 from meshllm.proto.planner import experts_override
-from meshllm.serve.modelfiles import model_shape
+from meshllm.serve.fetch.modelfiles import model_shape
 from tests.moe_model import tiny_moe_path
 
 from .meshlab import NodeProc, split_pair, wait_for

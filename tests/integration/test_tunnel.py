@@ -182,7 +182,7 @@ def test_a_service_that_is_not_there_resets_the_stream_and_closes_the_client() -
 
 
 def test_cancelling_the_far_end_closes_both_sides() -> None:
-    """A host change drops stale RPC tunnels by cancelling their task (serve/hosting.py): the service's socket and
+    """A host change drops stale RPC tunnels by cancelling their task (serve/split/hosting.py): the service's socket and
     the tunnel's client must both see the end, not hang."""
 
     async def main() -> None:

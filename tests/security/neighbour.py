@@ -25,7 +25,7 @@ from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 from meshllm.net.meshnet import MeshNet
 from meshllm.proto import crypto
 from meshllm.proto.knock import REFUSED, WAITING, KnockAnswer, KnockAsk
-from meshllm.serve.lan import SERVICE
+from meshllm.serve.life.lan import SERVICE
 
 
 async def neighbour(

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from meshllm.llama.processes import free_port
-from meshllm.serve.api import Api, Upstream
+from meshllm.serve.http.api import Api, Upstream
 
 CAP = 12
 

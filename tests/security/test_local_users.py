@@ -72,7 +72,7 @@ def test_a_tunnel_listener_takes_clients_of_our_own_user_only() -> None:
 def test_the_console_and_its_token_serve_our_own_user_only(tmp_path: Path) -> None:
     """The console's /token would give any local user a host-scoped way into the mesh, and its /approve ([lan])
     would let any node in."""
-    from meshllm.serve.console import Console
+    from meshllm.serve.report.console import Console
     from meshllm.state import save_token
 
     async def main() -> None:
@@ -138,7 +138,7 @@ def test_llama_servers_port_answers_nobody_without_its_key(patched_bins: Binarie
     `--max-tokens`. llama-server now takes a key of its own (from a 0600 file): `nobody` gets 401 for a completion,
     /slots and /props, and cannot read the key; the API (ours) gets through; /health stays open."""
     from meshllm.llama import supervisor
-    from meshllm.serve.api import Api, Upstream
+    from meshllm.serve.http.api import Api, Upstream
 
     cfg = supervisor.ServerConfig(model=tiny_model, alias="tiny", ctx_size=512, threads=2)
     server = supervisor.LocalServer(patched_bins, cfg, tmp_path)

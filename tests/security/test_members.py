@@ -238,7 +238,7 @@ def test_a_member_that_claims_to_host_reaches_no_rpc_server_and_takes_no_seat(tm
     from meshllm.proto.auth import AuthWelcome
     from meshllm.proto.gossip import GossipPush, NodeState, PeerRecord, Role
     from meshllm.proto.wire import encode
-    from meshllm.serve.modelfiles import open_model
+    from meshllm.serve.fetch.modelfiles import open_model
     from tests.integration.test_serve_split import complete, text_of
 
     nodes: list[NodeProc] = []
@@ -342,7 +342,7 @@ def test_a_member_that_claims_to_serve_gets_no_request_from_any_node(tmp_path: P
     from meshllm.proto.auth import AuthWelcome
     from meshllm.proto.gossip import GossipPush, NodeState, PeerRecord, Role, Tombstone
     from meshllm.proto.wire import encode
-    from meshllm.serve.modelfiles import open_model
+    from meshllm.serve.fetch.modelfiles import open_model
     from tests.integration.test_serve_split import complete, text_of
 
     nodes: list[NodeProc] = []
@@ -467,7 +467,7 @@ def test_a_member_holds_no_more_than_its_share_of_the_hosts_door(tmp_path: Path,
     from meshllm.net.tunnel import TunnelListener, TunnelStats
     from meshllm.proto import token as tok
     from meshllm.proto.auth import AuthWelcome
-    from meshllm.serve.hosting import DOOR_PER_MEMBER
+    from meshllm.serve.split.hosting import DOOR_PER_MEMBER
 
     a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024")
     try:

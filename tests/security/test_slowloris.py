@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 
-from meshllm.serve.gate import HEADERS_S, PER_ADDRESS
+from meshllm.serve.http.gate import HEADERS_S, PER_ADDRESS
 from tests.integration.meshlab import NodeProc, wait_for
 
 KEY = "slowloris-test-key-0123456789"

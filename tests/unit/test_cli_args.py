@@ -159,7 +159,7 @@ def test_serving_options_reach_llama_servers_command_line(tmp_path: object) -> N
     from meshllm.llama.build import Binaries
     from meshllm.llama.chat import BASE_MODEL, TRANSCRIPT, ChatDefault
     from meshllm.llama.processes import Tuning, llama_server_argv
-    from meshllm.serve.serving_flags import tuning_from
+    from meshllm.serve.split.serving_flags import tuning_from
 
     tpl = Path(str(tmp_path)) / "t.jinja"
     tpl.write_text("{{ messages }}")
@@ -208,7 +208,7 @@ def test_a_model_without_a_template_gets_one_that_suits_it() -> None:
 
 def test_durations_read_as_people_say_them() -> None:
     """[face-2] 9: `token --ttl 30m` said "valid 0 h"."""
-    from meshllm.serve.narration import duration
+    from meshllm.serve.report.narration import duration
 
     assert [duration(x) for x in (45, 1800, 5400, 43200, 86400, 129600, 30 * 86400)] == [
         "45 s", "30 min", "1 h 30 min", "12 h", "1 d", "1 d 12 h", "30 d"]  # fmt: skip

@@ -174,7 +174,7 @@ def test_tensor_split_override() -> None:
 
 def test_shape_of_the_test_model(tiny_model: Path) -> None:
     from meshllm.llama.gguf import read_header
-    from meshllm.serve.modelfiles import model_shape
+    from meshllm.serve.fetch.modelfiles import model_shape
 
     s = model_shape(read_header(tiny_model))
     assert s.n_layer == 18 and s.n_embd == 640 and s.n_vocab == 262_144

@@ -163,7 +163,7 @@ def test_the_whole_file_hash_follows_the_chunks_on_disk_in_order(tmp_path: objec
     import asyncio
     from pathlib import Path
 
-    from meshllm.serve.fetch_pull import _WholeHash
+    from meshllm.serve.fetch.pull import _WholeHash
 
     m = manifest(KEYS[0])
     path = Path(str(tmp_path)) / "part"
@@ -220,7 +220,7 @@ def test_a_source_s_manifest_follows_the_gguf_layout_and_its_samples_are_the_fin
     """A source's chunks: the header alone, then a chunk wherever a layer's tensors begin (so a worker's layers are
     whole chunks); its "windows" answer the sampled bytes of the tensors asked, in order, and nothing out of bounds."""
     from meshllm.llama.gguf import layer_of, read_header, sampled
-    from meshllm.serve.sharing import WINDOWS_MAX, Sharing
+    from meshllm.serve.fetch.sharing import WINDOWS_MAX, Sharing
     from tests.gguf_files import write_gguf
 
     model = write_gguf(tmp_path / "m.gguf", layers=3)

@@ -10,7 +10,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from meshllm.serve import fetch_direct as fd
+from meshllm.serve.fetch import direct as fd
 
 PEER = b"\x05" * 32
 
@@ -65,7 +65,7 @@ def test_a_member_sends_only_its_own_file_and_nothing_with_share_off(tmp_path: P
     """What both paths serve goes through ``Sharing.chunk``: only the model file this node serves, by fingerprint,
     only chunks that exist, and nothing at all with ``--share off``."""
     from meshllm.proto import crypto
-    from meshllm.serve.sharing import Sharing
+    from meshllm.serve.fetch.sharing import Sharing
     from tests.gguf_files import write_gguf
 
     model = write_gguf(tmp_path / "m.gguf", layers=1)

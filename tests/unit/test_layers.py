@@ -75,3 +75,23 @@ def test_the_protocol_cores_import_only_themselves_the_standard_library_and_pure
                 assert ok, f"{p.relative_to(SRC)} imports {name}"
     for leaf in NEUTRAL:
         assert not imports()[leaf], f"{leaf} must import nothing of meshllm"
+
+
+SERVE = {  # [house-2] 1: what each package of serve/ may import of the others (its docstring says the same)
+    "http": set(),
+    "fetch": {"options"},
+    "split": {"fetch", "http", "options"},
+    "life": {"fetch", "split", "report", "options"},
+    "report": {"http", "split", "life"},  # life: the console's approve and refuse buttons (life/lan.py)
+}
+
+
+def test_each_package_of_serve_imports_only_the_packages_its_docstring_names() -> None:
+    for mod, deps in imports().items():
+        parts = mod.split(".")
+        if len(parts) < 4 or parts[:2] != ["meshllm", "serve"] or parts[2] not in SERVE:
+            continue
+        for d in deps:
+            dp = d.split(".")
+            if dp[:2] == ["meshllm", "serve"] and len(dp) > 2 and dp[2] != parts[2]:
+                assert dp[2] in SERVE[parts[2]], f"{mod} imports {d}"

@@ -1,4 +1,4 @@
-"""[face] /metrics text: each family once, exact counters (serve/metrics.py)."""
+"""[face] /metrics text: each family once, exact counters (serve/http/metrics.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshllm.serve.metrics import Exposition
+from meshllm.serve.http.metrics import Exposition
 
 
 def test_families_stay_together_and_counters_stay_exact() -> None:
@@ -36,7 +36,7 @@ def test_load_progress_is_read_from_the_current_run_of_the_log(tmp_path: Path) -
 
 
 def test_histograms_are_cumulative_and_give_quantiles() -> None:
-    from meshllm.serve.metrics import Exposition, Histogram
+    from meshllm.serve.http.metrics import Exposition, Histogram
 
     h = Histogram()
     for v in (0.03, 0.2, 0.2, 3.0):

@@ -1,8 +1,8 @@
-"""[trust] What a web page in the browser may ask of the API and the console (serve/webguard.py)."""
+"""[trust] What a web page in the browser may ask of the API and the console (serve/http/webguard.py)."""
 
 from __future__ import annotations
 
-from meshllm.serve.webguard import host_ok, origin_ok, strip_cors
+from meshllm.serve.http.webguard import host_ok, origin_ok, strip_cors
 
 
 def test_only_loopback_hosts_on_a_loopback_server() -> None:
@@ -31,7 +31,7 @@ def test_the_upstreams_cors_headers_never_pass() -> None:
 def test_max_tokens_capped_where_configured() -> None:
     """[trust] a request for 10**9 tokens was passed on; --max-tokens caps what any request asks (and one that does
     not say), under every name llama-server takes."""
-    from meshllm.serve.api import cap_tokens
+    from meshllm.serve.http.api import cap_tokens
 
     assert cap_tokens({"prompt": "x", "max_tokens": 100}, 256) is None
     assert cap_tokens({"prompt": "x", "max_tokens": 10**9}, 256) == {"prompt": "x", "max_tokens": 256}
@@ -43,7 +43,7 @@ def test_max_tokens_capped_where_configured() -> None:
 def test_each_generating_endpoint_is_capped_by_the_field_it_honours() -> None:
     """[trust-2] 6: /v1/messages reads max_tokens only (n_predict there is ignored: it generated 4096); /v1/responses
     reads max_output_tokens and passes every other field through (n_predict there went uncapped)."""
-    from meshllm.serve.api import ENDPOINTS, cap_tokens
+    from meshllm.serve.http.api import ENDPOINTS, cap_tokens
 
     msgs, resp = ENDPOINTS["/v1/messages"], ENDPOINTS["/v1/responses"]
     assert cap_tokens({"messages": [], "n_predict": 5}, 16, msgs) == {"messages": [], "max_tokens": 5}
@@ -58,7 +58,7 @@ def test_each_generating_endpoint_is_capped_by_the_field_it_honours() -> None:
 
 
 def test_dot_segments_are_found_plain_and_encoded() -> None:
-    from meshllm.serve.api import dot_segments
+    from meshllm.serve.http.api import dot_segments
 
     for bad in ("/v1/../completion", "/v1/%2e%2e/slots", "/v1/%2E./props", "/v1/.%2e/x", "/v1/./completions",
                 "/v1/%252e%252e/slots", "/v1/x%2f..%2fslots", "/v1/..\\slots", "/v1/..?a=b"):  # fmt: skip
@@ -68,9 +68,9 @@ def test_dot_segments_are_found_plain_and_encoded() -> None:
 
 
 def test_connection_limits_per_client_and_in_all() -> None:
-    """[trust-2] 8: the gate's bookkeeping (serve/gate.py); [trust-3] 3: a full share or a full gate closes the oldest
-    connection that never got past the key, and one that did is never closed for a newcomer."""
-    from meshllm.serve.gate import ConnLimits
+    """[trust-2] 8: the gate's bookkeeping (serve/http/gate.py); [trust-3] 3: a full share or a full gate closes the
+    oldest connection that never got past the key, and one that did is never closed for a newcomer."""
+    from meshllm.serve.http.gate import ConnLimits
 
     c = ConnLimits(per_address=2, total=3)
     a1, a2, a3, b1, c1, k1 = (object() for _ in range(6))
@@ -93,7 +93,7 @@ def test_connection_limits_per_client_and_in_all() -> None:
 
 def test_a_client_is_its_network_or_its_local_user() -> None:
     """[trust-3] 3 and 5: thirteen addresses of one /64 held the gate; one client from many addresses the queue."""
-    from meshllm.serve.gate import client_of
+    from meshllm.serve.http.gate import client_of
 
     assert client_of("2001:db8:1:2::1") == client_of("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
     assert client_of("2001:db8:1:3::1") != client_of("2001:db8:1:2::1")
@@ -105,8 +105,8 @@ def test_a_client_is_its_network_or_its_local_user() -> None:
 
 def test_only_an_api_open_to_other_machines_bounds_one_address() -> None:
     """On loopback every client is 127.0.0.1 (agents of the user's, the host's door): only the total is bounded."""
-    from meshllm.serve import gate
-    from meshllm.serve.api import Api
+    from meshllm.serve.http import gate
+    from meshllm.serve.http.api import Api
 
     def limits(listen_all: bool) -> gate.ConnLimits:
         return Api(lambda _m: None, list, dict, api_key="k" if listen_all else None, listen_all=listen_all).limits
@@ -117,7 +117,7 @@ def test_only_an_api_open_to_other_machines_bounds_one_address() -> None:
 def test_a_preflight_may_ask_for_well_formed_headers_only() -> None:
     from aiohttp.test_utils import make_mocked_request
 
-    from meshllm.serve.webguard import preflight_headers
+    from meshllm.serve.http.webguard import preflight_headers
 
     ask = "x-stainless-os, X-Stainless-Lang, cookie, bad header, " + ", ".join(f"x-{i}" for i in range(40))
     req = make_mocked_request("OPTIONS", "/v1/chat/completions", headers={"Access-Control-Request-Headers": ask})
@@ -130,7 +130,7 @@ def test_a_preflight_may_ask_for_well_formed_headers_only() -> None:
 
 def test_a_request_that_does_not_say_gets_the_default() -> None:
     """[face-2] 1: a chat without max_tokens ran 22 minutes (a base model never stops): it gets DEFAULT_TOKENS."""
-    from meshllm.serve.api import DEFAULT_TOKENS, ENDPOINTS, default_tokens
+    from meshllm.serve.http.api import DEFAULT_TOKENS, ENDPOINTS, default_tokens
 
     chat, resp = ENDPOINTS["/v1/chat/completions"], ENDPOINTS["/v1/responses"]
     assert default_tokens({"messages": []}, chat) == {"messages": [], "max_tokens": DEFAULT_TOKENS}
@@ -143,7 +143,7 @@ def test_a_request_that_does_not_say_gets_the_default() -> None:
 def test_a_chat_to_a_base_model_stops_at_the_next_turn() -> None:
     """[face-2] 1: a base model's transcript turns are added to the stops a chat names itself, in each endpoint's
     field; completions and counts are left alone."""
-    from meshllm.serve.api import with_stops
+    from meshllm.serve.http.api import with_stops
 
     turns = ("\nUser:", "\nAssistant:")
     assert with_stops("/v1/chat/completions", {"messages": []}, turns) == {"messages": [], "stop": list(turns)}
@@ -162,7 +162,7 @@ def test_cors_echoes_only_an_origin_the_guard_lets_in() -> None:
     asked, never a foreign one, and nothing without an Origin."""
     from aiohttp.test_utils import make_mocked_request
 
-    from meshllm.serve.webguard import cors_for
+    from meshllm.serve.http.webguard import cors_for
 
     def req(origin: str | None) -> object:
         return make_mocked_request("POST", "/v1/completions", headers={"Origin": origin} if origin else {})

@@ -68,9 +68,9 @@ STREAM_GOSSIP = 2
 STREAM_RPC = 3
 STREAM_HTTP = 4
 STREAM_RPC_KEY = 5  # the host asks a worker for the key of its rpc-server's direct (TLS) listener
-STREAM_FETCH = 6  # a member asks for a model file's manifest or a chunk of it (serve/sharing.py)
+STREAM_FETCH = 6  # a member asks for a model file's manifest or a chunk of it (serve/fetch/sharing.py)
 STREAM_KNOCK = 7  # [lan] a node with no token asks to join (proto/knock.py): answered, never authenticated
-STREAM_PEER_OPEN = 8  # the host asks a worker for a loopback port leading to the next worker (serve/peerlinks.py)
+STREAM_PEER_OPEN = 8  # the host asks a worker for a loopback port leading to the next worker (serve/split/peerlinks.py)
 STREAM_PEER = 9  # a worker's hidden state to the next worker's rpc-server (worker to worker over the mesh)
 STREAM_KINDS = {
     STREAM_AUTH: "auth", STREAM_GOSSIP: "gossip", STREAM_RPC: "rpc", STREAM_HTTP: "http", STREAM_RPC_KEY: "rpc-key",

@@ -1,6 +1,7 @@
 """Fetching a model file from the members that have it ([fetch]), pure: what a source promises (a signed manifest
 of chunk hashes), which promise to believe when sources disagree, and which chunk to ask which source for next.
-The shells (``serve/sharing.py``, ``serve/fetch_pull.py``) move the bytes and keep the clock; nothing here does I/O.
+The shells (``serve/fetch/sharing.py``, ``serve/fetch/pull.py``) move the bytes and keep the clock; nothing here
+does I/O.
 
 A source's manifest names the file (its model fingerprint, size and whole-file SHA-256) and the SHA-256 of every
 chunk, signed with the source's node key: a signed lie is evidence against that member. Chunks tile the file and

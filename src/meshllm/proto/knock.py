@@ -1,6 +1,6 @@
 """[lan] Asking to join a mesh found on the LAN, without a token: the knock and the doorbell that answers it.
 
-A node that found a mesh's announcement (``serve/lan.py``: mDNS, which carries nothing secret) dials the announcing
+A node that found a mesh's announcement (``serve/life/lan.py``: mDNS, which carries nothing secret) dials the announcing
 member and sends a ``KnockAsk`` signed with its node key: which mesh, its name, when, and the node it knocks at
 (``to``: the key its QUIC connection pinned). The member (the founder or an admin: the nodes that announce) refuses
 a knock addressed to another node — a neighbour that announced the mesh as its own and relayed a real node's knocks

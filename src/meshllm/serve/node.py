@@ -31,24 +31,24 @@ from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import ModelFacts, NodeState, PeerRecord, Role
 from meshllm.proto.meshcore import EventKind
 from meshllm.proto.planner import GB, ModelShape, Plan, Waiting
-from meshllm.serve import narration
-from meshllm.serve.adoption import Adoption
-from meshllm.serve.api import Api, Unavailable
-from meshllm.serve.fetching import LayerKeeper
-from meshllm.serve.hosting import Hosting
-from meshllm.serve.joining import addresses_learned, adopt_model, enter_mesh, publish_token, remember_members
-from meshllm.serve.modelfiles import ModelFiles
+from meshllm.serve.fetch.fetching import LayerKeeper
+from meshllm.serve.fetch.modelfiles import ModelFiles
+from meshllm.serve.fetch.sharing import Sharing
+from meshllm.serve.http.api import Api, Unavailable
+from meshllm.serve.life.adoption import Adoption
+from meshllm.serve.life.joining import addresses_learned, adopt_model, enter_mesh, publish_token, remember_members
+from meshllm.serve.life.startup import start_checks
 from meshllm.serve.options import NodeOptions, default_name, measure_offer
-from meshllm.serve.replanning import Replanner
-from meshllm.serve.report import NodeView, Report, agent_lines
-from meshllm.serve.routing import Router
-from meshllm.serve.sharing import Sharing
-from meshllm.serve.startup import start_checks
-from meshllm.serve.telemetry import watch_llama
+from meshllm.serve.report import narration
+from meshllm.serve.report.status import NodeView, Report, agent_lines
+from meshllm.serve.split.hosting import Hosting
+from meshllm.serve.split.replanning import Replanner
+from meshllm.serve.split.routing import Router
+from meshllm.serve.split.telemetry import watch_llama
 from meshllm.state import save_addrs
 
 if TYPE_CHECKING:
-    from meshllm.serve.console import Console as WebConsole
+    from meshllm.serve.report.console import Console as WebConsole
 
 log = logging.getLogger("meshllm.node")
 TIMELINE = 50  # the latest mesh events kept for the console (joins, leaves, deaths, elections, plans, ready)
@@ -151,7 +151,7 @@ class Node:
         )
         self._tasks += await enter_mesh(self.net, tokens, self.state, self.o, lite, self.console)
         if self.o.console_port is not None:
-            from meshllm.serve.console import start_console
+            from meshllm.serve.report.console import start_console
 
             self.web_console = await start_console(
                 self.o.console_port, lambda: self.status(time.monotonic()), self.state,

@@ -1,6 +1,6 @@
 """A node's model when this machine lacks the file ([fetch]): found among the models the mesh serves (by name,
 catalog name or fingerprint) and fetched from the members that serve it — the whole file, or only the layers the
-plan gives this worker (``serve/fetch_pull.py``) — else downloaded from the hub."""
+plan gives this worker (``serve/fetch/pull.py``) — else downloaded from the hub."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from meshllm.proto.gossip import ModelFacts
 from meshllm.proto.planner import ModelShape, Plan, Waiting
 from meshllm.proto.serving import covers
 from meshllm.proto.token import Scope
-from meshllm.serve.fetch_pull import PartialCopy, fetch_from_peers, open_partial, sources_of
-from meshllm.serve.modelfiles import ModelFiles
+from meshllm.serve.fetch.modelfiles import ModelFiles
+from meshllm.serve.fetch.pull import PartialCopy, fetch_from_peers, open_partial, sources_of
+from meshllm.serve.fetch.sharing import Sharing
 from meshllm.serve.options import NodeOptions
-from meshllm.serve.sharing import Sharing
 
 # ------------------------------------------------------------------------------------------------ a node's model
 
@@ -133,13 +133,13 @@ async def obtain_and_open(net: MeshNet, name: str, o: NodeOptions, console: Cons
     the layers the plan will give this worker (no layer yet: ``LayerKeeper`` fetches them) where a member serves it
     and this node may (not ``--fetch all``); else ``obtain_model``, opened as ``--model name`` would have opened
     it."""
-    from meshllm.serve.modelfiles import open_model
+    from meshllm.serve.fetch.modelfiles import open_model
 
     found = await _in_mesh(net, name, wait_s) if not o.fetch_all else None
     if found is not None:
         from meshllm.llama.chat import chat_default
         from meshllm.paths import models_dir
-        from meshllm.serve.modelfiles import model_shape
+        from meshllm.serve.fetch.modelfiles import model_shape
 
         fp, served_as, size = found
         n = len(sources_of(net, fp))

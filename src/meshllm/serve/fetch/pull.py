@@ -37,9 +37,9 @@ from meshllm.proto import fetch as core
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import is_fingerprint
 from meshllm.proto.serving import as_ranges
-from meshllm.serve.fetch_direct import DirectLink
-from meshllm.serve.modelfiles import model_shape
-from meshllm.serve.sharing import MANIFEST_TIMEOUT_S, WINDOWS_MAX, Progress, Sharing, read_all
+from meshllm.serve.fetch.direct import DirectLink
+from meshllm.serve.fetch.modelfiles import model_shape
+from meshllm.serve.fetch.sharing import MANIFEST_TIMEOUT_S, WINDOWS_MAX, Progress, Sharing, read_all
 
 log = logging.getLogger("meshllm.fetch")
 CHUNK_TIMEOUT_S = 120.0

@@ -1,5 +1,5 @@
 """Model files through the mesh ([fetch]), the source's side: a member serves the model files it has to members that
-fetch them (``serve/fetch_pull.py``), named by their fingerprint.
+fetch them (``serve/fetch/pull.py``), named by their fingerprint.
 
 On the wire: a QUIC stream of kind STREAM_FETCH per request, opened only on an authenticated member's connection
 (or a TLS connection of the direct path, ``fetch_direct.py``). The request is msgpack ``[op, fingerprint, arg]``:
@@ -31,7 +31,7 @@ from meshllm.net.endpoint import Conn, Stream
 from meshllm.proto import crypto
 from meshllm.proto import fetch as core
 from meshllm.proto.crypto import NodeId
-from meshllm.serve.fetch_direct import DirectSource
+from meshllm.serve.fetch.direct import DirectSource
 
 log = logging.getLogger("meshllm.fetch")
 UPLOADS = 4  # requests this node answers at once, to everyone together

@@ -22,9 +22,9 @@ from aiohttp import web
 
 from meshllm.proto import resume
 from meshllm.proto.fleet import Spread
-from meshllm.serve import gate, webguard
-from meshllm.serve.metrics import CONTENT_TYPE, Counters
-from meshllm.serve.slotgate import QueueFull, SlotGate
+from meshllm.serve.http import gate, webguard
+from meshllm.serve.http.metrics import CONTENT_TYPE, Counters
+from meshllm.serve.http.slotgate import QueueFull, SlotGate
 
 log = logging.getLogger("meshllm.api")
 
@@ -368,11 +368,11 @@ class Api:
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
-        # connections before the key is checked (serve/gate.py); one address's share only where other machines can
+        # connections before the key is checked (serve/http/gate.py); one address's share only where other machines can
         # connect (--listen-all): on loopback every client shares 127.0.0.1 (a local swarm of agents, the door)
         self.limits = gate.ConnLimits(per_address=gate.PER_ADDRESS if listen_all else gate.TOTAL)
         self._gates: dict[object, gate.Gate] = {}
-        # web pages of other sites, DNS rebinding (serve/webguard.py); the door: other users of this machine too
+        # web pages of other sites, DNS rebinding (serve/http/webguard.py); the door: other users of this machine too
         guard = webguard.middleware(listen_all, own_user_only=door, what="mesh door")
         chain = [self._paths, guard] if door else [self._paths, guard, self._auth]
         self.app = web.Application(middlewares=chain, client_max_size=64 << 20)

@@ -18,11 +18,11 @@ from meshllm.proto import fleet
 from meshllm.proto.capacity import Offer
 from meshllm.proto.gossip import ModelFacts, Role
 from meshllm.proto.planner import ModelShape
-from meshllm.serve.fetching import LayerKeeper
-from meshllm.serve.hosting import Hosting
-from meshllm.serve.joining import adopt_model, mesh_groups
-from meshllm.serve.modelfiles import ModelFiles
+from meshllm.serve.fetch.fetching import LayerKeeper
+from meshllm.serve.fetch.modelfiles import ModelFiles
+from meshllm.serve.life.joining import adopt_model, mesh_groups
 from meshllm.serve.options import NodeOptions
+from meshllm.serve.split.hosting import Hosting
 
 log = logging.getLogger("meshllm.adoption")
 Adopted = tuple[ModelFiles | None, ModelShape | None, LayerKeeper | None]  # (None, None, None): let go

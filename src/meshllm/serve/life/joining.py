@@ -21,12 +21,12 @@ from meshllm.proto.capacity import Offer
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import ModelFacts, Role
 from meshllm.proto.planner import GB, ModelShape
-from meshllm.serve import lan
-from meshllm.serve.fetching import LayerKeeper, obtain_and_open, obtain_model
-from meshllm.serve.hosting import Hosting
-from meshllm.serve.modelfiles import ModelFiles, find_by_fingerprint, model_shape
-from meshllm.serve.narration import duration
+from meshllm.serve.fetch.fetching import LayerKeeper, obtain_and_open, obtain_model
+from meshllm.serve.fetch.modelfiles import ModelFiles, find_by_fingerprint, model_shape
+from meshllm.serve.life import lan
 from meshllm.serve.options import NodeOptions, default_name
+from meshllm.serve.report.narration import duration
+from meshllm.serve.split.hosting import Hosting
 from meshllm.state import load_members, load_token, save_addrs, save_members, save_token
 
 

@@ -17,8 +17,8 @@ from meshllm.llama.processes import ANY_ADDR, port_in_use, udp_free
 from meshllm.net.meshnet import new_mesh
 from meshllm.proto import token as tok
 from meshllm.proto.planner import ModelShape
-from meshllm.serve.fetching import is_local
-from meshllm.serve.modelfiles import ModelFiles, open_model
+from meshllm.serve.fetch.fetching import is_local
+from meshllm.serve.fetch.modelfiles import ModelFiles, open_model
 from meshllm.serve.options import NodeOptions, parse_tokens
 from meshllm.state import (
     Membership,
@@ -38,7 +38,7 @@ class Start:
     membership: Membership | None  # None: joining through ``tokens``
     model: ModelFiles | None
     shape: ModelShape | None
-    wanted: str | None  # --model this machine lacks, to fetch once in the mesh (serve/fetching.py)
+    wanted: str | None  # --model this machine lacks, to fetch once in the mesh (serve/fetch/fetching.py)
     lock: int  # the state dir's lock, held for the node's life
     udp_port: int  # 0: any
 

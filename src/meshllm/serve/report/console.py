@@ -1,5 +1,5 @@
 """The web console: a live view of this node's status object, a chat, the invite token, agent lines, and the nodes
-that asked to join from the LAN (approved with a button: ``serve/lan.py``).
+that asked to join from the LAN (approved with a button: ``serve/life/lan.py``).
 
 Served on 127.0.0.1 only (even with --listen-all), to the processes of the user who started the node (Linux): it
 hands out the invite token. Static files ship in the
@@ -22,7 +22,8 @@ from rich.console import Console as RichConsole
 
 from meshllm.errors import UserError
 from meshllm.proto import token as tok
-from meshllm.serve import lan, webguard
+from meshllm.serve.http import webguard
+from meshllm.serve.life import lan
 from meshllm.state import load_knocks, load_token
 
 STATIC = ("console.html", "console.js", "console.css")
@@ -64,7 +65,7 @@ class Console:
             await self._session.close()
 
     def _file(self, name: str) -> bytes:
-        return resources.files("meshllm.serve").joinpath("static", name).read_bytes()
+        return resources.files("meshllm.serve.report").joinpath("static", name).read_bytes()
 
     async def index(self, request: web.Request) -> web.Response:
         return web.Response(body=self._file("console.html"), content_type="text/html")

@@ -16,9 +16,9 @@ from meshllm.proto import crypto, fleet, standing
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import ModelFacts, PeerRecord, Role
 from meshllm.proto.planner import Plan, Waiting
-from meshllm.serve.api import Api
-from meshllm.serve.hosting import Hosting
-from meshllm.serve.metrics import Exposition
+from meshllm.serve.http.api import Api
+from meshllm.serve.http.metrics import Exposition
+from meshllm.serve.split.hosting import Hosting
 from meshllm.state import save_status
 
 

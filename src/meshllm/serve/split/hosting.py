@@ -40,11 +40,11 @@ from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import MAX_WHY, ModelFacts, NodeState
 from meshllm.proto.planner import BASE_CTX, Plan, Sizing, Waiting
 from meshllm.proto.serving import LAYER_WAIT_S
-from meshllm.serve.api import Api, Unavailable, Upstream
-from meshllm.serve.modelfiles import ModelFiles
-from meshllm.serve.peerlinks import PeerLinks
-from meshllm.serve.sharing import Sharing
-from meshllm.serve.slotgate import SlotGate
+from meshllm.serve.fetch.modelfiles import ModelFiles
+from meshllm.serve.fetch.sharing import Sharing
+from meshllm.serve.http.api import Api, Unavailable, Upstream
+from meshllm.serve.http.slotgate import SlotGate
+from meshllm.serve.split.peerlinks import PeerLinks
 from meshllm.sockets import host_port
 
 log = logging.getLogger("meshllm.hosting")
@@ -88,7 +88,7 @@ class Hosting:
         self.generations = 0  # llama-server configurations started (a re-plan that changes it: +1)
         self.crashes = 0  # llama-server deaths we did not cause, over every configuration
         self.say: Callable[[str, str], None] | None = None  # a line for the terminal and the timeline (node._say)
-        self.sharing: Sharing | None = None  # our model file, for members that fetch it (serve/fetching.py)
+        self.sharing: Sharing | None = None  # our model file, for members that fetch it (serve/fetch/fetching.py)
         self.rpc_stats: dict[NodeId, TunnelStats] = {}  # per peer
         self.rpc_wire: dict[NodeId, WireStats] = {}  # per worker: what our llama-server asked of it through tunnels
         self.http_stats: dict[NodeId, TunnelStats] = {}
@@ -118,7 +118,7 @@ class Hosting:
         self._key_holder: NodeId | None = None
         self._key_seq = 0
         self.plan: Plan | Waiting | None = None  # this node's current plan (reconfigure)
-        # worker to worker where the workers are reached through tunnels (serve/peerlinks.py)
+        # worker to worker where the workers are reached through tunnels (serve/split/peerlinks.py)
         self.links = PeerLinks(net, elected, lambda: self.plan, lambda: self.rpc.peer_port if self.rpc else None,
                                self._opener, on_listeners)  # fmt: skip
 

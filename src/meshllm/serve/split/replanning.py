@@ -13,8 +13,8 @@ from meshllm.proto.crypto import NodeId
 from meshllm.proto.debounce import Debouncer
 from meshllm.proto.gossip import MAX_WHY, ModelFacts, PeerRecord, Role
 from meshllm.proto.planner import ModelShape, Plan, Sizing, Slot, Waiting, adopt_at_once, size, slots_for
-from meshllm.serve.hosting import Hosting
 from meshllm.serve.options import NodeOptions
+from meshllm.serve.split.hosting import Hosting
 
 PLAN_DEBOUNCE_S = 2.0
 

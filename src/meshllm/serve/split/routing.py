@@ -15,8 +15,8 @@ from meshllm.proto.crypto import NodeId
 from meshllm.proto.fleet import Spread
 from meshllm.proto.gossip import SUSPECT_AFTER_S, ModelFacts, PeerRecord
 from meshllm.proto.planner import Plan, Waiting
-from meshllm.serve.api import Unavailable, Upstream
-from meshllm.serve.hosting import Hosting
+from meshllm.serve.http.api import Unavailable, Upstream
+from meshllm.serve.split.hosting import Hosting
 
 
 class Router:

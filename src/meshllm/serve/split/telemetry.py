@@ -16,8 +16,8 @@ from meshllm.llama.supervisor import ChildState
 from meshllm.net.meshnet import MeshNet
 from meshllm.proto.gossip import MAX_WHY
 from meshllm.proto.standing import FAILED_PREFIX, RateMeter
-from meshllm.serve.api import Api
-from meshllm.serve.hosting import Hosting
+from meshllm.serve.http.api import Api
+from meshllm.serve.split.hosting import Hosting
 
 
 async def watch_llama(net: MeshNet, hosting: Hosting, api: Api | None, hosting_now: Callable[[], bool]) -> None:
