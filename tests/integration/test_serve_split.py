@@ -166,8 +166,9 @@ def test_status_command_shows_both_model_nodes(mesh: dict[str, NodeProc]) -> Non
     # (a lite client knows no plan: layers "-"); [face-2] 9: the model and the API's URL
     assert re.search(r"model: \S+ — API http://127\.0\.0\.1:\d+/v1", r.stdout), r.stdout
     assert socket.gethostname()[:12] in r.stdout, r.stdout  # each node's name (here: the hostname) under its id
-    for header in ("node", "role", "state", "memory", "layers", "path", "RTT ms"):
+    for header in ("node", "role", "state", "memory", "layers", "path, RTT"):
         assert header in next(x for x in r.stdout.splitlines() if " role " in x), r.stdout
+    assert re.search(r"· [\d.]+\s+ms", r.stdout), r.stdout  # [face-3] 4: each peer's RTT, at 80 columns too
     # the mesh-wide count (the host's, through gossip, on a lite client) and the latest events
     mesh_line = r"mesh: \d+ tokens generated, \d+ prompt tokens \(host [0-9a-f]{8}\); [\d.]+ tok/s now"
     assert re.search(mesh_line, r.stdout), r.stdout

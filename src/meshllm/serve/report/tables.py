@@ -33,9 +33,9 @@ def print_status(out: Console, st: dict[str, Any], events: int = 0) -> None:
     # fits 80 columns: a path's words go onto lines of their own, an address is never broken (IPv4:port: 21 chars)
     t = Table(box=None, pad_edge=False)
     for name, justify in (("node", "left"), ("role", "left"), ("state", "left"), ("memory", "right"),
-                          ("layers", "left"), ("path", "left"), ("RTT ms", "right")):  # fmt: skip
-        t.add_column(name, justify=justify, overflow="fold", no_wrap=name not in ("path", "state"),  # type: ignore[arg-type]
-                     min_width=21 if name == "path" else None)  # fmt: skip
+                          ("layers", "left"), ("path, RTT", "left")):  # fmt: skip
+        t.add_column(name, justify=justify, overflow="fold", no_wrap=name not in ("path, RTT", "state"),  # type: ignore[arg-type]
+                     min_width=21 if name == "path, RTT" else None)  # fmt: skip
     order = {m["fingerprint"]: i for i, m in enumerate(models)}  # the table grouped by model, lite clients last
     for p in sorted(st["peers"], key=lambda p: order.get(p.get("model"), len(order))):
         layers = p.get("layers")
@@ -51,8 +51,9 @@ def print_status(out: Console, st: dict[str, Any], events: int = 0) -> None:
         name = str(p.get("name") or "")[:12]  # a second line under the id: the hostname or --name
         t.add_row(
             p["short"] + (f"\n{name}" if name else ""), p["role"], state, mem, span or "-",
-            Text(p["path"] + (f"\nRPC {p['rpc_path']}" if p.get("rpc_path") else "")),  # "[v6]:port": not markup
-            f"{p['rtt_ms']:.1f}" if p.get("rtt_ms") is not None else "-",
+            # [face-3] 4: the RTT with the path (a column of its own fell off at 80 columns); "[v6]:port": not markup
+            Text(p["path"] + (f" · {p['rtt_ms']:.1f} ms" if p.get("rtt_ms") is not None and p["path"] != "self" else "")
+                 + (f"\nRPC {p['rpc_path']}" if p.get("rpc_path") else "")),
         )  # fmt: skip
     out.print(t)
     if len(models) > 1 or any(m.get("replicas") for m in models):
