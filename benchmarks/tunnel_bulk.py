@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from provenance import header  # benchmarks/provenance.py: the command line and machine
 
-from meshllm.net.endpoint import STREAM_RPC, Conn, Endpoint, Stream
+from meshllm.net.conn import STREAM_RPC, Conn, Stream
+from meshllm.net.endpoint import Endpoint
 from meshllm.net.tunnel import TunnelListener, TunnelStats, connect_and_bridge
 from meshllm.proto import crypto
 

@@ -131,7 +131,7 @@ def in_process_source(key: crypto.Ed25519PrivateKey, state: Path, token: object,
     import asyncio
     import threading
 
-    from meshllm.net.endpoint import STREAM_FETCH
+    from meshllm.net.conn import STREAM_FETCH
     from meshllm.net.meshnet import MeshNet
     from meshllm.proto.gossip import NodeState, Role
 

@@ -17,7 +17,16 @@ from qh3.quic.connection import QuicConnection
 
 from meshllm.errors import MeshError
 from meshllm.net import endpoint
-from meshllm.net.endpoint import STREAM_AUTH, STREAM_GOSSIP, Conn, DialError, Endpoint
+from meshllm.net.conn import (
+    ALPN,
+    STREAM_AUTH,
+    STREAM_GOSSIP,
+    Conn,
+    DialError,
+    load_identity,
+    make_certificate,
+)
+from meshllm.net.endpoint import Endpoint
 from meshllm.proto import crypto, reach
 
 
@@ -186,7 +195,7 @@ def test_a_handshake_that_stalls_is_dropped_by_the_listener(monkeypatch: pytest.
         a, b, accepted, addr = await _pair()
         try:
             # a client that sends its first flight and then goes silent
-            cfg = QuicConfiguration(is_client=True, alpn_protocols=[endpoint.ALPN], verify_mode=ssl.CERT_NONE)
+            cfg = QuicConfiguration(is_client=True, alpn_protocols=[ALPN], verify_mode=ssl.CERT_NONE)
             quic = QuicConnection(configuration=cfg)
             quic.connect(addr, now=0.0)
             mute = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -255,13 +264,13 @@ def test_every_certificate_loads_whatever_its_length() -> None:
 
     key = crypto.new_key()
     for _ in range(5000):
-        cert = endpoint.make_certificate(key)
+        cert = make_certificate(key)
         if len(cert.public_bytes(serialization.Encoding.DER)) % 3 == 0:
             break
     else:
         pytest.skip("no certificate of that length came up")
     cfg = QuicConfiguration(is_client=False)
-    endpoint.load_identity(cfg, key, cert)
+    load_identity(cfg, key, cert)
     assert cfg.certificate is not None and cfg.certificate.public_bytes() == cert.public_bytes(
         serialization.Encoding.DER
     )

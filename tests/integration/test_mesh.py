@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from meshllm.net.endpoint import STREAM_AUTH, Conn, Endpoint
-from meshllm.net.meshnet import _read_frame
+from meshllm.net.conn import STREAM_AUTH, Conn
+from meshllm.net.endpoint import Endpoint
+from meshllm.net.meshauth import _read_frame
 from meshllm.proto import crypto
 from meshllm.proto import token as tok
 from meshllm.proto.auth import AuthChallenge, AuthHello, AuthProof, make_proof

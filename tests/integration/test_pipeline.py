@@ -344,7 +344,8 @@ def test_workers_behind_tunnels_send_activations_worker_to_worker_through_the_me
     no forwarder from the first."""
     import asyncio
 
-    from meshllm.net.endpoint import STREAM_PEER, STREAM_PEER_OPEN, Endpoint
+    from meshllm.net.conn import STREAM_PEER, STREAM_PEER_OPEN
+    from meshllm.net.endpoint import Endpoint
     from meshllm.proto import crypto
     from meshllm.proto import token as tok
     from meshllm.proto.auth import AuthWelcome, make_proof

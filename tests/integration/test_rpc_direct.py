@@ -159,7 +159,7 @@ def test_a_member_that_is_not_the_host_gets_neither_a_key_nor_a_tunnel(tmp_path:
     both refusals — and the host's split goes on serving."""
     import asyncio
 
-    from meshllm.net.endpoint import STREAM_RPC, STREAM_RPC_KEY
+    from meshllm.net.conn import STREAM_RPC, STREAM_RPC_KEY
     from meshllm.net.meshnet import MeshNet
     from meshllm.proto import crypto
     from meshllm.proto import token as tok

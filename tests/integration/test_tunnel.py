@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import pytest
 
 from meshllm.net import tunnel
-from meshllm.net.endpoint import STREAM_RPC, Conn, Endpoint, Stream
+from meshllm.net.conn import STREAM_RPC, Conn, Stream
+from meshllm.net.endpoint import Endpoint
 from meshllm.net.tunnel import TunnelListener, TunnelStats, connect_and_bridge
 from meshllm.proto import crypto
 

@@ -16,7 +16,7 @@ import psutil
 from qh3.quic.configuration import QuicConfiguration
 from qh3.quic.connection import QuicConnection
 
-from meshllm.net import endpoint
+from meshllm.net.conn import ALPN
 from tests.integration.meshlab import NodeProc, split_pair
 from tests.integration.test_serve_split import complete, text_of
 
@@ -27,7 +27,7 @@ SIZE = 1200  # the QUIC minimum for an Initial: what a flooder sends to make a s
 
 def _initials(addr: tuple[str, int], n: int) -> list[bytes]:
     """Real QUIC Initials, each with a new connection id: every one asks the node for a handshake."""
-    cfg = QuicConfiguration(is_client=True, alpn_protocols=[endpoint.ALPN], verify_mode=ssl.CERT_NONE)
+    cfg = QuicConfiguration(is_client=True, alpn_protocols=[ALPN], verify_mode=ssl.CERT_NONE)
     out = []
     for _ in range(n):
         q = QuicConnection(configuration=cfg)

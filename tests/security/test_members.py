@@ -233,7 +233,8 @@ def test_a_member_that_claims_to_host_reaches_no_rpc_server_and_takes_no_seat(tm
     direct-path key at the worker that serves the host's layers. Before: the record alone opened the worker's
     rpc-server (and cut the real host's tunnels), and the claimed memory won the election. Now both streams are
     reset, the host stays host, and the split still answers the same text."""
-    from meshllm.net.endpoint import STREAM_GOSSIP, STREAM_RPC, STREAM_RPC_KEY, Endpoint
+    from meshllm.net.conn import STREAM_GOSSIP, STREAM_RPC, STREAM_RPC_KEY
+    from meshllm.net.endpoint import Endpoint
     from meshllm.proto import token as tok
     from meshllm.proto.auth import AuthWelcome
     from meshllm.proto.gossip import GossipPush, NodeState, PeerRecord, Role
@@ -336,7 +337,8 @@ def test_a_member_that_claims_to_serve_gets_no_request_from_any_node(tmp_path: P
     election picks among host-scoped members: the attacker is sent no request, and every node answers the same.
     [trust-2] 6 too: the attacker's own requests to the host over the mesh reach its door, not llama-server: none of
     llama-server's own endpoints, and the host's --max-tokens holds."""
-    from meshllm.net.endpoint import STREAM_GOSSIP, STREAM_HTTP, Conn, Endpoint
+    from meshllm.net.conn import STREAM_GOSSIP, STREAM_HTTP, Conn
+    from meshllm.net.endpoint import Endpoint
     from meshllm.net.tunnel import TunnelListener, TunnelStats
     from meshllm.proto import token as tok
     from meshllm.proto.auth import AuthWelcome
@@ -463,7 +465,8 @@ def test_a_member_holds_no_more_than_its_share_of_the_hosts_door(tmp_path: Path,
     """[trust-3] 5: the host's door (where peers' requests enter) had no per-peer bound. A client-scoped member opens
     70 request streams to the host, each with half a request head: 64 are bridged to the door (its share), the rest
     are reset at once; keys it minted for itself would count as it (``tok.accountable``: unit-tested)."""
-    from meshllm.net.endpoint import STREAM_HTTP, Endpoint
+    from meshllm.net.conn import STREAM_HTTP
+    from meshllm.net.endpoint import Endpoint
     from meshllm.net.tunnel import TunnelListener, TunnelStats
     from meshllm.proto import token as tok
     from meshllm.proto.auth import AuthWelcome

@@ -145,7 +145,7 @@ def test_a_symlink_planted_at_the_temporary_name_is_never_written_through(tmp_pa
 def test_a_tunnel_peer_that_ignores_flow_control_is_cut_off() -> None:
     """The far end of a tunnel writes into a loopback socket nobody reads; a peer that keeps sending past the credit
     it was granted (here 64 MiB at once) is reset and the tunnel closed — the bytes held for it stay bounded."""
-    from meshllm.net.endpoint import STREAM_RPC
+    from meshllm.net.conn import STREAM_RPC
     from meshllm.net.tunnel import DATA, HDR, MAX_FRAME, WINDOW, TunnelStats, connect_and_bridge
     from tests.integration.test_endpoint import _pair
 

@@ -15,7 +15,12 @@ from qh3.quic.configuration import QuicConfiguration
 from qh3.quic.connection import QuicConnection
 
 from meshllm.net import endpoint
-from meshllm.net.endpoint import MAX_HELD_STREAMS, STREAM_GOSSIP
+from meshllm.net.conn import (
+    ALPN,
+    MAX_BYTES_BEFORE_AUTH,
+    MAX_HELD_STREAMS,
+    STREAM_GOSSIP,
+)
 from meshllm.proto import reach
 from tests.integration.test_endpoint import _pair, _until
 
@@ -65,7 +70,7 @@ def test_junk_datagrams_make_no_connection_and_leave_the_socket_working() -> Non
         a, b, _, addr = await _pair()
         junk = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
-            cfg = QuicConfiguration(is_client=True, alpn_protocols=[endpoint.ALPN], verify_mode=ssl.CERT_NONE)
+            cfg = QuicConfiguration(is_client=True, alpn_protocols=[ALPN], verify_mode=ssl.CERT_NONE)
             quic = QuicConnection(configuration=cfg)
             quic.connect(addr, now=0.0)
             initial = quic.datagrams_to_send(now=0.0)[0][0]
@@ -103,7 +108,7 @@ def test_a_peer_that_never_authenticates_cannot_park_megabytes() -> None:
             server = await asyncio.wait_for(accepted.get(), 5)
             await asyncio.wait_for(server.closed.wait(), 10)
             assert server.close_reason == "too much data before authentication"
-            assert sum(s.bytes_in for s in server.streams.values()) <= endpoint.MAX_BYTES_BEFORE_AUTH
+            assert sum(s.bytes_in for s in server.streams.values()) <= MAX_BYTES_BEFORE_AUTH
         finally:
             a.close()
             b.close()
@@ -140,7 +145,7 @@ def test_a_flood_of_initials_holds_at_most_max_pending_handshakes(monkeypatch: p
                 assert await asyncio.wait_for(ping.read(), 2) == b"!", "the member's connection stopped answering"
                 answered.append(asyncio.get_running_loop().time() - t)
 
-            cfg = QuicConfiguration(is_client=True, alpn_protocols=[endpoint.ALPN], verify_mode=ssl.CERT_NONE)
+            cfg = QuicConfiguration(is_client=True, alpn_protocols=[ALPN], verify_mode=ssl.CERT_NONE)
             initials = []
             for _ in range(flood):
                 quic = QuicConnection(configuration=cfg)  # a real Initial, a new connection id each time

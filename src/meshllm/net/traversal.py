@@ -15,7 +15,8 @@ from typing import Protocol, Unpack
 
 import psutil
 
-from meshllm.net.endpoint import Addr, Conn, DialError, Endpoint, Stream, try_addr
+from meshllm.net.conn import Addr, Conn, DialError, Stream
+from meshllm.net.endpoint import Endpoint, try_addr
 from meshllm.net.netevents import AddrsLearned, Connected, NetEvent
 from meshllm.proto import crypto
 from meshllm.proto import token as tok

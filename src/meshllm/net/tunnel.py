@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from meshllm.errors import RemoteProtocolError
-from meshllm.net.endpoint import Stream
+from meshllm.net.conn import Stream
 from meshllm.net.localuser import other_user
 
 log = logging.getLogger("meshllm.tunnel")

@@ -30,7 +30,7 @@ import msgpack
 
 from meshllm.errors import UserError
 from meshllm.llama.gguf import GGUFHeader, held_with_layer, model_fingerprint, read_header, sampled
-from meshllm.net.endpoint import STREAM_FETCH
+from meshllm.net.conn import STREAM_FETCH
 from meshllm.net.meshnet import MeshNet
 from meshllm.proto import crypto
 from meshllm.proto import fetch as core

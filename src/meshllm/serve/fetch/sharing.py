@@ -27,7 +27,7 @@ import msgpack
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshllm.llama.gguf import TensorInfo, layer_of, read_header, sampled
-from meshllm.net.endpoint import Conn, Stream
+from meshllm.net.conn import Conn, Stream
 from meshllm.proto import crypto
 from meshllm.proto import fetch as core
 from meshllm.proto.crypto import NodeId

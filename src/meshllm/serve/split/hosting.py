@@ -21,7 +21,7 @@ from meshllm.llama.build import Binaries
 from meshllm.llama.processes import ChildFailed, Tuning, speaks_tls
 from meshllm.llama.rpcwire import Cmd, CommandParser, WireStats
 from meshllm.llama.supervisor import ChildState, LocalServer, RpcServer, ServerConfig, default_threads
-from meshllm.net.endpoint import (
+from meshllm.net.conn import (
     STREAM_FETCH,
     STREAM_HTTP,
     STREAM_PEER,

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
-from meshllm.net.endpoint import STREAM_PEER, STREAM_PEER_OPEN, Conn, Stream
+from meshllm.net.conn import STREAM_PEER, STREAM_PEER_OPEN, Conn, Stream
 from meshllm.net.meshnet import MeshNet
 from meshllm.net.tunnel import TunnelListener, TunnelStats, connect_and_bridge
 from meshllm.proto import crypto, serving
