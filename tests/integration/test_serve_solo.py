@@ -125,6 +125,11 @@ def test_solo_answers_like_llama_server_itself(solo: Solo) -> None:
         assert code == 200 and got == shown, (path, out)
         if "message" in choice:
             assert choice["finish_reason"] == "stop" and out["usage"]["completion_tokens"] < 16, out  # type: ignore[index]
+    # [face-3] 5: /v1/responses of a base model (a transcript template, no turn tokens) ends at the turn too (before,
+    # it ran to its cap: " Hello.\nUser: Hello.\nAssistant: Hello.\n…")
+    code, out = _post(solo.port, "/v1/responses", {"input": "Say hello.", "max_output_tokens": 60, "temperature": 0})
+    said = out["output"][0]["content"][0]["text"]  # type: ignore[index]
+    assert code == 200 and said.strip() and "User:" not in said and out["usage"]["output_tokens"] < 20, out  # type: ignore[index]
     # one model served: another name reaches it too (as with llama-server), and the answer names the real one
     code, out = _post(solo.port, "/v1/completions", {**body, "model": "no-such-model"})
     assert code == 200 and out["model"] == "gemma3-270m", out

@@ -227,7 +227,8 @@ def default_tokens(req: dict[str, object], ep: Endpoint) -> dict[str, object] | 
     return {**{k: v for k, v in req.items() if k not in ep.honoured}, ep.cap_field: DEFAULT_TOKENS}
 
 
-STOP_FIELDS = {"/v1/chat/completions": "stop", "/v1/messages": "stop_sequences"}  # where a chat names its stops
+# where a chat names its stops ([face-3] 5: llama-server's /v1/responses takes "stop" too, though OpenAI's has none)
+STOP_FIELDS = {"/v1/chat/completions": "stop", "/v1/messages": "stop_sequences", "/v1/responses": "stop"}
 
 
 def with_stops(path: str, req: dict[str, object], stops: tuple[str, ...]) -> dict[str, object] | None:
