@@ -372,7 +372,7 @@ async def test_a_mesh_of_several_models_answers_per_model_and_asks_which_when_a_
                 got = await r.json()
                 assert got["models"] == {"a": {"status": "ok"}, "b": {"status": "unavailable",
                                                                       "reason": "no host elected yet"}}, got
-                assert got["reason"] == "b: no host elected yet", got
+                assert (got["model"], got["reason"]) == ("b", "no host elected yet"), got
             async with s.get(f"http://127.0.0.1:{port}/health?model=a") as r:
                 assert r.status == 200 and (await r.json())["models"] == {"a": {"status": "ok"}}
             async with s.get(f"http://127.0.0.1:{port}/health?model=c") as r:

@@ -467,12 +467,11 @@ class Api:
             up = self.router(None)
             reason = up.reason if isinstance(up, Unavailable) else "no model"
             return _json(503, {"status": "unavailable", "reason": reason})
-        ok = all(v["status"] == "ok" for v in states.values())
-        first = next(iter(states))
-        body: dict[str, object] = {"status": "ok" if ok else "unavailable", "model": first, "models": states}
-        if not ok:
-            body["reason"] = next(f"{n}: {v['reason']}" for n, v in states.items() if v["status"] != "ok")
-        return _json(200 if ok else 503, body)
+        down = next((n for n, v in states.items() if v["status"] != "ok"), None)
+        body: dict[str, object] = {"status": "unavailable" if down else "ok", "model": down or next(iter(states))}
+        if down is not None:  # the reason as every node gives it (503s, status): the model it is about is "model"
+            body["reason"] = states[down]["reason"]
+        return _json(503 if down else 200, {**body, "models": states})
 
     def _model(self, name: str) -> dict[str, object]:
         info = self.model_info(name) if self.model_info is not None else None
