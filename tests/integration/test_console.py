@@ -44,7 +44,7 @@ def test_console_shows_the_mesh_and_chats(tmp_path: Path, tiny_model: Path, brow
 
         wait_for(lambda: len(segs()) == 2, 20, "both nodes on the page")
         a_short = next(k for k in segs() if k != b_short)
-        assert "layers 0–17" in segs()[a_short] and "host" in segs()[a_short]
+        assert "layers 0–17 + output" in segs()[a_short] and "host" in segs()[a_short]  # [face-3] 4: the output too
         used = next(p["planned_bytes"] for p in a.status()["peers"] if p["short"] == a_short)  # type: ignore[attr-defined, index]
         assert f"{used / 1e9:.1f} GB of " in segs()[a_short], segs()  # [face] memory planned of offered
         # [fleet] b holds the whole model too: a replica beside the host, its own layers, listed with the model

@@ -114,10 +114,40 @@ def test_two_models_each_answer_under_their_own_name_from_every_node(tmp_path: P
         with urllib.request.urlopen(req, timeout=120) as r:
             answer = json.loads(r.read())["choices"][0]
         assert answer["message"]["content"] == " The capital of France is Paris." and answer["finish_reason"] == "stop"
+        # [face-3] 1: one truth per model — each model's tokens and slots under its name (the mesh's line is their
+        # sum, said so), /health for each, and a request naming no model goes to the node's own or is a 400
+        def per_model() -> dict[str, dict[str, object]]:
+            return {str(m["name"]): m for m in _get(c.port, "/mesh/status")["models"]}  # type: ignore[attr-defined]
+
+        def summed() -> bool:  # each model's own count, from one status; together they make the mesh's
+            st = _get(c.port, "/mesh/status")
+            gen = {str(m["name"]): m["tokens"]["generated"] for m in st["models"]}  # type: ignore[attr-defined, index]
+            return set(gen) == {x, y} and all(gen.values()) and sum(gen.values()) == st["mesh_tokens"]["generated"]  # type: ignore[index]
+
+        wait_for(summed, 15, "each model's tokens, summing to the mesh's")
+        ms = per_model()
+        assert {k: m["slots"]["total"] > 0 for k, m in ms.items()} == {x: True, y: True}, ms  # type: ignore[index]
+        with urllib.request.urlopen(f"http://127.0.0.1:{c.port}/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        assert f'mesh_llm_model_tokens_generated_total{{model="{y}"}}' in metrics and f'model="{x}"' in metrics
+        health = _get(c.port, "/health")
+        assert health["status"] == "ok" and set(health["models"]) == {x, y}, health  # type: ignore[arg-type]
+        assert _get(c.port, f"/health?model={y}")["models"] == {y: {"status": "ok"}}
+        bare = {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+        req = urllib.request.Request(f"http://127.0.0.1:{b.port}/v1/completions", data=json.dumps(bare).encode())
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert json.loads(r.read())["model"] == y  # b's own model
+        req = urllib.request.Request(f"http://127.0.0.1:{c.port}/v1/completions", data=json.dumps(bare).encode())
+        try:
+            urllib.request.urlopen(req, timeout=60)
+            raise AssertionError("a lite client of two models took a request naming none")
+        except urllib.error.HTTPError as e:
+            assert e.code == 400 and f"({x}, {y})" in json.loads(e.read())["error"]["message"]
         r = subprocess.run([sys.executable, "-m", "meshllm.cli", "status", "--port", str(c.port)], capture_output=True,
                            text=True, timeout=30)  # fmt: skip
         assert r.returncode == 0, r.stderr
         assert f"hosts {a.short()} ({x}), {b.short()} ({y})" in r.stdout, r.stdout
+        assert "mesh (every model's hosts): " in r.stdout and " tokens, " in r.stdout, r.stdout
         assert f"  {x}: host {a.short()} serving; nodes {a.short()}" in r.stdout, r.stdout
         assert f"  {y}: host {b.short()} serving; nodes {b.short()}" in r.stdout, r.stdout
         # the lite client's console lists both models, each with its host and nodes, and each node's model

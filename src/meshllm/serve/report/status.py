@@ -55,6 +55,7 @@ class Report:
         self.port = port
         self._saved = ""
         self._tokens = standing.Tally(2)  # every host's (generated, prompt): mesh-wide, kept when a host dies
+        self._model_tokens: dict[str, standing.Tally] = {}  # [face-3] 1: the same per model (fingerprint)
         self._firsts = standing.Tally(2)  # every node's (requests, summed ms to the first token)
         if api is not None:  # /v1/models names each model's host and nodes; a request names a dropped model
             api.model_info = self.model_info
@@ -66,13 +67,24 @@ class Report:
         if core is None:
             return []
         out: list[dict[str, object]] = []
-        for g in fleet.model_groups(core.alive(now), lambda r: core.host_of(r, now)):
+        self._see(now)
+        alive = {r.node: r for r in core.alive(now)}
+        for g in fleet.model_groups(alive.values(), lambda r: core.host_of(r, now)):
             host = g.host
             stand = self.standing(host, now) if host is not None else None
+            # [face-3] 1: each model's own figures, from its hosts (the elected one and its replicas, summed)
+            hosts = ([host] if host else []) + [alive[n] for n in g.replicas if n in alive]
+            tally = self._model_tokens.get(g.fingerprint)
+            generated, prompt = tally.total() if tally else (0, 0)
             out.append({"name": g.name, "fingerprint": g.fingerprint, "host": host.node.hex() if host else None,
                         "nodes": [n.hex() for n in g.nodes], "replicas": [n.hex() for n in g.replicas],
                         "state": str(stand.state) if stand else "waiting",
-                        "why": stand.why if stand else "no host elected yet"})  # fmt: skip
+                        "why": stand.why if stand else "no host elected yet",
+                        "tokens": {"generated": generated, "prompt": prompt,
+                                   "rate": round(sum(h.rate for h in hosts), 1)},
+                        "slots": {"busy": sum(h.slots[0] for h in hosts), "total": sum(h.slots[1] for h in hosts),
+                                  "queued": sum(h.slots[2] for h in hosts),
+                                  "ctx": host.slots[3] if host else 0}})  # fmt: skip
         return out
 
     def model_info(self, name: str) -> dict[str, object] | None:
@@ -105,6 +117,8 @@ class Report:
         for r in self.net.core.alive(now) if self.net.core is not None else []:
             if r.served != (0, 0):
                 self._tokens.see(r.node, r.served)
+                if r.model is not None:
+                    self._model_tokens.setdefault(r.model.fingerprint, standing.Tally(2)).see(r.node, r.served)
             if r.ttft != (0, 0):
                 self._firsts.see(r.node, r.ttft)
 
@@ -277,6 +291,17 @@ class Report:
                      mesh.prompt)  # fmt: skip
             x.metric("mesh_llm_mesh_tokens_per_second", "gauge", "tokens per second the serving host generates now",
                      mesh.rate)  # fmt: skip
+        for m in self.models(now):  # [face-3] 1: each model's own figures, under its name
+            tk, sl, lb = m["tokens"], m["slots"], {"model": str(m["name"])}
+            assert isinstance(tk, dict) and isinstance(sl, dict)
+            x.metric("mesh_llm_model_tokens_generated_total", "counter", "tokens this model's hosts generated (its "
+                     "elected host and replicas, from their gossip)", tk["generated"], lb)  # fmt: skip
+            x.metric("mesh_llm_model_tokens_per_second", "gauge", "tokens per second this model's hosts generate now",
+                     tk["rate"], lb)  # fmt: skip
+            x.metric("mesh_llm_model_slots_busy", "gauge", "this model's hosts' slots running a request", sl["busy"],
+                     lb)  # fmt: skip
+            x.metric("mesh_llm_model_slots_total", "gauge", "this model's hosts' slots", sl["total"], lb)
+            x.metric("mesh_llm_model_serving", "gauge", "1 when this model's host serves", m["state"] == "serving", lb)
         busy, total, queued, ctx = self.slots(now)
         x.metric("mesh_llm_slots_busy", "gauge", "the host's llama-server slots running a request", busy)
         x.metric("mesh_llm_slots_total", "gauge", "the host's llama-server slots (--parallel)", total)

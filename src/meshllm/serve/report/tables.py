@@ -61,7 +61,10 @@ def print_status(out: Console, st: dict[str, Any], events: int = 0) -> None:
             nodes = ", ".join(str(n)[:8] for n in m["nodes"])
             reps = ", ".join(str(n)[:8] for n in m.get("replicas") or [])
             reps = f"; replicas {reps}" if reps else ""  # [fleet] hosts of it beside the elected one
-            out.print(f"  {m['name']}: host {str(m['host'] or 'none')[:8]} {m['state']}{reps}; nodes {nodes}",
+            tk, sl = m.get("tokens") or {}, m.get("slots") or {}  # [face-3] 1: each model's own figures
+            figs = (f"; {tk['generated']} tokens, {tk['rate']:.1f} tok/s now; slots {sl['busy']} of {sl['total']} busy"
+                    if tk and sl else "")  # fmt: skip
+            out.print(f"  {m['name']}: host {str(m['host'] or 'none')[:8]} {m['state']}{reps}; nodes {nodes}{figs}",
                       markup=False)  # fmt: skip
     if st.get("dropped"):
         out.print(f"  dropped by the founder or an admin: {', '.join(map(str, st['dropped']))}", markup=False)
@@ -79,7 +82,8 @@ def print_status(out: Console, st: dict[str, Any], events: int = 0) -> None:
     mt, tt = st.get("mesh_tokens"), st.get("ttft_s")
     if isinstance(mt, dict):
         host = f" (host {mt['host']})" if mt.get("host") else ""
-        out.print(f"mesh: {mt['generated']} tokens generated, {mt['prompt']} prompt tokens{host}; "
+        every = " (every model's hosts)" if len(models) > 1 else ""  # a sum, said so ([face-3] 1)
+        out.print(f"mesh{every}: {mt['generated']} tokens generated, {mt['prompt']} prompt tokens{host}; "
                   f"{mt.get('rate', 0):.1f} tok/s now")  # fmt: skip
     fetch = st.get("fetch")
     if isinstance(fetch, dict):

@@ -24,7 +24,10 @@ function segment(p, models) {
   d.title = `node ${p.node}`;
   // [face-3] 4: wider for more memory, never narrower than its name (CSS min-width); the row wraps instead
   d.style.flexGrow = String(Math.max(p.capacity || 0, 2e8) / 1e9);
-  const layers = p.layers ? `layers ${p.layers[0]}–${p.layers[1]}` : kind === "client" ? "lite client" : "no layers";
+  // [face-3] 4: a host's share always has the output layer ("no layers" for a host holding only the output misled)
+  const out = kind === "host" ? " + output" : "";
+  const layers = p.layers ? `layers ${p.layers[0]}–${p.layers[1]}${out}` : out ? "output" : kind === "client" ? "lite client"
+    : "no layers";
   const path = (p.path === "self" ? "this node" : p.path) + (p.rpc_path ? `; RPC ${p.rpc_path}` : "");
   const rtt = p.rtt_ms != null ? ` · ${p.rtt_ms.toFixed(1)} ms` : "";
   d.innerHTML = `<div class="id"></div><div class="sub state"></div><div class="sub"></div><div class="sub"></div>`;
@@ -55,8 +58,11 @@ function render(st) {
   // every model the mesh serves: its host (each model has its own election) and the nodes that hold it
   // and its replicas: hosts of it beside the elected one, each serving the whole model
   const reps = (m) => (m.replicas || []).length ? ` · replicas ${m.replicas.map((n) => n.slice(0, 8)).join(", ")}` : "";
+  // [face-3] 1: each model's own tokens and slots (its hosts', summed), never another model's as the mesh's
+  const figs = (m) => m.tokens && m.slots ? ` · ${m.tokens.generated} tokens, ${m.tokens.rate} tok/s · slots ` +
+    `${m.slots.busy} of ${m.slots.total} busy` : "";
   $("m-models").textContent = models.map((m) => `${m.name}: host ${m.host ? m.host.slice(0, 8) : "none"} ` +
-    `${m.state}${reps(m)} · nodes ${m.nodes.map((n) => n.slice(0, 8)).join(", ")}`).join("  |  ") || "–";
+    `${m.state}${reps(m)} · nodes ${m.nodes.map((n) => n.slice(0, 8)).join(", ")}${figs(m)}`).join("  |  ") || "–";
   $("m-draft").textContent = st.draft || "none";
   $("m-state").textContent = st.unavailable || stateText(st.state, st.why);  // what /health says
   const f = st.fetch;  // this node fetching its model from the members that have it
