@@ -32,7 +32,8 @@ def test_ps_logs_and_stop_on_real_nodes(tmp_path: Path, tiny_model: Path) -> Non
         a = NodeProc(tmp_path, "a", tiny_model, "--config", str(cfg), "--max-vram", "0.9", env=env)
         b = NodeProc(tmp_path, "b", None, "--join", "mesh1.AAAA", env=env)  # a bad token: it never runs
         nodes += [a, b]
-        wait_for(lambda: "ready:" in a.text(), 120, "a to serve")
+        # the agent lines follow the "ready:" line (a CI run read the log between the two)
+        wait_for(lambda: "ready:" in a.text() and "goose: run:" in a.text(), 120, "a to serve")
         assert "capacity 0.9 GB" in a.text() and "\"contextWindow\": 1024" in a.text(), a.text()[-1500:]
         assert [p["name"] for p in a.status()["peers"]] == ["from-config"]  # type: ignore[index]
         assert b.proc.wait(30) == 2

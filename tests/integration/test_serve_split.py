@@ -198,6 +198,49 @@ def test_status_command_shows_both_model_nodes(mesh: dict[str, NodeProc]) -> Non
         assert f"{used / 1e9:.1f}/" in next(x for x in r2.stdout.splitlines() if x.startswith(short)), r2.stdout
 
 
+def _chat(port: int, body: dict[str, object], key: str | None = None) -> dict[str, object]:
+    auth = {"Authorization": f"Bearer {key}"} if key else {}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **auth})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=300) as r:
+        out: dict[str, object] = json.loads(r.read())
+        return out
+
+
+def test_tools_and_structured_output_through_a_split_answer_as_llama_server(mesh: dict[str, NodeProc]) -> None:
+    """[face-3] 5: a chat offering a tool (``tools``, ``tool_choice``) and one asking for a JSON schema
+    (``response_format``), through a worker's API and a lite client's, answer as the host's llama-server asked
+    directly (its key) — the same message; the structured answer is JSON of the schema. (The tiny base model under
+    its transcript template answers the tool offer in text: no tool call is made, so what this shows is that the
+    fields pass through unchanged. The chats name the base model's turn stops themselves, so the API adds none and
+    all three get the same request.)"""
+    from meshllm.llama.chat import TRANSCRIPT_STOPS
+
+    a, b, c = mesh["a"], mesh["b"], mesh["c"]
+    key = (a.state / "llama-server.key").read_text().strip()
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "the weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    place = {"type": "json_schema", "json_schema": {"name": "place", "schema": {
+        "type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+        "required": ["city", "country"]}}}  # fmt: skip
+    stops = list(TRANSCRIPT_STOPS)
+    asks = [
+        {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "tools": [weather],
+         "tool_choice": "auto", "max_tokens": 24, "temperature": 0, "stop": stops},
+        {"messages": [{"role": "user", "content": "Name a city and its country."}], "response_format": place,
+         "max_tokens": 48, "temperature": 0, "stop": stops},
+    ]  # fmt: skip
+    for body in asks:
+        want = _chat(llama_server_port(a), body, key)["choices"][0]["message"]  # type: ignore[index]
+        for n in (b, c):
+            got = _chat(n.port, body)["choices"][0]["message"]  # type: ignore[index]
+            assert got == want, (n.state.name, body.get("tools") is not None, got, want)
+    structured = _chat(c.port, asks[1])["choices"][0]["message"]["content"]  # type: ignore[index]
+    print(f"\ntools: {_chat(c.port, asks[0])['choices'][0]['message']}; structured: {structured}")  # type: ignore[index]
+    assert set(json.loads(structured)) >= {"city", "country"}, structured
+
+
 def test_concurrent_requests_from_two_nodes(mesh: dict[str, NodeProc]) -> None:
     results: dict[str, str] = {}
 
