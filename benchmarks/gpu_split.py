@@ -159,7 +159,6 @@ def tps(base: str, path: str, tokens: int, runs: int) -> float:
     return statistics.median(once(tokens) for _ in range(runs))
 
 
-
 def start(run_mesh: Any, server: Any, rpc_server: Any, args: argparse.Namespace) -> None:
     """[pipeline] 4: start → ready of a 2-node split (GPU 0 host, GPU 1 worker, each capped at --cap), --runs times:
     from the second node's start to the host's "ready:" line; stock: the worker's rpc-server already up, llama-server
@@ -184,7 +183,16 @@ def start(run_mesh: Any, server: Any, rpc_server: Any, args: argparse.Namespace)
     print(f"\nmesh ÷ stock: {m / k:.2f} (goal ≤ 2)")
 
 
-def pipeline(run_mesh: Any, server: Any, rpc_server: Any, free_port: Any, args: argparse.Namespace) -> None:
+def pipeline(
+    run_mesh: Any,
+    server: Any,
+    rpc_server: Any,
+    free_port: Any,
+    args: argparse.Namespace,
+    bins: Any = None,
+    model: Path | None = None,
+    work: Path | None = None,
+) -> None:
     """[pipeline] 5: for N in --nodes, N nodes × 1 GPU (GPU 0 the host) with one even split (--tensor-split, workers
     first): the mesh (its default path: direct TLS, worker to worker where both neighbours are direct); the same
     devices without the mesh, host GPU in-process + N-1 rpc-servers over loopback TCP, worker to worker (GGML_RPC_PEERS)
@@ -201,10 +209,26 @@ def pipeline(run_mesh: Any, server: Any, rpc_server: Any, free_port: Any, args: 
                 "pre": prefill(base, path, 2400, args.runs, seed=7)}  # fmt: skip
 
     table: list[tuple[int, str, dict[str, float]]] = []
+    rows = set(args.rows.split(","))
+    mesh_label = "mesh-llm" + (", patch 0016 off" if os.environ.get("GGML_RPC_QUEUE_INPUTS") == "0" else "")
     for n in [int(x) for x in args.nodes.split(",")]:
         # node i on GPU i; with fewer GPUs than nodes they take turns (one stream's decode uses one stage at a time)
         gpus = [str(i % n_gpus) for i in range(n)]
         layers = [32 // n + (1 if i < 32 % n else 0) for i in range(n)]
+        if args.trace:  # [pipeline-2] 2: one token's time, command by command (benchmarks/stage_trace.py)
+            from stage_trace import print_table, traced_chain
+
+            (work / f"trace{n}").mkdir(exist_ok=True)
+            devices = [dict(os.environ, CUDA_VISIBLE_DEVICES=g) for g in [*gpus[1:], gpus[0]]]
+            for off in ((), ("GGML_RPC_QUEUE_INPUTS",)):  # patch 0016 on, then off
+                traced = traced_chain(bins, model, n - 1, args.tokens, work / f"trace{n}", layers, devices,
+                                      dict.fromkeys(off, "0"))  # fmt: skip
+                print_table(
+                    f"# N={n}: {n - 1} rpc-servers worker to worker + llama-server (GPUs {','.join(gpus)}), "
+                    f"layers {layers}, {args.tokens} greedy tokens{''.join(f', {k}=0' for k in off)}",
+                    traced,
+                )
+            continue
         split = [float(x) for x in layers]
         split[-1] += 1  # the host's entry counts the output layer
         mesh_args = ("--parallel", str(parallel), "--ctx-size", str(ctx), "--tensor-split", ",".join(map(str, layers)))
@@ -214,18 +238,19 @@ def pipeline(run_mesh: Any, server: Any, rpc_server: Any, free_port: Any, args: 
                 via = "; ".join(x["rpc_path"] for x in st["peers"] if x.get("rpc_path"))  # type: ignore[attr-defined]
                 print(f"N={n} {path}: {via}", flush=True)
                 table.append((n, f"mesh-llm through tunnels, {name}", got))
-        elif not args.rtt_ms:
+        elif not args.rtt_ms and "mesh" in rows:
             got, st = run_mesh(f"pipe{n}", "auto", [(g, None) for g in gpus], mesh_args, measure)
             via = "; ".join(x["rpc_path"] for x in st["peers"] if x.get("rpc_path"))  # type: ignore[attr-defined]
             counts = [a["count"] for a in st["plan"]["assignments"]]  # type: ignore[index]
             print(f"N={n}: mesh plan {counts} ({via})", flush=True)
-            table.append((n, f"mesh-llm, {len(counts)} nodes on GPUs {','.join(gpus)}", got))
-        if not args.tunnel:  # the same devices without the mesh: worker to worker and the star
+            table.append((n, f"{mesh_label}, {len(counts)} nodes on GPUs {','.join(gpus)}", got))
+        if not args.tunnel and {"ring", "ring0", "star"} & rows:  # the same devices without the mesh
             peers: list[int] = []
             for _ in gpus[1:]:
                 peers.append(free_port(avoid=peers))
-            workers = [rpc_server(f"pipe{n}-w{i}", g, peer=p)
-                       for i, (g, p) in enumerate(zip(gpus[1:], peers, strict=True))]
+            workers = [
+                rpc_server(f"pipe{n}-w{i}", g, peer=p) for i, (g, p) in enumerate(zip(gpus[1:], peers, strict=True))
+            ]
             try:
                 eps = [ep for _, ep in workers]
                 if args.rtt_ms:  # every link through a relay that delays it
@@ -234,27 +259,61 @@ def pipeline(run_mesh: Any, server: Any, rpc_server: Any, free_port: Any, args: 
                     eps = [f"127.0.0.1:{r.port}" for r in relays[: len(eps)]]
                     peers = [r.port for r in relays[len(eps) :]]
                 env_ = {"GGML_RPC_PEERS": ",".join(f"{ep}=127.0.0.1:{p}" for ep, p in zip(eps, peers, strict=True))}
-                table.append((n, "worker to worker: host GPU + RPC workers",
-                              server(f"pipe{n}-ring", "0", eps, split, (), measure, ctx, parallel, env_)))  # fmt: skip
-                table.append((n, "stock star: host GPU + RPC workers",
-                              server(f"pipe{n}-star", "0", eps, split, (), measure, ctx, parallel)))  # fmt: skip
+                if "ring" in rows:
+                    table.append(
+                        (
+                            n,
+                            "worker to worker: host GPU + RPC workers",
+                            server(f"pipe{n}-ring", "0", eps, split, (), measure, ctx, parallel, env_),
+                        )
+                    )
+                if "ring0" in rows:  # [pipeline-2]'s A/B
+                    before = {**env_, "GGML_RPC_QUEUE_INPUTS": "0"}
+                    table.append(
+                        (
+                            n,
+                            "worker to worker, patch 0016 off",
+                            server(f"pipe{n}-ring0", "0", eps, split, (), measure, ctx, parallel, before),
+                        )
+                    )
+                if "star" in rows:
+                    table.append(
+                        (
+                            n,
+                            "stock star: host GPU + RPC workers",
+                            server(f"pipe{n}-star", "0", eps, split, (), measure, ctx, parallel),
+                        )
+                    )
             finally:
                 for c, _ in workers:
                     c.stop()
         used = sorted(set(gpus), key=int)
         per_gpu = [sum(x for g, x in zip(gpus, split, strict=True) if g == u) for u in used]
-        table.append((n, f"llama.cpp in one process, {len(used)} GPUs",
-                      server(f"pipe{n}-inproc", ",".join(used), [], per_gpu, ("-sm", "layer"), measure, ctx, parallel)))
-    print(f"\n# {args.tokens} greedy tokens (one stream; 4 clients at once: aggregate), a 2,400-token prefill; "
-          f"median of {args.runs}; {parallel} slots × {ctx} tokens; the same even layer split per N"
-          + (f"; every RPC link {args.rtt_ms} ms RTT (delay relays)" if args.rtt_ms else ""))
-    print("| N | setup | decode tok/s | ÷ in-process | ÷ star | 4 clients tok/s | ÷ in-process | prefill tok/s | "
-          "÷ in-process |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+        table.append(
+            (
+                n,
+                f"llama.cpp in one process, {len(used)} GPUs",  # every ratio's base
+                server(f"pipe{n}-inproc", ",".join(used), [], per_gpu, ("-sm", "layer"), measure, ctx, parallel),
+            )
+        )
+    if args.trace:
+        return
+    print(
+        f"\n# {args.tokens} greedy tokens (one stream; 4 clients at once: aggregate), a 2,400-token prefill; "
+        f"median of {args.runs}; {parallel} slots × {ctx} tokens; the same even layer split per N"
+        + (f"; every RPC link {args.rtt_ms} ms RTT (delay relays)" if args.rtt_ms else "")
+    )
+    print(
+        "| N | setup | decode tok/s | ÷ in-process | ÷ star | 4 clients tok/s | ÷ in-process | prefill tok/s | "
+        "÷ in-process |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|"
+    )
     for n, name, r in table:
         base = next(v for m, k, v in table if m == n and k.startswith("llama.cpp in one process"))
-        star = next(v for m, k, v in table if m == n and (k.endswith("star") or k.startswith("stock star")))
-        print(f"| {n} | {name} | {r['dec']:.1f} | {r['dec'] / base['dec']:.2f} | {r['dec'] / star['dec']:.2f} | "
-              f"{r['c4']:.1f} | {r['c4'] / base['c4']:.2f} | {r['pre']:.0f} | {r['pre'] / base['pre']:.2f} |")
+        star = next((v for m, k, v in table if m == n and (k.endswith("star") or k.startswith("stock star"))), r)
+        print(
+            f"| {n} | {name} | {r['dec']:.1f} | {r['dec'] / base['dec']:.2f} | {r['dec'] / star['dec']:.2f} | "
+            f"{r['c4']:.1f} | {r['c4'] / base['c4']:.2f} | {r['pre']:.0f} | {r['pre'] / base['pre']:.2f} |"
+        )
 
 
 def bytes_per_token(server: Any, rpc_server: Any, free_port: Any, args: argparse.Namespace) -> None:
@@ -297,8 +356,10 @@ def bytes_per_token(server: Any, rpc_server: Any, free_port: Any, args: argparse
         for c, _ in workers:
             c.stop()
     star = rows[0][1]
-    print(f"\n# bytes through llama-server per generated token, 2 RPC workers (11 + 11 layers) + the host GPU (10 + "
-          f"output), {args.tokens} greedy tokens; the same text every way: {len({r[1][2] for r in rows}) == 1}")
+    print(
+        f"\n# bytes through llama-server per generated token, 2 RPC workers (11 + 11 layers) + the host GPU (10 + "
+        f"output), {args.tokens} greedy tokens; the same text every way: {len({r[1][2] for r in rows}) == 1}"
+    )
     print("| setup | to the workers B/token | back B/token | total | ÷ star |\n|---|---:|---:|---:|---:|")
     for name, (up, down, _) in rows:
         print(f"| {name} | {up:.0f} | {down:.0f} | {up + down:.0f} | {(up + down) / (star[0] + star[1]):.2f} |")
@@ -326,40 +387,79 @@ def main() -> None:
         action="store_true",
         help="instead (4 GPUs): a 2-GPU host and a 2-GPU worker, next to stock RPC with the same four-device split",
     )
-    ap.add_argument("--load", action="store_true",
-                    help="instead: many clients at once (aggregate tok/s, time to first token) and long prompts' "
-                         "prefill, for the mesh, stock RPC and in-process llama.cpp with the same slots and context")
+    ap.add_argument(
+        "--load",
+        action="store_true",
+        help="instead: many clients at once (aggregate tok/s, time to first token) and long prompts' "
+        "prefill, for the mesh, stock RPC and in-process llama.cpp with the same slots and context",
+    )
     ap.add_argument("--parallel", type=int, default=8, help="--load: slots of every setup (default 8)")
     ap.add_argument("--slot-ctx", type=int, default=9216, help="--load: context per slot (default 9216: an 8k prompt)")
     ap.add_argument("--clients", default="1,4,8,16", help="--load: concurrent clients, comma-separated")
     ap.add_argument("--split", default="13,19", help="--load: layers of worker and host (the issue's 13/19 split)")
-    ap.add_argument("--auto", action="store_true",
-                    help="instead: the mesh's default sizes (--parallel auto --ctx-size auto), alone on one GPU and "
-                         "split over two capped ones: what it picks, that it loads, 8 clients' aggregate")
-    ap.add_argument("--replicas", action="store_true",
-                    help="instead: --clients at once on one mesh node (GPU 0) and on two that each hold the model "
-                         "(GPU 0, GPU 1: the second serves a replica), next to llama-server on one GPU and two "
-                         "llama-servers with the clients split between them")
-    ap.add_argument("--start", action="store_true",
-                    help="instead: a 2-node split's start → ready (the second node's start → the host says ready), "
-                         "next to stock's load of the same split (llama-server --rpc: start → /health 200)")
-    ap.add_argument("--pipeline", action="store_true",
-                    help="instead: N nodes × 1 GPU for each N of --nodes: the mesh, worker to worker (patch 0011) and "
-                         "the stock star with the same even split, llama.cpp in one process on N GPUs")
+    ap.add_argument(
+        "--auto",
+        action="store_true",
+        help="instead: the mesh's default sizes (--parallel auto --ctx-size auto), alone on one GPU and "
+        "split over two capped ones: what it picks, that it loads, 8 clients' aggregate",
+    )
+    ap.add_argument(
+        "--replicas",
+        action="store_true",
+        help="instead: --clients at once on one mesh node (GPU 0) and on two that each hold the model "
+        "(GPU 0, GPU 1: the second serves a replica), next to llama-server on one GPU and two "
+        "llama-servers with the clients split between them",
+    )
+    ap.add_argument(
+        "--start",
+        action="store_true",
+        help="instead: a 2-node split's start → ready (the second node's start → the host says ready), "
+        "next to stock's load of the same split (llama-server --rpc: start → /health 200)",
+    )
+    ap.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="instead: N nodes × 1 GPU for each N of --nodes: the mesh, worker to worker (patch 0011) and "
+        "the stock star with the same even split, llama.cpp in one process on N GPUs",
+    )
     ap.add_argument("--nodes", default="2,3,4", help="--pipeline: node counts, comma-separated")
-    ap.add_argument("--bytes", action="store_true",
-                    help="instead: bytes through llama-server per token with 2 RPC workers, the star and worker to "
-                         "worker, counted by relays in front of the workers (meshllm.llama.rpcwire.CountingRelay)")
-    ap.add_argument("--rtt-ms", type=float, default=0.0,
-                    help="--pipeline: every link between two processes (llama-server to a worker, worker to worker) "
-                         "through a relay that delays each way by half this (benchmarks/delayrelay.py), as on a LAN; "
-                         "the mesh row is left out (its links are its own)")
-    ap.add_argument("--tunnel", action="store_true",
-                    help="--pipeline: the mesh's rows only, through tunnels (the host on --rpc-path tunnel): worker "
-                         "to worker through the mesh, and the star (every node on --rpc-path tunnel)")
-    ap.add_argument("--embd", action="store_true",
-                    help="instead: patch 0013's A/B on --load's split: 2k/8k prefill and decode through the tunnel "
-                         "with the token embedding on the worker and on the host, and on the direct path")
+    ap.add_argument(
+        "--rows",
+        default="mesh,ring,ring0,star,inproc",
+        help="--pipeline: which setups (mesh, ring: worker to worker, ring0: the same with patch 0016 "
+        "off, star, inproc), comma-separated; inproc is every ratio's base",
+    )
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="--pipeline: instead of the table, each N's token time command by command (stage_trace.py)",
+    )
+    ap.add_argument(
+        "--bytes",
+        action="store_true",
+        help="instead: bytes through llama-server per token with 2 RPC workers, the star and worker to "
+        "worker, counted by relays in front of the workers (meshllm.llama.rpcwire.CountingRelay)",
+    )
+    ap.add_argument(
+        "--rtt-ms",
+        type=float,
+        default=0.0,
+        help="--pipeline: every link between two processes (llama-server to a worker, worker to worker) "
+        "through a relay that delays each way by half this (benchmarks/delayrelay.py), as on a LAN; "
+        "the mesh row is left out (its links are its own)",
+    )
+    ap.add_argument(
+        "--tunnel",
+        action="store_true",
+        help="--pipeline: the mesh's rows only, through tunnels (the host on --rpc-path tunnel): worker "
+        "to worker through the mesh, and the star (every node on --rpc-path tunnel)",
+    )
+    ap.add_argument(
+        "--embd",
+        action="store_true",
+        help="instead: patch 0013's A/B on --load's split: 2k/8k prefill and decode through the tunnel "
+        "with the token embedding on the worker and on the host, and on the direct path",
+    )
     ap.add_argument("--prepare", action="store_true", help="only build the binaries and make the model, then stop")
     ap.add_argument("--moe-spill", type=float, metavar="GB",
                     help="instead ([big]): one mesh node on GPU 0 with the carried tiny MoE (gpuc/tiny-moe.gguf, "
@@ -521,7 +621,7 @@ def main() -> None:
         embd(run_mesh, env, args)
         return
     if args.pipeline:
-        pipeline(run_mesh, server, rpc_server, free_port, args)
+        pipeline(run_mesh, server, rpc_server, free_port, args, bins, model, work)
         return
     if args.bytes:
         bytes_per_token(server, rpc_server, free_port, args)
@@ -598,8 +698,11 @@ def load(run_mesh: Any, server: Any, rpc_server: Any, args: Any) -> None:
     for path_name in ("auto", "tunnel"):
         got, st = run_mesh(f"load-{path_name}", path_name, [("0", None), (second, None)], mesh_args, measure)
         via = "; ".join(x["rpc_path"] for x in st["peers"] if x.get("rpc_path"))  # type: ignore[attr-defined]
-        print(f"mesh ({path_name}): plan {[a['count'] for a in st['plan']['assignments']]}, {via}, "  # type: ignore[index]
-              f"slots {st.get('slots')}", flush=True)
+        print(
+            f"mesh ({path_name}): plan {[a['count'] for a in st['plan']['assignments']]}, {via}, "  # type: ignore[index]
+            f"slots {st.get('slots')}",
+            flush=True,
+        )
         results.append((f"mesh-llm, {'default path' if path_name == 'auto' else 'tunnel'} ({via})", got))
     ts = [float(w), float(h + 1)]
     worker, at = rpc_server("rpc-load", second)
@@ -611,8 +714,10 @@ def load(run_mesh: Any, server: Any, rpc_server: Any, args: Any) -> None:
     inproc_name = f"llama.cpp in one process, {min(n_gpus, 2)} GPU{'s' if n_gpus > 1 else ''}"
     results.append((inproc_name, server("load-inproc", both, [], ts, ("-sm", "layer"), measure, ctx, p)))
     base = dict(results)[inproc_name]
-    print(f"\n# {args.tokens} greedy tokens per client, --parallel {p}, {ctx} tokens per slot, split {w}/{h}; "
-          f"aggregate: median of {args.runs} runs; time to first token over all requests of those runs")
+    print(
+        f"\n# {args.tokens} greedy tokens per client, --parallel {p}, {ctx} tokens per slot, split {w}/{h}; "
+        f"aggregate: median of {args.runs} runs; time to first token over all requests of those runs"
+    )
     print("| setup | clients | aggregate tok/s | ÷ in-process | TTFT p50 s | TTFT p95 s |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, r in results:
@@ -691,8 +796,10 @@ def replicas(run_mesh: Any, server: Any, args: Any) -> None:
     rows.append(("2 llama-servers (GPU 0, GPU 1), clients split between them",
                  server("rep-two-a", "0", [], [], (), both, ctx, p)))  # fmt: skip
     one_ = dict(rows)
-    print(f"\n# {n} clients x {args.tokens} greedy tokens, every server --parallel {p} x {ctx} tokens; aggregate: "
-          f"median of {args.runs} runs; TTFT over every request of those runs")
+    print(
+        f"\n# {n} clients x {args.tokens} greedy tokens, every server --parallel {p} x {ctx} tokens; aggregate: "
+        f"median of {args.runs} runs; TTFT over every request of those runs"
+    )
     print("| setup | aggregate tok/s | ÷ its one-GPU row | TTFT p50 s | TTFT p95 s |\n|---|---:|---:|---:|---:|")
     for name, (agg, tt) in rows:
         b = one_["mesh-llm, 1 node (GPU 0)" if name.startswith("mesh") else "llama-server, 1 GPU"][0]

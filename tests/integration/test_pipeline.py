@@ -129,6 +129,42 @@ def test_activations_go_worker_to_worker_with_the_stars_text(
         stop_split(stock)
 
 
+def _waits_per_token(trace_prefix: Path, t0: int, t1: int, n: int) -> float:
+    """Patch 0015's trace of llama-server: how often its thread blocked on a connection (W1 events) in [t0, t1]."""
+    lines = [
+        ln.split() for f in trace_prefix.parent.glob(trace_prefix.name + ".*") for ln in f.read_text().splitlines()
+    ]
+    return sum(1 for a in lines if len(a) == 7 and a[2] == "W1" and t0 <= int(a[0]) <= t1) / n
+
+
+def test_inputs_are_queued_not_waited_for_with_the_same_text(
+    tmp_path: Path, tiny_model: Path, patched_bins: Binaries, module_children: list[Child]
+) -> None:
+    """[pipeline-2] 2, patch 0016: the inputs llama-server sets on each server every token are queued (the message
+    holds a copy) and a synchronize with nothing queued returns at once: its thread blocks on the connections a
+    few times a token, not ~20 times per server; the text is the same with it off (GGML_RPC_QUEUE_INPUTS=0)."""
+    got: dict[str, tuple[str, float]] = {}
+    for name, extra in (("queued", {}), ("waited", {"GGML_RPC_QUEUE_INPUTS": "0"})):
+        prefix = tmp_path / name / "trace"
+        prefix.parent.mkdir()
+        env = {"GGML_RPC_TRACE": str(prefix), **extra}
+        s = _split(tmp_path / name, patched_bins, _workers(patched_bins, tiny_model, True), tiny_model,
+                   module_children, env)  # fmt: skip
+        try:
+            s.complete(PROMPT, 4)
+            t0 = time.monotonic_ns()  # CLOCK_MONOTONIC, the trace's steady clock
+            text = s.complete(PROMPT, N)
+            t1 = time.monotonic_ns()
+            time.sleep(0.3)  # the trace is written every 50 ms
+        finally:
+            stop_split(s)
+        got[name] = (text, _waits_per_token(prefix, t0, t1, N))
+    print(f"\nllama-server's thread blocked on a connection per token: {got['queued'][1]:.1f} queued, "
+          f"{got['waited'][1]:.1f} waited for")  # fmt: skip
+    assert got["queued"][0] == got["waited"][0]
+    assert got["queued"][1] <= 0.5 * got["waited"][1], got
+
+
 def test_a_stock_rpc_server_gets_the_star(
     tmp_path: Path, tiny_model: Path, patched_bins: Binaries, stock_bins: Binaries, module_children: list[Child]
 ) -> None:

@@ -462,7 +462,7 @@ def _plan_override(shape: ModelShape, host: Slot, ordered: list[Slot], ctx: int,
     for s, c in zip([*nodes, host], counts, strict=True):
         b = sum(shape.layer_cost(i, ctx) for i in range(first, first + c))
         b += host_fixed_bytes(shape, ctx, host.gpu) if s is host else shape.compute_bytes(ctx, output=False)
-        assignments.append(Assignment(s.node, first, c, b, s.shares))
+        assignments.append(Assignment(s.node, first, c, b, s.shares, cpu_last=s.cpu_last))
         first += c
     used = {a.node for a in assignments}
     p = Plan(host.node, tuple(assignments), tuple(sorted(s.node for s in ordered if s.node not in used)))
