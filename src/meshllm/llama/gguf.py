@@ -232,6 +232,22 @@ def layer_of(name: str) -> int | None:
     return int(m[1]) if m else None
 
 
+# encoders: embedding models whatever their pooling key says (llama.cpp's architecture names)
+ENCODER_ARCHS = frozenset({"bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2", "jina-bert-v3", "neo-bert",
+                           "modern-bert", "t5encoder", "gemma-embedding"})  # fmt: skip
+POOLING_EMBEDDINGS = (1, 2, 3)  # llama.cpp's pooling types mean, cls, last (4, rank, is a reranker's; 0 none)
+
+
+def is_embedding_model(metadata: dict[str, object]) -> bool:
+    """[face-3] 5: a model that makes embeddings, not text: an encoder architecture, or a pooling type in its
+    metadata (``{arch}.pooling_type``: what llama.cpp pools a sequence's vectors with, e.g. Qwen3-Embedding's last)."""
+    arch = metadata.get("general.architecture")
+    if not isinstance(arch, str):
+        return False
+    pooling = metadata.get(f"{arch}.pooling_type")
+    return arch in ENCODER_ARCHS or pooling in POOLING_EMBEDDINGS
+
+
 def held_with_layer(name: str) -> int | None:
     """The layer a worker's copy holds a tensor for: its own layer, and layer 0 for the token embedding (the first
     worker looks tokens up: patch 0013); None for the rest (the host's: output, norms)."""

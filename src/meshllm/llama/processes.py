@@ -257,16 +257,20 @@ def llama_server_argv(
     draft: Path | None = None,
     draft_max: int = 8,
     draft_device: str | None = None,
+    embeddings: int = 0,
     extra: Sequence[str] = (),
 ) -> list[str]:
     """The one place that builds llama-server's command line. ``ctx_size``: each slot's context (llama-server's
     --ctx-size is all slots' together); continuous batching on, each slot its own KV cells (not unified: a slot's
-    context is what the planner charged)."""
+    context is what the planner charged). ``embeddings``: an embedding model's, that many tokens a batch (a
+    sequence's vectors are pooled in one batch, so an input may be as long as a batch: its slot's context)."""
     argv = [
         str(bins.llama_server), "--host", LOOPBACK, "--port", str(port), "--model", str(model),
         "--ctx-size", str(ctx_size * parallel), "--no-webui", "--parallel", str(parallel), "--cont-batching",
         "--no-kv-unified", "--metrics", *tuning.argv(chat),
     ]  # fmt: skip
+    if embeddings:
+        argv += ["--embeddings", "--batch-size", str(embeddings), "--ubatch-size", str(embeddings)]
     if threads:
         argv += ["--threads", str(threads)]
     if alias:

@@ -44,6 +44,7 @@ log = logging.getLogger("meshllm.supervisor")
 BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 CRASH_WINDOW_S = 60.0
 MAX_CRASHES = 5
+EMBD_BATCH_MAX = 8192  # [face-3] 5: an embedding model's longest input (one batch: its compute buffer grows with it)
 
 
 class ChildState(StrEnum):
@@ -190,6 +191,7 @@ class ServerConfig:
     peers: tuple[str, ...] = ()  # "ENDPOINT=IP:PORT": workers' listeners for their predecessor (patch 0011)
     embd_first: bool = False  # the token embedding on the first RPC server, with layer 0 (patch 0013)
     n_gpu_layers: int | None = None  # [big] fewer than every unit: the first layers on this process's CPU
+    embeddings: bool = False  # [face-3] 5: an embedding model: llama-server's embedding mode (/v1/embeddings)
 
 
 class LocalServer(Supervised):
@@ -218,7 +220,7 @@ class LocalServer(Supervised):
                 tensor_split=[float(x) for x in cfg.tensor_split],
                 n_gpu_layers=cfg.n_gpu_layers or (999 if cfg.rpc else None),
                 extra=(*cfg.extra, "--api-key-file", str(key_file)), draft=cfg.draft, draft_max=cfg.draft_max,
-                draft_device=cfg.draft_device,
+                draft_device=cfg.draft_device, embeddings=min(cfg.ctx_size, EMBD_BATCH_MAX) if cfg.embeddings else 0,
             )  # fmt: skip
 
         def ready(child: Child, port: int) -> None:

@@ -138,6 +138,7 @@ async def obtain_and_open(net: MeshNet, name: str, o: NodeOptions, console: Cons
     found = await _in_mesh(net, name, wait_s) if not o.fetch_all else None
     if found is not None:
         from meshllm.llama.chat import chat_default
+        from meshllm.llama.gguf import is_embedding_model
         from meshllm.paths import models_dir
         from meshllm.serve.fetch.modelfiles import model_shape
 
@@ -149,7 +150,9 @@ async def obtain_and_open(net: MeshNet, name: str, o: NodeOptions, console: Cons
                                   lambda line: console.print(line, markup=False), track)  # fmt: skip
         shape = model_shape(copy.header)
         facts = ModelFacts(fingerprint=fp, size=size, n_layer=shape.n_layer, source=served_as)
-        return ModelFiles(copy.path, facts, None, chat_default(copy.header.metadata), partial=True), shape, copy
+        embedding = is_embedding_model(copy.header.metadata)
+        return ModelFiles(copy.path, facts, None, chat_default(copy.header.metadata), partial=True,
+                          embedding=embedding), shape, copy  # fmt: skip
     path = await obtain_model(net, name, o.models_dir, console, wait_s, track=track)
     try:
         model, shape, _ = await asyncio.to_thread(open_model, Path(name), o.models_dir, o.draft, o.no_draft)

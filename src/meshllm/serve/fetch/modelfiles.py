@@ -9,7 +9,7 @@ from pathlib import Path
 
 from meshllm.errors import UserError
 from meshllm.llama.chat import ChatDefault, chat_default
-from meshllm.llama.gguf import GGUFHeader, model_fingerprint, vocab_signature
+from meshllm.llama.gguf import GGUFHeader, is_embedding_model, model_fingerprint, vocab_signature
 from meshllm.llama.gguf import read_header as read_gguf_header
 from meshllm.models import catalog
 from meshllm.models.download import installed, resolve
@@ -27,6 +27,7 @@ class ModelFiles:
     draft: Path | None = None
     chat: ChatDefault | None = None  # the chat template it gets when the GGUF has none (llama/chat.py)
     partial: bool = False  # a partial copy (only some layers): its rpc-server is told the fingerprint we checked
+    embedding: bool = False  # [face-3] 5: an embedding model (llama-server in embedding mode: /v1/embeddings only)
 
 
 def open_model(
@@ -45,7 +46,8 @@ def open_model(
         fingerprint=model_fingerprint(path), size=path.stat().st_size, n_layer=shape.n_layer,
         source=str(model_arg) if named else path.stem,
     )  # fmt: skip
-    return ModelFiles(path, facts, draft_path, chat_default(hdr.metadata)), shape, note
+    embedding = is_embedding_model(hdr.metadata)
+    return ModelFiles(path, facts, draft_path, chat_default(hdr.metadata), embedding=embedding), shape, note
 
 
 def choose_draft(

@@ -49,6 +49,7 @@ class Upstream:
     spread: Spread | None = None
     alive: Callable[[], bool] | None = None  # another node's: whether the mesh still hears from it
     stops: tuple[str, ...] = ()  # our own llama-server's: stop strings every chat to it gets (a base model's turns)
+    embedding: bool | None = None  # our own: whether it is an embedding model (None: another node's: its door knows)
 
 
 async def _chunks(r: aiohttp.ClientResponse, up: Upstream) -> AsyncIterator[bytes]:
@@ -151,7 +152,8 @@ def _error(
 
 
 # what each endpoint cannot do without (llama-server's own answer would leak its JSON library's exception text)
-REQUIRED = {"/v1/completions": ("prompt", (str, list)), "/v1/chat/completions": ("messages", (list,))}
+REQUIRED = {"/v1/completions": ("prompt", (str, list)), "/v1/chat/completions": ("messages", (list,)),
+            "/v1/embeddings": ("input", (str, list))}  # fmt: skip
 
 
 # every name a request may ask for a number of tokens under: OpenAI's two, llama-server's own, the Responses API's
@@ -177,10 +179,22 @@ ENDPOINTS = {
     # llama-server turns max_output_tokens into max_tokens and passes every other field through: all are honoured
     "/v1/responses": Endpoint(frozenset(TOKEN_FIELDS), "max_output_tokens"),
     "/v1/messages/count_tokens": Endpoint(),
+    "/v1/embeddings": Endpoint(),  # [face-3] 5: an embedding model's (see ``kind_error``)
 }
+EMBEDDINGS = "/v1/embeddings"
 
 
-BARE = ("/chat/completions", "/completions")  # served as under /v1 (llama-server does so too)
+BARE = ("/chat/completions", "/completions", "/embeddings")  # served as under /v1 (OpenAI's shape)
+
+
+def kind_error(path: str, model: str, embedding: bool | None) -> str | None:
+    """[face-3] 5: why ``path`` cannot go to ``model`` — embeddings from a model that makes text, text from an
+    embedding model — or None (also when the model's kind is not known here: its host's door says)."""
+    if embedding is None or (path == EMBEDDINGS) == embedding:
+        return None
+    if embedding:
+        return f"model {model!r} is an embedding model: it answers {EMBEDDINGS} only"
+    return f"model {model!r} makes text, not embeddings: {EMBEDDINGS} needs an embedding model (one whose GGUF pools)"
 
 
 def _count(n: object) -> bool:
@@ -499,9 +513,6 @@ class Api:
 
     async def proxy(self, request: web.Request) -> web.StreamResponse:
         path = request.path if request.path.startswith("/v1/") else "/v1" + request.path  # BARE
-        if path == "/v1/embeddings":  # llama-server would say "start it with --embeddings", not our flag
-            msg = "mesh-llm serves completions and chat; embeddings are not served"
-            return _error(501, msg, "invalid_request_error", code="unsupported_endpoint")
         ep = ENDPOINTS.get(path)
         if ep is None:
             known = ", ".join(ENDPOINTS)
@@ -559,7 +570,9 @@ class Api:
         if isinstance(up, Unavailable):
             return _error(503, up.reason, "unavailable", headers={"Retry-After": str(up.retry_after_s)},
                           code="model_unavailable")  # fmt: skip
-        weight = _completions(parsed) if ep.cap_field else 0  # slots it takes (count_tokens: none)
+        if (wrong := kind_error(path, up.model, up.embedding)) is not None:
+            return _error(400, wrong, "invalid_request_error", code="model_not_supported", param="model")
+        weight = _completions(parsed) if ep.cap_field else int(path == EMBEDDINGS)  # slots (count_tokens: none)
         result = await self._held(request, path, up, body, weight)
         if isinstance(result, web.StreamResponse):
             return result

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from meshllm.errors import MeshError, UserError
 from meshllm.llama.chat import chat_default
-from meshllm.llama.gguf import read_header
+from meshllm.llama.gguf import is_embedding_model, read_header
 from meshllm.net.meshnet import MeshNet
 from meshllm.paths import models_dir
 from meshllm.proto import crypto, fleet
@@ -196,7 +196,9 @@ async def adopt_model(net: MeshNet, hosting: Hosting, wanted: str | None, o: Nod
         return None
     if found is not None and found[1] is not None:  # a copy here
         hdr = read_header(found[1])
-        model, shape = ModelFiles(found[1], found[0], chat=chat_default(hdr.metadata)), model_shape(hdr)
+        embedding = is_embedding_model(hdr.metadata)
+        model = ModelFiles(found[1], found[0], chat=chat_default(hdr.metadata), embedding=embedding)
+        shape = model_shape(hdr)
     else:  # fetched (its layers) from the members that serve it; --model auto: the model that needs us most
         name = wanted or found[0].fingerprint if found is not None else wanted
         assert name is not None

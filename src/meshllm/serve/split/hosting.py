@@ -386,7 +386,8 @@ class Hosting:
         srv, facts = self.server, self.model.facts if self.model else None
         if srv is None or facts is None or srv.state != ChildState.SERVING:
             return Unavailable("this node does not serve the model now", retry_after_s=1)
-        up = Upstream(facts.source, srv.base_url, srv.key, self.slots, stops=self.chat_stops())
+        up = Upstream(facts.source, srv.base_url, srv.key, self.slots, stops=self.chat_stops(),
+                      embedding=self.model is not None and self.model.embedding)  # fmt: skip
         return up if model in (None, facts.source) else None
 
     async def on_http_stream(self, conn: Conn, st: Stream) -> None:
@@ -438,7 +439,8 @@ class Hosting:
         r = serving.route(model, served, local, remote, ready, plan, host, me, host_says)
         if isinstance(r, serving.Local):
             assert srv is not None
-            return Upstream(r.model, srv.base_url, srv.key, self.slots, stops=self.chat_stops())
+            return Upstream(r.model, srv.base_url, srv.key, self.slots, stops=self.chat_stops(),
+                            embedding=self.model is not None and self.model.embedding)  # fmt: skip
         if isinstance(r, serving.Remote):
             return Upstream(r.model, f"http://127.0.0.1:{listeners[r.host].port}")
         if isinstance(r, serving.Connecting):
@@ -529,6 +531,7 @@ class Hosting:
                 tls_keys=state.rpc_client_keys(self.state_dir) if direct else None, peers=peers,
                 embd_first=isinstance(w, serving.Split) and w.embd_first,
                 n_gpu_layers=plan.n_gpu_layers if isinstance(plan, Plan) else None,
+                embeddings=self.model.embedding,
             )  # fmt: skip
         if want == self.server_cfg:
             return
