@@ -21,6 +21,8 @@ from tests.gguf_files import altered_copy
 from .meshlab import NodeProc, wait_for
 from .meshlab import _free_port as free_port
 
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"  # screenshots (git-ignored)
+
 
 def _founder(tmp: Path, model: Path, nodes: list[NodeProc], *args: str) -> tuple[NodeProc, str]:
     """Node a founds the mesh with ``model`` (it goes into ``nodes``); its invite token."""
@@ -159,6 +161,23 @@ def test_two_models_each_answer_under_their_own_name_from_every_node(tmp_path: P
             "return Array.from(document.querySelectorAll('.seg')).map(e => [e.dataset.node, e.innerText])")
         segs = dict(segs)
         assert f"host · {x}" in segs[a.short()] and f"host · {y}" in segs[b.short()], segs
+        # [face-3] 4: eight nodes (five more lite clients) and two models, on a desktop and on a phone (390×844):
+        # every node in the bar, no node's name or state clipped, nothing wider than the screen
+        for i in range(5):
+            nodes.append(NodeProc(tmp_path, f"l{i}", None, "--client", "--join", token))
+        wait_for(lambda: len(_get(c.port, "/mesh/status")["peers"]) == 8, 60, "eight nodes")  # type: ignore[arg-type]
+        fits = """const d = document.documentElement, segs = Array.from(document.querySelectorAll('.seg'));
+            const cut = segs.flatMap(s => Array.from(s.children)).filter(e => e.scrollWidth > e.clientWidth + 1);
+            return [segs.length, d.scrollWidth, window.innerWidth, cut.map(e => e.textContent)];"""
+        for width, height, phone in ((1200, 900, False), (390, 844, True)):
+            browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {  # type: ignore[attr-defined]
+                "width": width, "height": height, "deviceScaleFactor": 3 if phone else 1, "mobile": phone})
+            wait_for(lambda: browser.execute_script(fits)[0] == 8, 20, f"eight nodes at {width}×{height}")  # type: ignore[attr-defined]
+            n, page, screen, cut = browser.execute_script(fits)  # type: ignore[attr-defined]
+            ARTIFACTS.mkdir(exist_ok=True)
+            browser.save_screenshot(str(ARTIFACTS / f"console-8-nodes-{width}x{height}.png"))  # type: ignore[attr-defined]
+            assert page <= screen and not cut, (width, page, screen, cut)
+        browser.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})  # type: ignore[attr-defined]
         # each host's layers, as its own model's host says (they were another model's host's, or none)
         peers = {p["short"]: p for p in _get(c.port, "/mesh/status")["peers"]}  # type: ignore[attr-defined]
         assert peers[a.short()]["layers"] == [0, 17] and peers[b.short()]["layers"] == [0, 17], peers

@@ -114,3 +114,14 @@ def test_a_tally_forgets_sources_one_by_one_beyond_its_bound_but_not_their_count
     for i in range(s.MAX_SOURCES + 500):
         t.see(i, (2,))
     assert len(t._last) == s.MAX_SOURCES and t.total() == (2 * (s.MAX_SOURCES + 500),)
+
+
+def test_a_node_goes_by_one_word_the_elected_one_host_before_its_record_says_so() -> None:
+    """[face-3] 4: the label the console and `mesh-llm status` show comes from the election like the state line: an
+    elected node still recording itself a worker reads "host" (beside "elected: taking over as the host")."""
+    assert s.label(Role.WORKER, False, True, s.State.LOADING) == "host"
+    assert s.label(Role.HOST, False, True, s.State.SERVING) == "host"
+    assert s.label(Role.HOST, True, False, s.State.SERVING) == "replica"
+    assert s.label(Role.WORKER, False, False, s.State.STANDBY) == "standby"
+    assert s.label(Role.WORKER, False, False, s.State.SERVING) == "worker"
+    assert s.label(Role.CLIENT, False, False, s.State.SERVING) == "client"

@@ -53,8 +53,9 @@ def test_each_generating_endpoint_is_capped_by_the_field_it_honours() -> None:
         "input": "x", "max_output_tokens": 4}
     assert cap_tokens({"input": "x", "max_output_tokens": 4}, 16, resp) is None
     assert cap_tokens({"messages": [], "max_tokens": 10**9}, 16, ENDPOINTS["/v1/messages/count_tokens"]) is None
+    assert cap_tokens({"input": "x"}, 16, ENDPOINTS["/v1/embeddings"]) is None  # generates nothing
     assert set(ENDPOINTS) == {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses",
-                              "/v1/messages/count_tokens"}  # nothing of llama-server's own  # fmt: skip
+                              "/v1/messages/count_tokens", "/v1/embeddings"}  # none of llama-server's  # fmt: skip
 
 
 def test_dot_segments_are_found_plain_and_encoded() -> None:

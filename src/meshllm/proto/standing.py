@@ -55,6 +55,21 @@ class Standing:
 NO_HOST = Standing(State.WAITING, "no host elected yet")
 
 
+def label(role: Role | str, replica: bool, elected: bool, state: State) -> str:
+    """[face-3] 4: the one word a node goes by in ``/mesh/status``, the console and ``mesh-llm status``: client,
+    host (the elected one: also while it takes over, its record still saying worker), replica (a host of the model
+    beside the elected one), standby (its model's plan does not use it), worker. Before, the console's label came
+    from the record's role and the state line from the election, and an elected node read "worker" beside "elected:
+    taking over as the host"."""
+    if role == Role.CLIENT:
+        return "client"
+    if role == Role.HOST and replica:
+        return "replica"
+    if role == Role.HOST or elected:
+        return "host"
+    return "standby" if state == State.STANDBY else "worker"
+
+
 def of_host(rec: PeerRecord, silent_s: float) -> Standing:
     """The host's own standing, from its record and how long since we last heard from it."""
     if silent_s >= SUSPECT_AFTER_S:

@@ -16,6 +16,7 @@ from meshllm.proto import crypto, fleet, standing
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import ModelFacts, PeerRecord, Role
 from meshllm.proto.planner import Plan, Waiting
+from meshllm.proto.standing import Standing
 from meshllm.serve.http.api import Api
 from meshllm.serve.http.metrics import Exposition
 from meshllm.serve.split.hosting import Hosting
@@ -173,6 +174,12 @@ class Report:
                          and h.model is not None and h.model.fingerprint == fp), host)  # fmt: skip
         return standing.of_node(r, core.silent_s(r.node, now), host, core.silent_s(host.node, now) if host else 0)
 
+    def label(self, r: PeerRecord, stand: Standing, now: float) -> str:
+        core = self.net.core
+        assert core is not None
+        host = core.host_of(r, now)
+        return standing.label(r.role, r.replica, host is not None and host.node == r.node, stand.state)
+
     def status(self, v: NodeView, now: float) -> dict[str, object]:
         assert self.net.core is not None
         core = self.net.core
@@ -183,6 +190,7 @@ class Report:
             peers.append({
                 "node": r.node.hex(), "short": crypto.short(r.node), "name": r.name,
                 "role": "replica" if r.replica and r.role == Role.HOST else r.role,
+                "label": self.label(r, stand, now),  # [face-3] 4: the word the console and the table show
                 "scope": str(r.scope),
                 "capacity": r.capacity,
                 "ram": r.ram,  # [big] offered beside capacity, for routed experts
@@ -245,6 +253,7 @@ class Report:
             "slots": dict(zip(("busy", "total", "queued", "ctx"), self.slots(now), strict=True)),
             "node": v.me.hex(), "mesh": core.mesh_id.hex(),
             "role": "replica" if core.record.replica else core.record.role,
+            "label": self.label(core.record, mine, now),
             "host": v.host.hex() if v.host else None, "peers": peers, "plan": plan_obj,
             "reach": {
                 "addrs": self.net.all_addrs, "public": self.net.nat.public, "relay_server": ep.relay_server,

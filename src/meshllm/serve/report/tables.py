@@ -50,7 +50,7 @@ def print_status(out: Console, st: dict[str, Any], events: int = 0) -> None:
         state = p["state"]  # one vocabulary, as every node computes it (proto/standing.py); the reason below
         name = str(p.get("name") or "")[:12]  # a second line under the id: the hostname or --name
         t.add_row(
-            p["short"] + (f"\n{name}" if name else ""), p["role"], state, mem, span or "-",
+            p["short"] + (f"\n{name}" if name else ""), p.get("label", p["role"]), state, mem, span or "-",
             # [face-3] 4: the RTT with the path (a column of its own fell off at 80 columns); "[v6]:port": not markup
             Text(p["path"] + (f" · {p['rtt_ms']:.1f} ms" if p.get("rtt_ms") is not None and p["path"] != "self" else "")
                  + (f"\nRPC {p['rpc_path']}" if p.get("rpc_path") else "")),

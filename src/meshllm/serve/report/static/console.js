@@ -16,8 +16,7 @@ function segment(p, models) {
   const d = document.createElement("div");
   // the colour says what it does: host (a replica too: it serves the whole model), worker of the running plan,
   // standby (not in it), lite client
-  const kind = p.role === "client" ? "client" : p.role === "host" || p.role === "replica" ? "host"
-    : p.state === "standby" ? "standby" : "worker";
+  const kind = p.label === "replica" ? "host" : p.label;  // [face-3] 4: one word per node, the mesh's (status.py)
   const suspect = p.liveness === "suspect" || p.state === "unreachable";  // silent: maybe gone (dead at 10 s)
   d.className = "seg " + kind + (suspect ? " suspect" : "");
   d.dataset.node = p.short;
@@ -33,8 +32,7 @@ function segment(p, models) {
   d.innerHTML = `<div class="id"></div><div class="sub state"></div><div class="sub"></div><div class="sub"></div>`;
   // several models in the mesh: each node says which one it holds
   const model = models.length > 1 && p.model ? (models.find((m) => m.fingerprint === p.model) || {}).name : "";
-  const label = p.role === "replica" ? "replica" : kind;  // a replica: a host of the model beside the elected one
-  d.children[0].textContent = `${p.name || p.short} · ${label}` + (model ? ` · ${model}` : "");
+  d.children[0].textContent = `${p.name || p.short} · ${p.label}` + (model ? ` · ${model}` : "");
   d.children[1].textContent = stateText(p.state, p.why);
   const dev = p.device && p.capacity ? ` (${p.device})` : "";
   const used = p.planned_bytes ? `${gb(p.planned_bytes)} of ` : "";  // what the plan puts there, of what it offers
@@ -50,7 +48,7 @@ function render(st) {
   $("mesh").textContent = `node ${st.node.slice(0, 8)} in mesh ${st.mesh.slice(0, 8)}`;
   const cluster = $("cluster");
   // a stable order: the host first, then by node id (a rejoin must not reshuffle the bar)
-  const rank = (p) => (p.role === "host" ? "0" : p.role === "replica" ? "1" : "2") + p.node;
+  const rank = (p) => (p.label === "host" ? "0" : p.label === "replica" ? "1" : "2") + p.node;
   const peers = [...st.peers].sort((x, y) => (rank(x) < rank(y) ? -1 : 1));
   const models = st.models || [];
   cluster.replaceChildren(...peers.map((p) => segment(p, models)));
