@@ -70,10 +70,13 @@ def test_pages_of_other_sites_cannot_use_the_api_or_the_console(tmp_path: Path, 
         assert _generated(a.port) == before
         status, _ = _ask(f"{console}/chat", data=chat, Origin=f"http://127.0.0.1:{cport}")  # the console's own page
         assert status == 200
-        assert before < _generated(a.port) <= before + 48  # capped (--max-tokens), not a billion tokens
+        # counted before the answer's end goes out (a CI run once read the counter first: it was counted after)
+        wait_for(lambda: _generated(a.port) > before, 10, "the console's chat to be counted")
+        assert _generated(a.port) <= before + 48  # capped (--max-tokens), not a billion tokens
         before = _generated(a.port)
         big = json.dumps({"prompt": "Once upon a time", "max_tokens": 10**9, "ignore_eos": True}).encode()
         assert _ask(api, data=big)[0] == 200
+        wait_for(lambda: _generated(a.port) > before, 10, "the API's answer to be counted")
         assert _generated(a.port) == before + 48  # the API too
     finally:
         a.stop()

@@ -768,8 +768,8 @@ class Api:
                                 sent.feed(chunk)
                     if held:
                         await resp.write(_openai_ids(held) if fix_id else held)
+                    tally.done(self.counters)  # before the end goes out: a client that has it all sees it counted
                     await resp.write_eof()
-                    tally.done(self.counters)
                     if timed:
                         took = time.monotonic() - t0
                         self.counters.duration.observe(took)
