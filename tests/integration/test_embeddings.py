@@ -20,6 +20,7 @@ from meshllm.llama.build import Binaries
 from meshllm.llama.processes import Child, free_port, wait_http_ready
 
 from .meshlab import NodeProc, wait_for
+from .test_serve_split import _health
 
 TEXTS = ["The quick brown fox", "jumps over the lazy dog"]
 
@@ -45,14 +46,6 @@ def _post(port: int, path: str, body: dict[str, object], key: str | None = None)
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read() or b"{}")
-
-
-def _health(port: int) -> int:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-            return int(r.status)
-    except OSError:
-        return 0
 
 
 def _vectors(answer: dict[str, object]) -> list[list[float]]:

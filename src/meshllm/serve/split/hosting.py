@@ -386,9 +386,12 @@ class Hosting:
         srv, facts = self.server, self.model.facts if self.model else None
         if srv is None or facts is None or srv.state != ChildState.SERVING:
             return Unavailable("this node does not serve the model now", retry_after_s=1)
-        up = Upstream(facts.source, srv.base_url, srv.key, self.slots, stops=self.chat_stops(),
-                      embedding=self.model is not None and self.model.embedding)  # fmt: skip
-        return up if model in (None, facts.source) else None
+        return self._ours(srv, facts.source) if model in (None, facts.source) else None
+
+    def _ours(self, srv: LocalServer, name: str) -> Upstream:
+        """Our own llama-server as the API's upstream for ``name``: its key, our slots, its chat stops and kind."""
+        return Upstream(name, srv.base_url, srv.key, self.slots, stops=self.chat_stops(),
+                        embedding=self.model is not None and self.model.embedding)  # fmt: skip
 
     async def on_http_stream(self, conn: Conn, st: Stream) -> None:
         """Host side: a peer's API forwards a request for our model, through our door, to our llama-server."""
@@ -439,8 +442,7 @@ class Hosting:
         r = serving.route(model, served, local, remote, ready, plan, host, me, host_says)
         if isinstance(r, serving.Local):
             assert srv is not None
-            return Upstream(r.model, srv.base_url, srv.key, self.slots, stops=self.chat_stops(),
-                            embedding=self.model is not None and self.model.embedding)  # fmt: skip
+            return self._ours(srv, r.model)
         if isinstance(r, serving.Remote):
             return Upstream(r.model, f"http://127.0.0.1:{listeners[r.host].port}")
         if isinstance(r, serving.Connecting):
