@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from delayrelay import DelayProxy  # benchmarks/delayrelay.py: a LAN's RTT on loopback
-from loadgen import concurrent, ids, one, pct, prefill  # benchmarks/loadgen.py: the clients
+from loadgen import concurrent, greedy_digest, ids, one, pct, prefill  # benchmarks/loadgen.py: the clients
 
 ROOT = Path(__file__).resolve().parents[1]
 SHA = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"  # the pinned sdist (meshllm.llama.build)
@@ -202,13 +202,13 @@ def pipeline(
     parallel, ctx = 4, 3072
     n_gpus = len(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip().splitlines())
 
-    def measure(base: str, path: str) -> dict[str, float]:
+    def measure(base: str, path: str) -> dict[str, Any]:
         one(base, path, ids(32, 1), 8)  # warm-up
-        return {"dec": tps(base, path, args.tokens, args.runs),
+        return {"txt": greedy_digest(base, path, 1500, 32, seed=5), "dec": tps(base, path, args.tokens, args.runs),
                 "c4": concurrent(base, path, 4, args.tokens, args.runs, seed=11)[0],
                 "pre": prefill(base, path, 2400, args.runs, seed=7)}  # fmt: skip
 
-    table: list[tuple[int, str, dict[str, float]]] = []
+    table: list[tuple[int, str, dict[str, Any]]] = []
     rows = set(args.rows.split(","))
     mesh_label = "mesh-llm" + (", patch 0016 off" if os.environ.get("GGML_RPC_QUEUE_INPUTS") == "0" else "")
     for n in [int(x) for x in args.nodes.split(",")]:
@@ -244,7 +244,7 @@ def pipeline(
             counts = [a["count"] for a in st["plan"]["assignments"]]  # type: ignore[index]
             print(f"N={n}: mesh plan {counts} ({via})", flush=True)
             table.append((n, f"{mesh_label}, {len(counts)} nodes on GPUs {','.join(gpus)}", got))
-        if not args.tunnel and {"ring", "ring0", "star"} & rows:  # the same devices without the mesh
+        if not args.tunnel and {"ring", "ring0", "ring17", "star", "star17"} & rows:  # the devices without the mesh
             peers: list[int] = []
             for _ in gpus[1:]:
                 peers.append(free_port(avoid=peers))
@@ -276,12 +276,30 @@ def pipeline(
                             server(f"pipe{n}-ring0", "0", eps, split, (), measure, ctx, parallel, before),
                         )
                     )
+                if "ring17" in rows:  # [pipeline-2] 1's A/B: the last worker's output read the stock way
+                    before = {**env_, "GGML_SCHED_STAGED_COPIES": "0"}
+                    table.append(
+                        (
+                            n,
+                            "worker to worker, patch 0017 off",
+                            server(f"pipe{n}-ring17", "0", eps, split, (), measure, ctx, parallel, before),
+                        )
+                    )
                 if "star" in rows:
                     table.append(
                         (
                             n,
-                            "stock star: host GPU + RPC workers",
+                            "star (every boundary through llama-server): host GPU + RPC workers",
                             server(f"pipe{n}-star", "0", eps, split, (), measure, ctx, parallel),
+                        )
+                    )
+                if "star17" in rows:
+                    off = {"GGML_SCHED_STAGED_COPIES": "0"}
+                    table.append(
+                        (
+                            n,
+                            "star, patch 0017 off",
+                            server(f"pipe{n}-star17", "0", eps, split, (), measure, ctx, parallel, off),
                         )
                     )
             finally:
@@ -305,14 +323,14 @@ def pipeline(
     )
     print(
         "| N | setup | decode tok/s | ÷ in-process | ÷ star | 4 clients tok/s | ÷ in-process | prefill tok/s | "
-        "÷ in-process |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|"
+        "÷ in-process | text |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"
     )
     for n, name, r in table:
         base = next(v for m, k, v in table if m == n and k.startswith("llama.cpp in one process"))
-        star = next((v for m, k, v in table if m == n and (k.endswith("star") or k.startswith("stock star"))), r)
+        star = next((v for m, k, v in table if m == n and (k.endswith("star") or k.startswith("star (every"))), r)
         print(
             f"| {n} | {name} | {r['dec']:.1f} | {r['dec'] / base['dec']:.2f} | {r['dec'] / star['dec']:.2f} | "
-            f"{r['c4']:.1f} | {r['c4'] / base['c4']:.2f} | {r['pre']:.0f} | {r['pre'] / base['pre']:.2f} |"
+            f"{r['c4']:.1f} | {r['c4'] / base['c4']:.2f} | {r['pre']:.0f} | {r['pre'] / base['pre']:.2f} | {r['txt']} |"
         )
 
 
@@ -426,8 +444,8 @@ def main() -> None:
     ap.add_argument(
         "--rows",
         default="mesh,ring,ring0,star,inproc",
-        help="--pipeline: which setups (mesh, ring: worker to worker, ring0: the same with patch 0016 "
-        "off, star, inproc), comma-separated; inproc is every ratio's base",
+        help="--pipeline: which setups (mesh, ring: worker to worker, ring0, ring17: the same with patch 0016, 0017 "
+        "off, star, star17: the star with 0017 off, inproc), comma-separated; inproc is every ratio's base",
     )
     ap.add_argument(
         "--trace",

@@ -71,6 +71,18 @@ def prefill(base: str, path: str, n: int, runs: int, seed: int) -> float:
     return statistics.median(out)
 
 
+def greedy_digest(base: str, path: str, n: int, tokens: int, seed: int) -> str:
+    """The first 8 hex digits of the SHA-256 of ``tokens`` greedy tokens after an ``n``-token prompt (several
+    micro-batches of it: the pipelined prefill's result is in the text): equal digests, the same text."""
+    import hashlib
+
+    body = {"prompt": ids(n, seed), "max_tokens": tokens, "cache_prompt": False, "temperature": 0, "ignore_eos": True}
+    req = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        text = json.loads(r.read())["choices"][0]["text"]
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")

@@ -4,6 +4,7 @@ llama-server. Real patched and stock binaries, the real model, loopback; openssl
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import struct
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -163,6 +165,71 @@ def test_inputs_are_queued_not_waited_for_with_the_same_text(
           f"{got['waited'][1]:.1f} waited for")  # fmt: skip
     assert got["queued"][0] == got["waited"][0]
     assert got["queued"][1] <= 0.5 * got["waited"][1], got
+
+
+LONG = " ".join(f"Line {i}: the keeper climbed the stairs, trimmed the wick, wrote the weather." for i in range(60))
+
+
+def _prefill(s: Split, prompt: str, n: int) -> tuple[str, float]:
+    """A greedy answer of ``n`` tokens to ``prompt`` and llama-server's own prompt speed (tok/s)."""
+    body = json.dumps({"prompt": prompt, "n_predict": n, "temperature": 0, "cache_prompt": False}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{s.port}/completion", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        out = json.loads(r.read())
+    return str(out["content"]), float(out["timings"]["prompt_per_second"])
+
+
+def _overlapped(trace_prefix: Path, t0: int, t1: int) -> int:
+    """Patch 0015's trace of llama-server over [t0, t1]: how many micro-batches its thread queued to the first server
+    (a graph compute, peer 0) before the second server (peer 1) had answered the boundary read of the micro-batch
+    before. 0: each waited for the chain; more: a prompt's micro-batches overlap across the servers. A boundary read
+    is the read queued right after a compute on the same server (llama-server reads other things: checkpoints)."""
+    lines = sorted(
+        (a for f in trace_prefix.parent.glob(trace_prefix.name + ".*") for ln in f.read_text().splitlines()
+         if not ln.startswith("#") and len(a := ln.split()) == 7 and t0 <= int(a[0]) <= t1),
+        key=lambda a: int(a[0]),
+    )  # fmt: skip
+    queued = [a for a in lines if a[2] == "Q"]
+    boundary = [a[3] == "8" and b[3] in ("10", "16") and a[6] == b[6] for b, a in itertools.pairwise(queued)]
+    reads1 = [ok for ok, a in zip(boundary, queued[1:], strict=True) if a[3] == "8" and a[6] == "1"]
+    answered1 = [int(a[0]) for a in lines if a[2] == "S1" and a[3] == "8" and a[6] == "1"]  # in order, per connection
+    done = [t for ok, t in zip(reads1, answered1, strict=False) if ok]  # each boundary read's answer
+    computes0 = [int(a[0]) for a in queued if a[3] in ("10", "16") and a[6] == "0"]
+    return sum(1 for k, t in enumerate(computes0[1:]) if k < len(done) and t < done[k])
+
+
+def test_a_prompt_s_micro_batches_overlap_across_servers_through_llama_server(
+    tmp_path: Path, tiny_model: Path, patched_bins: Binaries, module_children: list[Child]
+) -> None:
+    """[pipeline-2] 1, patch 0017 on CPU: at a boundary between two rpc-servers without a link (the star), the read
+    from one is queued and answered straight into the write queued to the next, so llama-server's thread goes on
+    queueing a prompt's micro-batches while the servers compute (stock: it waited for each boundary's read, the
+    whole chain before it). Same text with it off (GGML_SCHED_STAGED_COPIES=0); the prompt speeds are printed."""
+    got: dict[str, tuple[str, float, int]] = {}
+    for name, extra in (("staged", {}), ("waited", {"GGML_SCHED_STAGED_COPIES": "0"})):
+        prefix = tmp_path / name / "trace"
+        prefix.parent.mkdir()
+        env = {"LLAMA_INPUT_ON_FIRST_RPC": "0", "GGML_RPC_TRACE": str(prefix), **extra}
+        # micro-batches of 256: each one grows the KV view, so llama.cpp never reuses a prompt's graph (a reused graph
+        # synchronizes every backend first, upstream's rule under pipeline parallelism)
+        s = start_split(tmp_path / name, patched_bins, _workers(patched_bins, tiny_model, False), tiny_model,
+                        module_children, [], env=env, threads=1, tensor_split=SPLIT, counted=False,
+                        extra=["--fit", "off", "--ctx-size", "2048", "--ubatch-size", "256"])  # fmt: skip
+        try:
+            _prefill(s, PROMPT, 2)
+            t0 = time.monotonic_ns()  # CLOCK_MONOTONIC, the trace's steady clock
+            text, speed = _prefill(s, LONG, 4)
+            t1 = time.monotonic_ns()
+            time.sleep(0.3)  # the trace is written every 50 ms
+        finally:
+            stop_split(s)
+        got[name] = (text, speed, _overlapped(prefix, t0, t1))
+    print(f"\nprompt tok/s (CPU, 3 rpc-servers of one thread, 256-token micro-batches): staged "
+          f"{got['staged'][1]:.0f}, waited {got['waited'][1]:.0f}; micro-batches queued before the last one left the "
+          f"second server: {got['staged'][2]} vs {got['waited'][2]}")  # fmt: skip
+    assert got["staged"][0] == got["waited"][0]
+    assert got["waited"][2] == 0, got
+    assert got["staged"][2] >= 1, got
 
 
 def test_a_stock_rpc_server_gets_the_star(
