@@ -28,8 +28,9 @@ async def _closing_server() -> tuple[asyncio.Server, str]:
     return srv, f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
 
 
-async def _cutting_proxy(target: str, cut_after: int) -> tuple[asyncio.Server, str]:
-    """A TCP relay to ``target`` that drops both connections after ``cut_after`` bytes of response."""
+async def _cutting_proxy(target: str, cut_after: int, seen: list[bytes] | None = None) -> tuple[asyncio.Server, str]:
+    """A TCP relay to ``target`` that drops both connections after ``cut_after`` bytes of response; ``seen``: the
+    request bytes it relays."""
     host, port = target.removeprefix("http://").split(":")
 
     async def relay(cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
@@ -38,6 +39,8 @@ async def _cutting_proxy(target: str, cut_after: int) -> tuple[asyncio.Server, s
         async def up() -> None:
             while data := await cr.read(65536):
                 uw.write(data)
+                if seen is not None:
+                    seen.append(data)
 
         task = asyncio.ensure_future(up())
         sent = 0
@@ -158,6 +161,34 @@ async def test_a_stream_cut_mid_way_goes_on_where_it_was_cut(llama: Upstream) ->
     finally:
         await a.stop()
         proxy.close()
+
+
+async def test_a_long_answer_cut_goes_on_after_one_prefill_of_what_was_sent(
+    llama: Upstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """[face-3] 2: an answer cut after more than REPLAY_MAX_TOKENS tokens goes on from its prompt extended by the
+    text sent — one prefill, only the rest generated — not from a regeneration token by token (which keeps the
+    uninterrupted text but costs the tokens' decode time again): one stream, no error, as many tokens as asked."""
+    monkeypatch.setattr(api_mod, "REPLAY_MAX_TOKENS", 4)
+    first, first_url = await _cutting_proxy(llama.base_url, cut_after=1500)  # the headers and a few events
+    seen: list[bytes] = []
+    second, second_url = await _cutting_proxy(llama.base_url, cut_after=1 << 30, seen=seen)
+    routes = Routes(Upstream("tiny", first_url, llama.key), Upstream("tiny", second_url, llama.key))
+    a, url = await _api(routes)
+    try:
+        status, _, body = await asyncio.wait_for(_post(url, {**BODY, "max_tokens": 120, "stream": True}), 120)
+        events = _events(body)
+        assert status == 200 and events[-1] == "[DONE]" and not any('"error"' in e for e in events), events[-3:]
+        asked = json.loads(b"".join(seen).split(b"\r\n\r\n", 1)[1])
+        prompt = str(BODY["prompt"])
+        sent = asked["prompt"][len(prompt) :]
+        assert asked["prompt"].startswith(prompt) and sent and _text(events).startswith(sent), (asked, events[:3])
+        pieces = sum(1 for e in events if e.startswith("{") and json.loads(e)["choices"][0].get("text"))
+        assert asked["max_tokens"] < 120 and pieces == 120, (asked["max_tokens"], pieces)
+    finally:
+        await a.stop()
+        first.close()
+        second.close()
 
 
 async def test_two_cuts_in_one_stream_each_get_their_own_wait_and_the_client_hears_all_along(
