@@ -4,6 +4,7 @@ back to, and the one-line diagnosis of a llama-server that dies."""
 from __future__ import annotations
 
 import signal
+import socket
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,26 @@ def test_a_port_picked_for_one_listener_is_not_picked_again_for_another(monkeypa
         def getsockname(self) -> tuple[str, int]:
             return ("127.0.0.1", next(offered))
 
+    monkeypatch.setattr(processes, "_ephemeral_start", lambda: 0)  # no room below it: the kernel picks
     monkeypatch.setattr(processes.sockets, "bound", lambda *a: Sock())
     assert processes.free_port() == 46107
     assert processes.free_port(avoid=[46107]) == 46108
+
+
+def test_a_port_is_picked_below_the_kernel_s_ephemeral_range_and_in_use_or_avoided_is_skipped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A CI run lost a node's API port between the pick and the node's bind: the kernel hands ports to outgoing
+    connections (and to binds to port 0) from its ephemeral range, so the pick is below it."""
+    monkeypatch.setattr(processes, "_ephemeral_start", lambda: 32768)
+    picks = [processes.free_port() for _ in range(50)]
+    assert all(processes.PICK_FROM <= p < 32768 for p in picks), picks
+    held = processes.sockets.bound("127.0.0.1", picks[0], socket.SOCK_STREAM)
+    held.listen()
+    try:
+        a, b = [p for p in picks[1:] if p != picks[0]][:2]
+        offered = iter([picks[0], a, b])
+        monkeypatch.setattr(processes.random, "randrange", lambda lo, hi: next(offered))
+        assert processes.free_port(avoid=[a]) == b  # in use, then avoided
+    finally:
+        held.close()

@@ -13,6 +13,7 @@ import functools
 import json
 import mmap
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -49,15 +50,38 @@ def _die_with_parent() -> None:
             libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+PICK_FROM = 20000  # free_port picks from here to the start of the kernel's ephemeral range
+
+
+def _ephemeral_start() -> int:
+    """The first port of the range the kernel hands out for outgoing connections and binds to port 0 (Linux);
+    0 where that is not known."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def free_port(host: str = LOOPBACK, avoid: Collection[int] = ()) -> int:
     """A TCP port that was free a moment ago and is none of ``avoid`` (ports picked for a child that has not bound
-    them yet: the kernel may offer the same free port twice). The child binds it; a rare race is reported as a start
-    failure."""
+    them yet). The child binds it later, so it is picked below the kernel's ephemeral range where that leaves room: a
+    port the kernel hands to an outgoing connection, or to a bind to port 0, in the meantime is never this one (a
+    CI run lost a node's API port that way). Elsewhere the kernel picks; a rare race is reported as a start failure."""
+    top = _ephemeral_start()
+    for _ in range(64 if top - PICK_FROM >= 1024 else 0):
+        port = random.randrange(PICK_FROM, top)
+        if port in avoid:
+            continue
+        try:
+            sockets.bound(host, port, socket.SOCK_STREAM).close()
+        except OSError:
+            continue  # in use
+        return port
     while True:
         with sockets.bound(host, 0, socket.SOCK_STREAM) as s:
-            port: int = s.getsockname()[1]
-        if port not in avoid:
-            return port
+            got: int = s.getsockname()[1]
+        if got not in avoid:
+            return got
 
 
 def port_in_use(port: int, host: str = LOOPBACK) -> bool:
