@@ -259,49 +259,18 @@ def pipeline(
                     eps = [f"127.0.0.1:{r.port}" for r in relays[: len(eps)]]
                     peers = [r.port for r in relays[len(eps) :]]
                 env_ = {"GGML_RPC_PEERS": ",".join(f"{ep}=127.0.0.1:{p}" for ep, p in zip(eps, peers, strict=True))}
-                if "ring" in rows:
-                    table.append(
-                        (
-                            n,
-                            "worker to worker: host GPU + RPC workers",
-                            server(f"pipe{n}-ring", "0", eps, split, (), measure, ctx, parallel, env_),
-                        )
-                    )
-                if "ring0" in rows:  # [pipeline-2]'s A/B
-                    before = {**env_, "GGML_RPC_QUEUE_INPUTS": "0"}
-                    table.append(
-                        (
-                            n,
-                            "worker to worker, patch 0016 off",
-                            server(f"pipe{n}-ring0", "0", eps, split, (), measure, ctx, parallel, before),
-                        )
-                    )
-                if "ring17" in rows:  # [pipeline-2] 1's A/B: the last worker's output read the stock way
-                    before = {**env_, "GGML_SCHED_STAGED_COPIES": "0"}
-                    table.append(
-                        (
-                            n,
-                            "worker to worker, patch 0017 off",
-                            server(f"pipe{n}-ring17", "0", eps, split, (), measure, ctx, parallel, before),
-                        )
-                    )
-                if "star" in rows:
-                    table.append(
-                        (
-                            n,
-                            "star (every boundary through llama-server): host GPU + RPC workers",
-                            server(f"pipe{n}-star", "0", eps, split, (), measure, ctx, parallel),
-                        )
-                    )
-                if "star17" in rows:
-                    off = {"GGML_SCHED_STAGED_COPIES": "0"}
-                    table.append(
-                        (
-                            n,
-                            "star, patch 0017 off",
-                            server(f"pipe{n}-star17", "0", eps, split, (), measure, ctx, parallel, off),
-                        )
-                    )
+                # the same servers under each setup: (row, label, llama-server's environment)
+                variants = (
+                    ("ring", "worker to worker: host GPU + RPC workers", env_),
+                    ("ring0", "worker to worker, patch 0016 off", {**env_, "GGML_RPC_QUEUE_INPUTS": "0"}),
+                    ("ring17", "worker to worker, patch 0017 off", {**env_, "GGML_SCHED_STAGED_COPIES": "0"}),
+                    ("star", "star (every boundary through llama-server): host GPU + RPC workers", {}),
+                    ("star17", "star, patch 0017 off", {"GGML_SCHED_STAGED_COPIES": "0"}),
+                )
+                for row, label, venv in variants:
+                    if row in rows:
+                        got = server(f"pipe{n}-{row}", "0", eps, split, (), measure, ctx, parallel, venv or None)
+                        table.append((n, label, got))
             finally:
                 for c, _ in workers:
                     c.stop()

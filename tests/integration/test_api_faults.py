@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 
 from meshllm.llama.processes import free_port
+from meshllm.proto import resume
 from meshllm.serve.http import api as api_mod
 from meshllm.serve.http.api import Api, Unavailable, Upstream
 
@@ -169,7 +170,7 @@ async def test_a_long_answer_cut_goes_on_after_one_prefill_of_what_was_sent(
     """[face-3] 2: an answer cut after more than REPLAY_MAX_TOKENS tokens goes on from its prompt extended by the
     text sent — one prefill, only the rest generated — not from a regeneration token by token (which keeps the
     uninterrupted text but costs the tokens' decode time again): one stream, no error, as many tokens as asked."""
-    monkeypatch.setattr(api_mod, "REPLAY_MAX_TOKENS", 4)
+    monkeypatch.setattr(resume, "REPLAY_MAX_TOKENS", 4)
     first, first_url = await _cutting_proxy(llama.base_url, cut_after=1500)  # the headers and a few events
     seen: list[bytes] = []
     second, second_url = await _cutting_proxy(llama.base_url, cut_after=1 << 30, seen=seen)

@@ -131,12 +131,18 @@ def test_activations_go_worker_to_worker_with_the_stars_text(
         stop_split(stock)
 
 
+def _traced(trace_prefix: Path, t0: int, t1: int) -> list[list[str]]:
+    """Patch 0015's trace of llama-server in [t0, t1], in time order: (ns, thread, event, cmd, bytes, tag, peer)."""
+    return sorted(
+        (a for f in trace_prefix.parent.glob(trace_prefix.name + ".*") for ln in f.read_text().splitlines()
+         if not ln.startswith("#") and len(a := ln.split()) == 7 and t0 <= int(a[0]) <= t1),
+        key=lambda a: int(a[0]),
+    )  # fmt: skip
+
+
 def _waits_per_token(trace_prefix: Path, t0: int, t1: int, n: int) -> float:
-    """Patch 0015's trace of llama-server: how often its thread blocked on a connection (W1 events) in [t0, t1]."""
-    lines = [
-        ln.split() for f in trace_prefix.parent.glob(trace_prefix.name + ".*") for ln in f.read_text().splitlines()
-    ]
-    return sum(1 for a in lines if len(a) == 7 and a[2] == "W1" and t0 <= int(a[0]) <= t1) / n
+    """How often llama-server's thread blocked on a connection (W1 events) in [t0, t1], per token."""
+    return sum(1 for a in _traced(trace_prefix, t0, t1) if a[2] == "W1") / n
 
 
 def test_inputs_are_queued_not_waited_for_with_the_same_text(
@@ -180,15 +186,11 @@ def _prefill(s: Split, prompt: str, n: int) -> tuple[str, float]:
 
 
 def _overlapped(trace_prefix: Path, t0: int, t1: int) -> int:
-    """Patch 0015's trace of llama-server over [t0, t1]: how many micro-batches its thread queued to the first server
+    """From llama-server's trace over [t0, t1]: how many micro-batches its thread queued to the first server
     (a graph compute, peer 0) before the second server (peer 1) had answered the boundary read of the micro-batch
     before. 0: each waited for the chain; more: a prompt's micro-batches overlap across the servers. A boundary read
     is the read queued right after a compute on the same server (llama-server reads other things: checkpoints)."""
-    lines = sorted(
-        (a for f in trace_prefix.parent.glob(trace_prefix.name + ".*") for ln in f.read_text().splitlines()
-         if not ln.startswith("#") and len(a := ln.split()) == 7 and t0 <= int(a[0]) <= t1),
-        key=lambda a: int(a[0]),
-    )  # fmt: skip
+    lines = _traced(trace_prefix, t0, t1)
     queued = [a for a in lines if a[2] == "Q"]
     boundary = [a[3] == "8" and b[3] in ("10", "16") and a[6] == b[6] for b, a in itertools.pairwise(queued)]
     reads1 = [ok for ok, a in zip(boundary, queued[1:], strict=True) if a[3] == "8" and a[6] == "1"]

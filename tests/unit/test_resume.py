@@ -63,3 +63,11 @@ def test_a_chat_replay_leaves_out_its_second_opening() -> None:
     assert r.event(opening) is None
     assert r.event(_ev("Hi", chat=True)) is None and r.event(_ev(" there", chat=True)) == _ev(" there", chat=True)
     assert r.event(_ev(None, "stop", chat=True)) == _ev(None, "stop", chat=True) and not r.diverged
+
+
+def test_an_answer_is_replayed_up_to_the_bound_and_continued_after_one_prefill_beyond() -> None:
+    """[face-3] 2: up to REPLAY_MAX_TOKENS sent, the answer again from its start (the uninterrupted text); beyond,
+    one prefill of the prompt and the text (benchmarks/resume_seam.py: a prefill does not keep that text)."""
+    from meshllm.proto.resume import REPLAY_MAX_TOKENS, replays
+
+    assert replays(0) and replays(REPLAY_MAX_TOKENS) and not replays(REPLAY_MAX_TOKENS + 1)

@@ -9,6 +9,16 @@ from typing import Any
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")
+# a streamed answer cut after more tokens than this goes on after one prefill of the prompt and its text, not its
+# regeneration token by token: the regeneration keeps the uninterrupted text (a prefill does not:
+# benchmarks/resume_seam.py) but costs the client the tokens' decode time again
+REPLAY_MAX_TOKENS = 128
+
+
+def replays(sent_tokens: int) -> bool:
+    """Whether an answer cut after ``sent_tokens`` is generated again from its start (``Replay``, the uninterrupted
+    text) before its prompt is extended by the text instead (``continuation``, one prefill)."""
+    return sent_tokens <= REPLAY_MAX_TOKENS
 
 
 def continuation(path: str, body: dict[str, Any], sent_text: str, sent_tokens: int) -> dict[str, Any] | None:

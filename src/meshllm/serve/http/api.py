@@ -30,10 +30,6 @@ log = logging.getLogger("meshllm.api")
 
 RETRY_WAIT_S = 60.0  # how long a failed request waits for the mesh to serve again before its one retry
 RESUMES = 2  # how many times a streamed answer cut mid-way is continued on the next model server
-# a streamed answer cut after more tokens than this goes on after one prefill of the prompt and its text, not its
-# regeneration token by token: that keeps the uninterrupted text (a prefill does not: benchmarks/resume_seam.py) but
-# costs the client the tokens' decode time again
-REPLAY_MAX_TOKENS = 128
 KEEPALIVE_S = 2.0  # while a cut answer waits and is continued, the client gets an SSE comment at least this often
 KEEPALIVE = b": mesh-llm: continuing the answer on another model server\n\n"  # SSE comment: clients skip it
 BODY_S = 30.0  # a request's body must arrive within this long of its head
@@ -616,10 +612,10 @@ class Api:
                 return False
             log.warning("%s cut after %d tokens: continuing on %s", path, sent.tokens, up.base_url)
             # the answer again from its start, less what the client has (the uninterrupted text); where it comes
-            # out otherwise, or it is long (REPLAY_MAX_TOKENS), the prompt extended by the text instead
+            # out otherwise, or it is long (resume.replays), the prompt extended by the text instead
             before = sent.tokens
             done: bool | None = None
-            if sent.tokens <= REPLAY_MAX_TOKENS:
+            if resume.replays(sent.tokens):
                 replay = resume.Replay(text, chat=path == resume.CHAT)
                 done = await self._stream_more(request, path, resp, up, parsed, sent, replay, beat)
                 if done is None:

@@ -165,20 +165,20 @@ class Report:
 
     def standing(self, r: PeerRecord, now: float) -> standing.Standing:
         """Where ``r``'s node stands, as every node computes it (``proto/standing.py``)."""
+        return self.where(r, now)[0]
+
+    def where(self, r: PeerRecord, now: float) -> tuple[Standing, str]:
+        """``r``'s standing and the one word it goes by (``standing.label``), from one look-up of its host."""
         core = self.net.core
         assert core is not None
-        host = core.host_of(r, now)
+        host = elected = core.host_of(r, now)
         if host is not None and r.node not in host.planned and r.model is not None:  # a split replica's worker
             fp = r.model.fingerprint
             host = next((h for h in core.alive(now) if h.replica and h.node != r.node and r.node in h.planned
                          and h.model is not None and h.model.fingerprint == fp), host)  # fmt: skip
-        return standing.of_node(r, core.silent_s(r.node, now), host, core.silent_s(host.node, now) if host else 0)
-
-    def label(self, r: PeerRecord, stand: Standing, now: float) -> str:
-        core = self.net.core
-        assert core is not None
-        host = core.host_of(r, now)
-        return standing.label(r.role, r.replica, host is not None and host.node == r.node, stand.state)
+        stand = standing.of_node(r, core.silent_s(r.node, now), host, core.silent_s(host.node, now) if host else 0)
+        word = standing.label(r.role, r.replica, elected is not None and elected.node == r.node, stand.state)
+        return stand, word
 
     def status(self, v: NodeView, now: float) -> dict[str, object]:
         assert self.net.core is not None
@@ -186,11 +186,11 @@ class Report:
         peers = []
         for r in core.alive(now):
             conn = self.net.peers.get(r.node)
-            stand = self.standing(r, now)
+            stand, word = self.where(r, now)
             peers.append({
                 "node": r.node.hex(), "short": crypto.short(r.node), "name": r.name,
                 "role": "replica" if r.replica and r.role == Role.HOST else r.role,
-                "label": self.label(r, stand, now),  # [face-3] 4: the word the console and the table show
+                "label": word,  # [face-3] 4: the word the console and the table show
                 "scope": str(r.scope),
                 "capacity": r.capacity,
                 "ram": r.ram,  # [big] offered beside capacity, for routed experts
@@ -239,7 +239,7 @@ class Report:
         ep = self.net.ep
         return {
             "api": f"http://{self.api_host}:{self.port}/v1",
-            "state": str((mine := self.standing(core.record, now)).state), "why": mine.why,
+            "state": str((mine := self.where(core.record, now))[0].state), "why": mine[0].why,
             "in_flight": self.api.in_flight if self.api else 0,
             "last_tokens_per_second": self.api.counters.last_tokens_per_second if self.api else 0.0,
             "requests": dict(self.api.requests) if self.api else {},
@@ -253,7 +253,7 @@ class Report:
             "slots": dict(zip(("busy", "total", "queued", "ctx"), self.slots(now), strict=True)),
             "node": v.me.hex(), "mesh": core.mesh_id.hex(),
             "role": "replica" if core.record.replica else core.record.role,
-            "label": self.label(core.record, mine, now),
+            "label": mine[1],
             "host": v.host.hex() if v.host else None, "peers": peers, "plan": plan_obj,
             "reach": {
                 "addrs": self.net.all_addrs, "public": self.net.nat.public, "relay_server": ep.relay_server,
