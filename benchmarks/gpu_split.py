@@ -39,6 +39,7 @@ the host+TCP row (the same topology over plain TCP: what the mesh's own path cos
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -49,6 +50,7 @@ import sys
 import tarfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +212,19 @@ def pipeline(
 
     table: list[tuple[int, str, dict[str, Any]]] = []
     rows = set(args.rows.split(","))
+    # --netem-lo: every loopback packet waits half the RTT: every link of every row, the mesh's own too
+    with netem_lo(args.netem_lo, args.carry) if args.netem_lo else contextlib.nullcontext():
+        pipeline_rows(args, rows, table, measure, n_gpus, parallel, ctx, run_mesh, server, rpc_server, free_port,
+                      bins, model, work)  # fmt: skip
+    if args.trace:
+        return
+    print_pipeline(args, table, parallel, ctx, n_gpus)
+
+
+def pipeline_rows(args: argparse.Namespace, rows: set[str], table: list[tuple[int, str, dict[str, Any]]],
+                  measure: Any, n_gpus: int, parallel: int, ctx: int, run_mesh: Any, server: Any, rpc_server: Any,
+                  free_port: Any, bins: Any, model: Any, work: Any) -> None:  # fmt: skip
+    """Each N's rows of --pipeline, appended to ``table``."""
     mesh_label = "mesh-llm" + (", patch 0016 off" if os.environ.get("GGML_RPC_QUEUE_INPUTS") == "0" else "")
     for n in [int(x) for x in args.nodes.split(",")]:
         # node i on GPU i; with fewer GPUs than nodes they take turns (one stream's decode uses one stage at a time)
@@ -283,12 +298,17 @@ def pipeline(
                 server(f"pipe{n}-inproc", ",".join(used), [], per_gpu, ("-sm", "layer"), measure, ctx, parallel),
             )
         )
-    if args.trace:
-        return
+
+
+def print_pipeline(args: argparse.Namespace, table: list[tuple[int, str, dict[str, Any]]], parallel: int, ctx: int,
+                   n_gpus: int) -> None:  # fmt: skip
+    """--pipeline's table, then [pipeline-2]'s goals against what it shows."""
     print(
         f"\n# {args.tokens} greedy tokens (one stream; 4 clients at once: aggregate), a 2,400-token prefill; "
         f"median of {args.runs}; {parallel} slots × {ctx} tokens; the same even layer split per N"
         + (f"; every RPC link {args.rtt_ms} ms RTT (delay relays)" if args.rtt_ms else "")
+        + (f"; every loopback packet delayed {args.netem_lo / 2} ms (netem: {args.netem_lo} ms RTT)"
+           if args.netem_lo else "")
     )
     print(
         "| N | setup | decode tok/s | ÷ in-process | ÷ star | 4 clients tok/s | ÷ in-process | prefill tok/s | "
@@ -301,15 +321,60 @@ def pipeline(
             f"| {n} | {name} | {r['dec']:.1f} | {r['dec'] / base['dec']:.2f} | {r['dec'] / star['dec']:.2f} | "
             f"{r['c4']:.1f} | {r['c4'] / base['c4']:.2f} | {r['pre']:.0f} | {r['pre'] / base['pre']:.2f} | {r['txt']} |"
         )
+    rtt = args.netem_lo or args.rtt_ms
+    print(f"\n# [pipeline-2]'s goals ({'at ' + str(rtt) + ' ms RTT per link' if rtt else 'loopback'}), each setup")
+    for n, name, r in table:
+        if name.startswith("llama.cpp in one process"):
+            continue
+        base = next(v for m, k, v in table if m == n and k.startswith("llama.cpp in one process"))
+        where = "" if n_gpus >= n else f" — {n} nodes on {n_gpus} GPU(s): not the goals' machine (a GPU per node)"
+        for what, key, goal in GOALS.get((n, bool(rtt)), ()):
+            got = r[key] / base[key]
+            print(f"N={n} {name}: {what} {got:.2f} of in-process, goal ≥ {goal}: {'met' if got >= goal else 'NOT met'}"
+                  f"{where}")  # fmt: skip
+
+
+# [pipeline-2]'s goals, ÷ llama.cpp in one process on N GPUs: (N, links delayed) -> (what, column, at least)
+GOALS: dict[tuple[int, bool], tuple[tuple[str, str, float], ...]] = {
+    (4, False): (("prefill 2.4k", "pre", 0.7), ("decode", "dec", 0.85), ("4 clients", "c4", 0.85)),
+    (3, False): (("prefill 2.4k", "pre", 0.75),),
+    (4, True): (("decode", "dec", 0.65),),
+}
+
+
+@contextlib.contextmanager
+def netem_lo(rtt_ms: float, carry: Path) -> Iterator[None]:
+    """Every packet on the loopback interface delayed rtt/2 (tc netem, as root), so every link between two processes
+    on this machine has ``rtt_ms`` of round trip; taken off again however the block ends. tc: this machine's, else
+    the carried one (gpu_pack.sh)."""
+    tc, env = shutil.which("tc"), None
+    if tc is None:
+        tc, env = str(carry / "tc" / "tc"), {**os.environ, "LD_LIBRARY_PATH": str(carry / "tc")}
+    add = [tc, "qdisc", "add", "dev", "lo", "root", "netem", "delay", f"{rtt_ms / 2}ms"]
+    try:
+        r = subprocess.run(add, capture_output=True, text=True, env=env)
+    except OSError as e:
+        raise SystemExit(f"--netem-lo: {tc}: {e}") from None
+    if r.returncode:
+        raise SystemExit(f"--netem-lo: {' '.join(add)} failed: {(r.stderr or r.stdout).strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run([tc, "qdisc", "del", "dev", "lo", "root"], check=False, env=env)
 
 
 def bytes_per_token(server: Any, rpc_server: Any, free_port: Any, args: argparse.Namespace) -> None:
-    """[pipeline] goal 3: what crosses llama-server's connections to two RPC workers per generated token (the host's
-    GPU in-process holds the last layers and the output), the star and worker to worker, counted by a relay in front
-    of each worker; worker to worker's link goes around the relays (that is its point). Same greedy text both ways."""
+    """[pipeline] goal 3, [pipeline-2] 4: what crosses llama-server's connections to two RPC workers per generated
+    token after prompts of each --contexts length (the host's GPU in-process holds the last layers and the output),
+    counted by a relay in front of each worker (benchmarks/host_bytes.py's ``per_token``); worker to worker's link
+    goes around the relays (that is its point). The star sends every input whole (GGML_RPC_DELTA=0): stock's bytes."""
+    from host_bytes import Bytes, per_token, print_table
+    from loadgen import ids
+
     from meshllm.llama.rpcwire import CountingRelay
 
     split = [11.0, 11.0, 11.0]  # workers first; the host's entry counts the output layer
+    contexts = [int(x) for x in args.contexts.split(",")]
     peers: list[int] = []
     for _ in range(2):
         peers.append(free_port(avoid=peers))
@@ -317,39 +382,33 @@ def bytes_per_token(server: Any, rpc_server: Any, free_port: Any, args: argparse
     workers = [rpc_server(f"bytes-w{i}", str((i + 1) % n_gpus), peer=p) for i, p in enumerate(peers)]
     relays = [CountingRelay(int(ep.rsplit(":", 1)[1])) for _, ep in workers]
     eps = [f"127.0.0.1:{r.port}" for r in relays]
-    rows = []
+    rows: list[tuple[str, dict[int, Bytes]]] = []
     ring = {"GGML_RPC_PEERS": ",".join(f"{e}=127.0.0.1:{p}" for e, p in zip(eps, peers, strict=True))}
+    whole = {"GGML_RPC_DELTA": "0", "LLAMA_INPUT_ON_FIRST_RPC": "0"}
+    setups = (
+        ("star, every input whole (stock's bytes)", whole),
+        ("worker to worker, every input whole", {**ring, **whole}),
+        ("worker to worker + what changed + embedding on worker 1 (the mesh's way)",
+         {**ring, "LLAMA_INPUT_ON_FIRST_RPC": "1"}),
+    )  # fmt: skip
     try:
-        embd = {**ring, "LLAMA_INPUT_ON_FIRST_RPC": "1"}  # patch 0013: the first worker looks tokens up
-        for name, env_ in (("stock star", {}), ("worker to worker", ring), ("+ token embedding on worker 1", embd)):
+        for name, env_ in setups:
 
-            def measure(base: str, path: str) -> tuple[float, float, str]:
+            def measure(base: str, path: str) -> dict[int, Bytes]:
                 tps(base, path, 8, 1)  # warm-up
-                before = [r.snapshot() for r in relays]
-                body = {"prompt": PROMPT, "n_predict": args.tokens, "temperature": 0, "cache_prompt": False,
-                        "ignore_eos": True}  # fmt: skip
-                req = urllib.request.Request(base + "/completion", json.dumps(body).encode(),
-                                             {"Content-Type": "application/json"})  # fmt: skip
-                with urllib.request.urlopen(req, timeout=600) as r:
-                    text = json.loads(r.read())["content"]
-                d = [r.snapshot().minus(b) for r, b in zip(relays, before, strict=True)]
-                up = sum(x.bytes_up for x in d) / args.tokens
-                return up, sum(x.bytes_down for x in d) / args.tokens, text
+                port = int(base.rsplit(":", 1)[1])
+                return {c: per_token(port, relays, ids(c, seed=3), args.tokens) for c in contexts}
 
-            rows.append((name, server(f"bytes-{len(rows)}", "0", eps, split, (), measure, env_=env_)))
+            ctx = max(contexts) + args.tokens + 256
+            rows.append((name, server(f"bytes-{len(rows)}", "0", eps, split, (), measure, ctx=ctx, env_=env_)))
+            print(name, {c: round(b.total) for c, b in rows[-1][1].items()}, flush=True)
     finally:
         for r in relays:
             r.close()
         for c, _ in workers:
             c.stop()
-    star = rows[0][1]
-    print(
-        f"\n# bytes through llama-server per generated token, 2 RPC workers (11 + 11 layers) + the host GPU (10 + "
-        f"output), {args.tokens} greedy tokens; the same text every way: {len({r[1][2] for r in rows}) == 1}"
-    )
-    print("| setup | to the workers B/token | back B/token | total | ÷ star |\n|---|---:|---:|---:|---:|")
-    for name, (up, down, _) in rows:
-        print(f"| {name} | {up:.0f} | {down:.0f} | {up + down:.0f} | {(up + down) / (star[0] + star[1]):.2f} |")
+    print_table(f"8B shape, 2 RPC workers (11 + 11 layers) + the host GPU (10 + output), {args.tokens} greedy tokens, "
+                "counted from the third; one run", rows)  # fmt: skip
 
 
 def main() -> None:
@@ -425,8 +484,9 @@ def main() -> None:
         "--bytes",
         action="store_true",
         help="instead: bytes through llama-server per token with 2 RPC workers, the star and worker to "
-        "worker, counted by relays in front of the workers (meshllm.llama.rpcwire.CountingRelay)",
+        "worker, after prompts of --contexts tokens, counted by relays in front of the workers (host_bytes.py)",
     )
+    ap.add_argument("--contexts", default="900,16000", help="--bytes: prompt lengths in tokens, comma-separated")
     ap.add_argument(
         "--rtt-ms",
         type=float,
@@ -434,6 +494,14 @@ def main() -> None:
         help="--pipeline: every link between two processes (llama-server to a worker, worker to worker) "
         "through a relay that delays each way by half this (benchmarks/delayrelay.py), as on a LAN; "
         "the mesh row is left out (its links are its own)",
+    )
+    ap.add_argument(
+        "--netem-lo",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="--pipeline: every loopback packet delayed MS/2 (tc netem on lo, as root): every link of every row "
+        "has MS of round trip, the mesh's own links too",
     )
     ap.add_argument(
         "--tunnel",

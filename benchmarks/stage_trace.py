@@ -9,7 +9,9 @@ listener, and llama-server with the last layers and the output (``GGML_RPC_PEERS
 completion of --tokens tokens; each token's decode is cut into the segments of its critical path:
 
   host → w0     from the host having the last worker's output (GET_TENSOR back) to the first worker's compute:
-                the host's own layers, output and sampling, then the next token's inputs sent and set
+                the host's own layers, output and sampling and the next token's graph (to its first command queued
+                for w0), the next token's inputs and graph queued for w0 (first to last), then to w0's compute
+                start (written, read, set)
   compute wK    worker K's graph compute (GRAPH_RECOMPUTE: the graph is kept on the server across tokens)
   wK → wK+1     from K's compute done to K+1's compute start: K's device → host copy of the hidden state (D2H),
                 the frame on the peer link (link), K+1's thread waking on it (wake), its host → device copy and the
@@ -82,6 +84,8 @@ def breakdown(procs: dict[str, Proc], workers: list[str], t0: int, t1: int, skip
     named = procs[workers[-1]].endpoint  # the host's GETs from the last worker (all of them when unnamed)
     last_ep = next((n for n, ep in host.peers.items() if ep == named), None) if named else None
     got = [e[0] for e in window(host, "S1", GET_TENSOR) if last_ep is None or e[6] == last_ep]
+    first_ep = next((n for n, ep in host.peers.items() if ep == procs[workers[0]].endpoint), None)
+    to_first = [e[0] for e in window(host, "Q") if e[6] == first_ep] if first_ep is not None else []
     waits = [(e[0], e[2], e[3]) for e in host.events if t0 <= e[0] <= t1 and e[2] == "W1"]
     segs: dict[str, list[float]] = defaultdict(list)
     for i in range(skip, n - 1):
@@ -93,6 +97,11 @@ def breakdown(procs: dict[str, Proc], workers: list[str], t0: int, t1: int, skip
         token_ms = (starts[workers[0]][i + 1] - c0[workers[0]]) / 1e6
         segs["token"].append(token_ms)
         segs["host → w0 (host's part)"].append((c0[workers[0]] - before[-1]) / 1e6)
+        queued = [q for q in to_first if before[-1] < q < c0[workers[0]]]  # the host's commands to w0 this token
+        if queued:
+            segs["  own layers, output, sampling, next graph (host)"].append((queued[0] - before[-1]) / 1e6)
+            segs["  inputs and graph queued to w0 (host)"].append((queued[-1] - queued[0]) / 1e6)
+            segs["  then to w0's compute start"].append((c0[workers[0]] - queued[-1]) / 1e6)
         for k, w in enumerate(workers):
             segs[f"compute {w}"].append((c1[w] - c0[w]) / 1e6)
             if k + 1 < len(workers):

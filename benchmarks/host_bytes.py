@@ -1,0 +1,141 @@
+"""[pipeline-2] 4: bytes through the host per generated token, with two RPC workers, as the context grows.
+
+    .venv/bin/python benchmarks/host_bytes.py [--contexts 900,16000] [--tokens 32]
+
+The tiny model split over three rpc-servers on loopback (rpc0, rpc1: the workers; the last plays the host's own
+device and keeps the output), llama-server in front, a counting relay (meshllm.llama.rpcwire.CountingRelay) in front
+of each worker: what crosses llama-server's connections to the two workers while it generates, per token, after a
+prompt of each --contexts length (random token ids, no prompt cache). Setups:
+
+- stock star: stock binaries (every boundary through llama-server, every input whole, weights pushed);
+- worker to worker (0011), every input whole (``GGML_RPC_DELTA=0``);
+- the mesh's way: worker to worker, inputs as what changed (0014), the token embedding on the first worker (0013).
+
+Counted from the third streamed token on (the prompt's graphs are sent by then); "graphs" is whole graphs sent again
+(GRAPH_COMPUTE: a new shape, once per 256 cells of context), shown apart and left out of the total. gpu_split.py --bytes
+uses ``per_token`` for the 8B shape on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import http.client
+import json
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from meshllm.llama.rpcwire import Cmd, CountingRelay, WireStats
+
+
+@dataclass
+class Bytes:
+    up: float  # llama-server -> the workers, B/token, graphs included
+    graphs: float  # of which whole graphs sent again
+    down: float  # the workers -> llama-server
+    digest: str  # of the generated token ids
+
+    @property
+    def total(self) -> float:
+        """Both ways, less whole graphs sent again (once per 256 cells: over a short window one such send would
+        count as if every token paid it)."""
+        return self.up - self.graphs + self.down
+
+
+def per_token(port: int, relays: Sequence[CountingRelay], prompt: list[int], n: int) -> Bytes:
+    """Stream ``n`` greedy tokens after ``prompt`` (token ids) from llama-server on ``port``; what crossed ``relays``
+    from the third token to the last, per token."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
+    body = {"prompt": prompt, "n_predict": n, "temperature": 0, "cache_prompt": False, "ignore_eos": True,
+            "stream": True, "return_tokens": True}  # fmt: skip
+    c.request("POST", "/completion", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200, r.read()[:300]
+    before: list[WireStats] = []
+    toks: list[int] = []
+    seen = 0
+    for line in r:
+        if line.startswith(b"data: {"):
+            chunk: dict[str, Any] = json.loads(line[6:])
+            toks += chunk.get("tokens") or []
+            seen += 1
+            if seen == 2:
+                before = [x.snapshot() for x in relays]
+    c.close()
+    assert seen >= n and before, f"{seen} chunks streamed"
+    d = [x.snapshot().minus(b) for x, b in zip(relays, before, strict=True)]
+    k = n - 2
+    graphs = sum(a.payload[Cmd.GRAPH_COMPUTE] for a in d) / k
+    digest = hashlib.sha256(json.dumps(toks).encode()).hexdigest()[:8]
+    return Bytes(sum(a.bytes_up for a in d) / k, graphs, sum(a.bytes_down for a in d) / k, digest)
+
+
+def print_table(title: str, rows: list[tuple[str, dict[int, Bytes]]]) -> None:
+    """One row per setup and context; ÷ star against the first setup at the same context."""
+    print(f"\n# {title}")
+    print("| setup | context | to the workers B/token | of which graphs | back B/token | total less graphs | ÷ star | "
+          "÷ own at the shortest | text |\n|---|---:|---:|---:|---:|---:|---:|---:|---|")  # fmt: skip
+    star = rows[0][1]
+    for name, by_ctx in rows:
+        first = by_ctx[min(by_ctx)]
+        for ctx, b in sorted(by_ctx.items()):
+            print(f"| {name} | {ctx} | {b.up:.0f} | {b.graphs:.0f} | {b.down:.0f} | {b.total:.0f} | "
+                  f"{b.total / star[ctx].total:.2f} | {b.total / first.total:.2f} | {b.digest} |")  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", default="900,16000", help="prompt lengths in tokens, comma-separated")
+    ap.add_argument("--tokens", type=int, default=32)
+    args = ap.parse_args()
+    from loadgen import ids  # benchmarks/loadgen.py
+    from provenance import header  # benchmarks/provenance.py
+    from tests.integration.splitlab import Worker, start_split, stop_split
+
+    from meshllm.llama.build import find_binaries
+    from meshllm.llama.processes import Child, free_port
+    from meshllm.models.tiny import tiny_model_path
+
+    header()
+    contexts = [int(x) for x in args.contexts.split(",")]
+    model, stock, patched = tiny_model_path(), find_binaries(stock=True), find_binaries()
+    ctx = max(contexts) + args.tokens + 256
+    setups: list[tuple[str, Any, bool, dict[str, str]]] = [
+        ("stock star", stock, False, {}),
+        ("worker to worker, every input whole", patched, True,
+         {"GGML_RPC_DELTA": "0", "LLAMA_INPUT_ON_FIRST_RPC": "0"}),
+        ("worker to worker + what changed + embedding on worker 1 (the mesh's way)", patched, True,
+         {"LLAMA_INPUT_ON_FIRST_RPC": "1"}),
+    ]  # fmt: skip
+    rows: list[tuple[str, dict[int, Bytes]]] = []
+    with tempfile.TemporaryDirectory(prefix="mesh-llm-bytes-") as tmpd:
+        for i, (name, bins, peers, env) in enumerate(setups):
+            ports = [free_port(), free_port()] if peers else [None, None]
+            gguf = model if bins is patched else None
+            workers = [Worker(bins, gguf=gguf, peer_port=ports[0]), Worker(bins, gguf=gguf, peer_port=ports[1]),
+                       Worker(bins, gguf=gguf)]  # fmt: skip
+            children: list[Child] = []
+            relays: list[CountingRelay] = []
+            s = start_split(Path(tmpd) / str(i), bins, workers, model, children, relays, env=env, threads=2,
+                            tensor_split=[6.0, 6.0, 7.0],
+                            extra=["--fit", "off", "--ctx-size", str(ctx), "--parallel", "1"])  # fmt: skip
+            try:
+                rows.append((name, {c: per_token(s.port, s.relays[:2], ids(c, seed=3), args.tokens) for c in contexts}))
+                print(name, {c: round(b.total) for c, b in rows[-1][1].items()}, flush=True)
+            finally:
+                stop_split(s)
+                for ch in children:
+                    ch.stop()
+    print_table(f"tiny model, 2 workers (6 + 6 layers) + a last device (7 + output), {args.tokens} greedy tokens, "
+                "counted from the third; one run", rows)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
