@@ -234,6 +234,33 @@ def test_a_prompt_s_micro_batches_overlap_across_servers_through_llama_server(
     assert got["staged"][2] >= 1, got
 
 
+def test_a_shorter_micro_batch_asks_no_server_its_allocation_sizes(
+    tmp_path: Path, tiny_model: Path, patched_bins: Binaries, module_children: list[Child]
+) -> None:
+    """Patch 0019: llama-server asks each rpc-server the allocation size of every new output shape of some ops
+    (GET_ALLOC_SIZE), a round trip behind every graph queued before it: at a prompt's last, shorter micro-batch the
+    pipeline drained. A shape no larger than one a server already sized (the reserve's full micro-batch) now takes
+    that size: prompts of lengths never seen ask nothing. With GGML_RPC_ALLOC_SIZE_LARGER=0 they ask; same text."""
+    got: dict[str, tuple[list[str], int]] = {}
+    prompts = [PROMPT + " and the sea", LONG[:700]]  # lengths no graph of this llama-server had
+    for name, env in (("larger", {}), ("exact", {"GGML_RPC_ALLOC_SIZE_LARGER": "0"})):
+        s = _split(tmp_path / name, patched_bins, _workers(patched_bins, tiny_model, True), tiny_model,
+                   module_children, env=env, ctx=2048)  # fmt: skip
+        try:
+            s.complete(PROMPT, 4)  # warm-up
+            before = [r.snapshot() for r in s.relays]
+            texts = [s.complete(p, 8) for p in prompts]
+            after = [r.snapshot().minus(b) for r, b in zip(s.relays, before, strict=True)]
+            asked = sum(a.commands[Cmd.GET_ALLOC_SIZE] for a in after)
+        finally:
+            stop_split(s)
+        got[name] = (texts, asked)
+    print(f"\nGET_ALLOC_SIZE round trips for two prompts of new lengths: {got['larger'][1]} vs {got['exact'][1]} off")
+    assert got["larger"][0] == got["exact"][0]
+    assert got["exact"][1] > 0, got
+    assert got["larger"][1] == 0, got
+
+
 def test_a_stock_rpc_server_gets_the_star(
     tmp_path: Path, tiny_model: Path, patched_bins: Binaries, stock_bins: Binaries, module_children: list[Child]
 ) -> None:
