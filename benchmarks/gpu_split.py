@@ -6,7 +6,8 @@ On a GPU machine with no network (the lent device), after ``benchmarks/gpu_pack.
     python3 benchmarks/gpu_split.py --carry gpuc --load [--parallel 8] [--slot-ctx 9216] [--clients 1,4,8,16]
     python3 benchmarks/gpu_split.py --carry gpuc --replicas [--parallel 16] [--slot-ctx 2048] [--clients 16]
     python3 benchmarks/gpu_split.py --carry gpuc --start [--runs 3]
-    python3 benchmarks/gpu_split.py --carry gpuc --pipeline [--nodes 2,3,4] [--runs 3] [--rtt-ms 1 | --tunnel]
+    python3 benchmarks/gpu_split.py --carry gpuc --pipeline [--nodes 2,3,4] [--rtt-ms 1|--netem-lo 1|--tunnel]
+    python3 benchmarks/gpu_split.py --carry gpuc --bytes [--contexts 900,7600]   (bytes through the host per token)
     python3 benchmarks/gpu_split.py --carry gpuc --embd [--runs 3]        (patch 0013's A/B; --bytes has its row too)
 
 (--prepare builds and makes the model only, so a second call on the still-warm machine has the whole 10 minutes.)
