@@ -11,6 +11,12 @@ prompt of each --contexts length (random token ids, no prompt cache). Setups:
 - worker to worker (0011), every input whole (``GGML_RPC_DELTA=0``);
 - the mesh's way: worker to worker, inputs as what changed (0014), the token embedding on the first worker (0013).
 
+``--mesh``: the same through mesh-llm itself, 3 nodes on this machine (the tiny model, ``--tensor-split 6,6,7``), the
+host on ``--rpc-path tunnel`` so both workers are reached through QUIC tunnels: worker to worker through the mesh
+(the workers on the default path keep their peer listeners) against the star (every node on ``--rpc-path tunnel``),
+counted by the host's own ``mesh_llm_tunnel_bytes_{sent,received}_total{kind="rpc"}`` (what its tunnels carried,
+before QUIC's framing), both with the mesh's defaults (inputs as what changed, the embedding on the first worker).
+
 Counted from the third streamed token on (the prompt's graphs are sent by then); "graphs" is whole graphs sent again
 (GRAPH_COMPUTE: a new shape, once per 256 cells of context), shown apart and left out of the total. gpu_split.py --bytes
 uses ``per_token`` for the 8B shape on a GPU.
@@ -19,6 +25,7 @@ uses ``per_token`` for the 8B shape on a GPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import http.client
 import json
@@ -76,6 +83,82 @@ def per_token(port: int, relays: Sequence[CountingRelay], prompt: list[int], n: 
     return Bytes(sum(a.bytes_up for a in d) / k, graphs, sum(a.bytes_down for a in d) / k, digest)
 
 
+def tunnel_rpc_bytes(port: int) -> tuple[int, int]:
+    """(sent, received) RPC bytes through every tunnel of the node whose API is on ``port`` (its /metrics)."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    got = {"sent": 0, "received": 0}
+    for m in re.finditer(r'(?m)^mesh_llm_tunnel_bytes_(sent|received)_total\{[^}]*kind="rpc"[^}]*\} (\d+)', text):
+        got[m.group(1)] += int(m.group(2))
+    return got["sent"], got["received"]
+
+
+def mesh_per_token(port: int, prompt: list[int], n: int) -> Bytes:
+    """Stream ``n`` greedy tokens after ``prompt`` (token ids) from the node's API; what its tunnels carried as RPC
+    from the third token to the last, per token (sent: "up", received: "down"; graphs are not told apart here)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True}
+    c.request("POST", "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200, r.read()[:300]
+    before, text, seen = (0, 0), "", 0
+    for line in r:
+        if line.startswith(b"data: {"):
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            text += choices[0].get("text") or ""
+            seen += 1
+            if seen == 2:
+                before = tunnel_rpc_bytes(port)
+    c.close()
+    after, k = tunnel_rpc_bytes(port), seen - 2
+    assert k > 0, f"{seen} chunks streamed"
+    digest = hashlib.sha256(text.encode()).hexdigest()[:8]
+    return Bytes((after[0] - before[0]) / k, 0.0, (after[1] - before[1]) / k, digest)
+
+
+def mesh_rows(contexts: list[int], tokens: int, model: Path, tmp: Path) -> list[tuple[str, dict[int, Bytes]]]:
+    """--mesh: the star and worker to worker through the mesh's tunnels, 3 nodes (module docstring)."""
+    from loadgen import ids
+    from tests.integration.meshlab import NodeProc, wait_for
+
+    ctx = max(contexts) + tokens + 256
+    common = ("--ctx-size", str(ctx), "--parallel", "1", "--tensor-split", "6,6,7")
+    rows: list[tuple[str, dict[int, Bytes]]] = []
+    for name, workers_path in (("mesh, star (every node on the tunnel path)", "tunnel"),
+                               ("mesh, worker to worker through the mesh", "auto")):  # fmt: skip
+        a = NodeProc(tmp, f"a-{workers_path}", model, "--max-vram", "3", *common, "--rpc-path", "tunnel")
+        nodes = [a]
+        try:
+            token_file = a.state / "token"
+            wait_for(token_file.exists, 60, "the host's token")
+            for w in "bc":
+                nodes.append(NodeProc(tmp, f"{w}-{workers_path}", model, "--max-vram", "2", *common, "--join",
+                                      token_file.read_text().strip(), "--rpc-path", workers_path))  # fmt: skip
+            wait_for(functools.partial(_split_over, a, 3), 300, "a 3-way split")
+            print(name, [str(p.get("rpc_path")) for p in _peers(a) if p.get("rpc_path")], flush=True)
+            mesh_per_token(a.port, ids(32, seed=1), 4)  # warm-up
+            rows.append((name, {c: mesh_per_token(a.port, ids(c, seed=3), tokens) for c in contexts}))
+            print(name, {c: round(b.total) for c, b in rows[-1][1].items()}, flush=True)
+        finally:
+            for nd in nodes:
+                nd.stop()
+    return rows
+
+
+def _split_over(node: Any, n: int) -> bool:
+    """Whether ``node`` (a NodeProc) is a ready host whose plan splits over ``n`` nodes."""
+    plan = node.status().get("plan")
+    return "ready:" in node.text() and isinstance(plan, dict) and len(plan.get("assignments", [])) == n
+
+
+def _peers(node: Any) -> list[dict[str, Any]]:
+    peers = node.status().get("peers")
+    return list(peers) if isinstance(peers, list) else []
+
+
 def print_table(title: str, rows: list[tuple[str, dict[int, Bytes]]]) -> None:
     """One row per setup and context; ÷ star against the first setup at the same context."""
     print(f"\n# {title}")
@@ -93,6 +176,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="900,16000", help="prompt lengths in tokens, comma-separated")
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--mesh", action="store_true", help="instead: through mesh-llm's tunnels, 3 nodes (see above)")
     args = ap.parse_args()
     from loadgen import ids  # benchmarks/loadgen.py
     from provenance import header  # benchmarks/provenance.py
@@ -104,6 +188,12 @@ def main() -> int:
 
     header()
     contexts = [int(x) for x in args.contexts.split(",")]
+    if args.mesh:
+        with tempfile.TemporaryDirectory(prefix="mesh-llm-bytes-") as tmpd:
+            through = mesh_rows(contexts, args.tokens, tiny_model_path(), Path(tmpd))
+        print_table(f"tiny model, mesh-llm: 3 nodes (6 + 6 + 7 layers), the host reaching both workers through "
+                    f"tunnels, {args.tokens} greedy tokens, counted from the third; one run", through)  # fmt: skip
+        return 0
     model, stock, patched = tiny_model_path(), find_binaries(stock=True), find_binaries()
     ctx = max(contexts) + args.tokens + 256
     setups: list[tuple[str, Any, bool, dict[str, str]]] = [
