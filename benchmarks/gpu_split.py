@@ -55,7 +55,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from delayrelay import DelayProxy  # benchmarks/delayrelay.py: a LAN's RTT on loopback
 from loadgen import concurrent, greedy_digest, ids, one, pct, prefill  # benchmarks/loadgen.py: the clients
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -270,6 +269,8 @@ def pipeline_rows(args: argparse.Namespace, rows: set[str], table: list[tuple[in
             try:
                 eps = [ep for _, ep in workers]
                 if args.rtt_ms:  # every link through a relay that delays it
+                    from meshllm.net.delaytcp import DelayProxy  # a LAN's RTT on loopback
+
                     relays = [DelayProxy(int(ep.rsplit(":", 1)[1]), args.rtt_ms, 0) for ep in eps]
                     relays += [DelayProxy(p, args.rtt_ms, 0) for p in peers]
                     eps = [f"127.0.0.1:{r.port}" for r in relays[: len(eps)]]
@@ -493,7 +494,7 @@ def main() -> None:
         type=float,
         default=0.0,
         help="--pipeline: every link between two processes (llama-server to a worker, worker to worker) "
-        "through a relay that delays each way by half this (benchmarks/delayrelay.py), as on a LAN; "
+        "through a relay that delays each way by half this (meshllm.net.delaytcp), as on a LAN; "
         "the mesh row is left out (its links are its own)",
     )
     ap.add_argument(

@@ -10,8 +10,9 @@ stock the same way, is the comparison that holds in every row.
 
 - mesh: three mesh-llm nodes on loopback sized with --max-vram so the plan is host + 2 workers; every node runs
   with MESH_LLM_NETEM (see src/meshllm/net/netem.py), so each QUIC link pays r on its round trip and the rate
-  cap on each direction. The nodes run with --rpc-path tunnel: the shaping applies to QUIC datagrams, so the
-  direct RPC path (TCP + TLS, the default where a worker is reachable) would escape it.
+  cap on each direction, and so do a worker's direct-path and peer listeners (delay relays in front of them,
+  src/meshllm/net/delaytcp.py). The nodes run with --rpc-path tunnel (default) or, with ``--rpc-path auto``, on
+  the default path: TCP + TLS to each worker, the hidden state worker to worker.
 - stock, same way: stock llama-server + stock rpc-servers with the mesh plan's layer counts; the two workers sit
   behind a TCP delay proxy (this file: r/2 each direction, same rate cap, TCP_NODELAY), the host's own rpc-server
   is local. At r = 0 there is no proxy: plain loopback TCP, stock at its best.
@@ -32,8 +33,6 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from delayrelay import DelayProxy  # benchmarks/delayrelay.py
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from provenance import header  # benchmarks/provenance.py: the command line and machine
@@ -49,6 +48,7 @@ from meshllm.llama.processes import (
     wait_tcp_ready,
 )
 from meshllm.models.tiny import tiny_model_path
+from meshllm.net.delaytcp import DelayProxy
 
 PROFILES = [("r = 0 ms", 0.0, 0.0), ("r = 5 ms", 5.0, 0.0), ("r = 20 ms", 20.0, 0.0),
             ("Wi-Fi: 30 MB/s, 5 ms", 5.0, 30.0)]  # fmt: skip
@@ -63,11 +63,10 @@ def completion(port: int, path: str, n: int) -> float:
         return float(json.loads(r.read())["timings"]["predicted_per_second"])
 
 
-def mesh_run(tmp: Path, model: Path, rtt: float, rate: float, runs: int, n: int) -> tuple[list[float], list[int]]:
+def mesh_run(tmp: Path, model: Path, rtt: float, rate: float, runs: int, n: int, rpc_path: str = "tunnel"
+             ) -> tuple[list[float], list[int]]:  # fmt: skip
     env = {"MESH_LLM_NETEM": f"rtt={rtt},rate={rate}"}
-    # MESH_LLM_NETEM shapes the QUIC socket only: the direct RPC path (plain TCP + TLS) would bypass it, so the mesh
-    # runs here on the tunnel (its fallback path); the direct path pays what stock TCP pays, round trip for round trip
-    args = ("--ctx-size", "1024", "--rpc-path", "tunnel")
+    args = ("--ctx-size", "1024", "--rpc-path", rpc_path)
     a = NodeProc(tmp, "a", model, "--max-vram", "0.5", *args, env=env)
     nodes = [a]
     try:
@@ -126,6 +125,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--rpc-path", choices=("tunnel", "auto"), default="tunnel",
+                    help="the mesh nodes' --rpc-path (auto: direct TCP + TLS, worker to worker)")  # fmt: skip
     args = ap.parse_args()
     header()
     model = tiny_model_path()
@@ -135,7 +136,7 @@ def main() -> int:
         for i, (name, rtt, rate) in enumerate(PROFILES):
             tmp = Path(tmpd) / str(i)
             tmp.mkdir()
-            got, counts = mesh_run(tmp, model, rtt, rate, args.runs, args.tokens)
+            got, counts = mesh_run(tmp, model, rtt, rate, args.runs, args.tokens, args.rpc_path)
             res["mesh"][name] = statistics.median(got)
             res["stock, same way"][name] = statistics.median(
                 stock_run(tmp, model, counts, 2, rtt, rate, args.runs, args.tokens))  # fmt: skip

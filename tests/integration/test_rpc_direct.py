@@ -197,3 +197,34 @@ def test_a_member_that_is_not_the_host_gets_neither_a_key_nor_a_tunnel(tmp_path:
         assert f"refused an RPC key to {who}: not the elected host" in b.text()
         assert f"refused an RPC tunnel from {who}: not the elected host" in b.text()
         assert text_of(complete(a.port, "/v1/completions")).strip()  # the host's path is untouched
+
+
+def test_netem_delays_the_direct_path_too(tmp_path: Path, tiny_model: Path) -> None:
+    """MESH_LLM_NETEM (benchmarks) on a worker: its direct-path and peer listeners sit behind relays that delay each
+    way by rtt/2 (net/delaytcp), so the host's direct TCP + TLS path pays the round trip as the tunnels do: every
+    generated token crosses the link out and back at least once, so decode is no faster than 1000 / rtt tokens a
+    second. The path stays direct and the answer is the undelayed split's."""
+    rtt = 250.0
+    (tmp_path / "plain").mkdir()
+    with two_nodes(tmp_path / "plain", tiny_model, ("--max-vram", "0.446"), ("--max-vram", "0.3")) as (a, _):
+        wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 120, "a two-way split")
+        plain = complete(a.port, "/v1/completions")
+    b_env = {"MESH_LLM_NETEM": f"rtt={rtt}"}
+    a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024", "--max-vram", "0.446")
+    nodes = [a]
+    try:
+        wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
+        nodes.append(NodeProc(tmp_path, "b", tiny_model, "--ctx-size", "1024", "--max-vram", "0.3", "--join",
+                              (a.state / "token").read_text().strip(), env=b_env))  # fmt: skip
+        wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 180, "a two-way split, delayed")
+        worker = str(_assignments(a)[0]["node"])
+        assert _rpc_path(a, worker).startswith("direct 127.0.0.1:"), _rpc_path(a, worker)
+        delayed = complete(a.port, "/v1/completions")
+    finally:
+        for n in nodes:
+            n.stop()
+    assert text_of(delayed) == text_of(plain)
+    speed = [float(x["timings"]["predicted_per_second"]) for x in (plain, delayed)]  # type: ignore[index]
+    print(f"\ndecode tok/s: {speed[0]:.1f} undelayed, {speed[1]:.1f} at {rtt:.0f} ms RTT on the direct path")
+    assert speed[1] <= 1000 / rtt, speed
+    assert speed[0] > 1000 / rtt, speed  # the bound above says something on this machine

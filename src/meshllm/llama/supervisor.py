@@ -23,6 +23,7 @@ from meshllm.llama.build import Binaries, cpu_flags
 from meshllm.llama.chat import ChatDefault
 from meshllm.llama.processes import (
     ANY_ADDR,
+    LOOPBACK,
     Child,
     ChildFailed,
     Tuning,
@@ -37,6 +38,8 @@ from meshllm.llama.processes import (
     wait_http_ready,
     wait_tcp_ready,
 )
+from meshllm.net.delaytcp import DelayProxy
+from meshllm.net.netem import LinkShape
 from meshllm.sockets import host_port
 
 log = logging.getLogger("meshllm.supervisor")
@@ -304,7 +307,10 @@ class RpcServer(Supervised):
     interface for the direct path: there only a client holding a key from ``keys_file`` gets past the handshake.
     With that, when the build has patch 0011, on ``peer_port`` on every interface for its predecessor in a split:
     there only the worker the host's llama-server named, with the key it made, gets through.
-    It keeps its ports across restarts: the host's llama-server (or its tunnel) points at them."""
+    It keeps its ports across restarts: the host's llama-server (or its tunnel) points at them. With
+    ``MESH_LLM_NETEM`` (benchmarks) the two listeners move to loopback ports behind relays on the public ones that
+    delay each way by rtt/2 (``net/delaytcp``), so the direct path and the peer links pay the round trip as the
+    tunnels do; the server then sees every client at 127.0.0.1, so that holds for nodes of one machine only."""
 
     def __init__(
         self, bins: Binaries, model: Path, log_dir: Path, device: str | None = None, keys_file: Path | None = None,
@@ -327,7 +333,22 @@ class RpcServer(Supervised):
                 self.peer_port = tls_port + 1 if tls_port else free_port(ANY_ADDR, avoid=[self.tls_port])
                 env["GGML_RPC_PEER_LISTEN"] = host_port(ANY_ADDR, self.peer_port)
         taken = [p for p in (self.tls_port, self.peer_port) if p]
+        self._delays: list[DelayProxy] = []
+        shape = LinkShape.from_env()
+        if shape is not None and shape.rtt_ms > 0:
+            for name in ("GGML_RPC_TLS_LISTEN", "GGML_RPC_PEER_LISTEN"):
+                if name in env:
+                    public = int(env[name].rsplit(":", 1)[1])
+                    inner = free_port(avoid=taken)
+                    taken.append(inner)
+                    env[name] = host_port(LOOPBACK, inner)
+                    self._delays.append(DelayProxy(inner, shape.rtt_ms, shape.rate_mb_s, ANY_ADDR, public))
         port = free_port(avoid=taken)  # none is bound yet: never the same one twice
         super().__init__(
             "rpc-server", bins.rpc_server, argv, ready, log_dir / "rpc-server.log", fixed_port=port, env=env
         )
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        await super().stop(grace_s)
+        for d in self._delays:
+            d.close()

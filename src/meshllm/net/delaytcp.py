@@ -1,8 +1,11 @@
-"""A TCP relay on loopback that delays every byte by a fixed time each way (and caps the rate, if asked): a link's
-round trip between two processes of one machine, where netem is not to be had (the lent GPU machine's kernel has no
-sch_netem). Each direction has a reader thread, which stamps what it reads, and a writer thread, which sends it when
-its stamp is due: bytes in flight overlap (a pipe, not a stop-and-wait). time.sleep's precision (~0.1 ms) bounds the
-delay's. Used by benchmarks/latency.py and benchmarks/gpu_split.py --rtt-ms."""
+"""A TCP relay that delays every byte by a fixed time each way (and caps the rate, if asked): a link's round trip
+between processes of one machine, where the kernel has no netem. For benchmarks: ``MESH_LLM_NETEM`` puts one in
+front of a worker's direct-path and peer listeners (``llama/supervisor.RpcServer``), and the benchmarks put them in
+front of plain rpc-servers (``benchmarks/latency.py``, ``gpu_split.py --rtt-ms``).
+
+Each direction has a reader thread, which stamps what it reads, and a writer thread, which sends it when its stamp
+is due: bytes in flight overlap (a pipe, not a stop-and-wait). time.sleep's precision (~0.1 ms) bounds the delay's.
+"""
 
 from __future__ import annotations
 
@@ -12,22 +15,24 @@ import threading
 import time
 from collections import deque
 
+from meshllm.sockets import bound
+
 
 class DelayProxy:
-    """A loopback TCP proxy in front of one server (an rpc-server, a worker's peer listener): each direction's bytes
-    leave rtt/2 ms after they arrived, no faster than rate MB/s (0: no cap). A benchmark tool, not part of mesh-llm."""
+    """A TCP relay listening on ``host``:``port`` (port 0: any free one; ``self.port`` says which) in front of
+    127.0.0.1:``upstream_port``: each direction's bytes leave rtt/2 ms after they arrived, no faster than rate MB/s
+    (0: no cap). A client that comes while the upstream is down is closed; the relay goes on."""
 
-    def __init__(self, upstream_port: int, rtt_ms: float, rate_mb_s: float) -> None:
+    def __init__(self, upstream_port: int, rtt_ms: float, rate_mb_s: float = 0.0, host: str = "127.0.0.1",
+                 port: int = 0) -> None:  # fmt: skip
         self.upstream = ("127.0.0.1", upstream_port)
         self.delay = rtt_ms / 2000.0
         self.rate = rate_mb_s * 1e6
-        self._ls = socket.socket()
-        self._ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._ls.bind(("127.0.0.1", 0))
+        self._ls = bound(host, port, socket.SOCK_STREAM)
         self._ls.listen(16)
         self.port: int = self._ls.getsockname()[1]
         self._socks: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        threading.Thread(target=self._accept, name=f"delay:{self.port}", daemon=True).start()
 
     def _accept(self) -> None:
         while True:
@@ -35,7 +40,12 @@ class DelayProxy:
                 c, _ = self._ls.accept()
             except OSError:
                 return
-            u = socket.create_connection(self.upstream)
+            try:
+                u = socket.create_connection(self.upstream, timeout=5)
+                u.settimeout(None)
+            except OSError:
+                c.close()
+                continue
             for s in (c, u):
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._socks += [c, u]
@@ -85,6 +95,8 @@ class DelayProxy:
         threading.Thread(target=writer, daemon=True).start()
 
     def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._ls.shutdown(socket.SHUT_RDWR)  # wakes the accept thread (close alone does not, on Linux)
         self._ls.close()
         for s in self._socks:
             with contextlib.suppress(OSError):
