@@ -253,7 +253,7 @@ def pipeline_rows(args: argparse.Namespace, rows: set[str], table: list[tuple[in
                 via = "; ".join(x["rpc_path"] for x in st["peers"] if x.get("rpc_path"))  # type: ignore[attr-defined]
                 print(f"N={n} {path}: {via}", flush=True)
                 table.append((n, f"mesh-llm through tunnels, {name}", got))
-        elif not args.rtt_ms and "mesh" in rows:
+        elif "mesh" in rows:
             got, st = run_mesh(f"pipe{n}", "auto", [(g, None) for g in gpus], mesh_args, measure)
             via = "; ".join(x["rpc_path"] for x in st["peers"] if x.get("rpc_path"))  # type: ignore[attr-defined]
             counts = [a["count"] for a in st["plan"]["assignments"]]  # type: ignore[index]
@@ -495,7 +495,8 @@ def main() -> None:
         default=0.0,
         help="--pipeline: every link between two processes (llama-server to a worker, worker to worker) "
         "through a relay that delays each way by half this (meshllm.net.delaytcp), as on a LAN; "
-        "the mesh row is left out (its links are its own)",
+        "the mesh's nodes with MESH_LLM_NETEM=rtt=MS (its QUIC, and the same relays in front of each worker's "
+        "direct-path and peer listeners)",
     )
     ap.add_argument(
         "--netem-lo",
@@ -600,7 +601,9 @@ def main() -> None:
                 if i:
                     cmd += ["--join-file", str(state / "n0" / "token")]
                 started = time.monotonic()  # the last node's start: what --start times from
-                nodes.append(Child.start(f"n{i}", cmd, texts[i], env=gpu(gpus)))
+                # --rtt-ms: the mesh's own links pay it too (QUIC, and relays in front of each RPC listener)
+                netem = {"MESH_LLM_NETEM": f"rtt={args.rtt_ms}"} if args.rtt_ms else {}
+                nodes.append(Child.start(f"n{i}", cmd, texts[i], env={**gpu(gpus), **netem}))
                 while i == 0 and not (state / "n0" / "token").is_file():
                     assert nodes[0].alive(), f"the first node ended: {texts[0].read_text()[-600:]}"
                     time.sleep(0.1)
