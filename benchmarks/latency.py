@@ -67,7 +67,7 @@ def mesh_run(tmp: Path, model: Path, rtt: float, rate: float, runs: int, n: int,
              ) -> tuple[list[float], list[int]]:  # fmt: skip
     env = {"MESH_LLM_NETEM": f"rtt={rtt},rate={rate}"}
     args = ("--ctx-size", "1024", "--rpc-path", rpc_path)
-    a = NodeProc(tmp, "a", model, "--max-vram", "0.5", *args, env=env)
+    a = NodeProc(tmp, "a", model, "--max-vram", "0.446", *args, env=env)  # 0.5 now holds the whole model
     nodes = [a]
     try:
         wait_for(lambda: (a.state / "token").exists(), 30, "token")
