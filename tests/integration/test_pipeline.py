@@ -239,11 +239,14 @@ def test_a_shorter_micro_batch_asks_no_server_its_allocation_sizes(
 ) -> None:
     """Patch 0019: llama-server asks each rpc-server the allocation size of every new output shape of some ops
     (GET_ALLOC_SIZE), a round trip behind every graph queued before it: at a prompt's last, shorter micro-batch the
-    pipeline drained. A shape no larger than one a server already sized (the reserve's full micro-batch) now takes
-    that size: prompts of lengths never seen ask nothing. With GGML_RPC_ALLOC_SIZE_LARGER=0 they ask; same text."""
-    got: dict[str, tuple[list[str], int]] = {}
+    pipeline drained. Where the server answered "no extra" (ggml_nbytes) for a shape no smaller in any outer
+    dimension (the reserve's full micro-batch), the client now sizes a smaller one itself: prompts of lengths never
+    seen ask nothing. With GGML_RPC_ALLOC_SIZE_DERIVE=0 they ask; same text, and every buffer the servers allocate is
+    the same size both ways (a first version gave a smaller tensor a larger one's size: a weight of 640 columns,
+    which the client asks about too, took the token embedding's, 4× the last server's memory)."""
+    got: dict[str, tuple[list[str], int, list[int]]] = {}
     prompts = [PROMPT + " and the sea", LONG[:700]]  # lengths no graph of this llama-server had
-    for name, env in (("larger", {}), ("exact", {"GGML_RPC_ALLOC_SIZE_LARGER": "0"})):
+    for name, env in (("derived", {}), ("asked", {"GGML_RPC_ALLOC_SIZE_DERIVE": "0"})):
         s = _split(tmp_path / name, patched_bins, _workers(patched_bins, tiny_model, True), tiny_model,
                    module_children, env=env, ctx=2048)  # fmt: skip
         try:
@@ -252,13 +255,15 @@ def test_a_shorter_micro_batch_asks_no_server_its_allocation_sizes(
             texts = [s.complete(p, 8) for p in prompts]
             after = [r.snapshot().minus(b) for r, b in zip(s.relays, before, strict=True)]
             asked = sum(a.commands[Cmd.GET_ALLOC_SIZE] for a in after)
+            allocated = [r.snapshot().allocated for r in s.relays]  # every ALLOC_BUFFER since the start
         finally:
             stop_split(s)
-        got[name] = (texts, asked)
-    print(f"\nGET_ALLOC_SIZE round trips for two prompts of new lengths: {got['larger'][1]} vs {got['exact'][1]} off")
-    assert got["larger"][0] == got["exact"][0]
-    assert got["exact"][1] > 0, got
-    assert got["larger"][1] == 0, got
+        got[name] = (texts, asked, allocated)
+    print(f"\nGET_ALLOC_SIZE round trips for two prompts of new lengths: {got['derived'][1]} vs {got['asked'][1]} off")
+    assert got["derived"][0] == got["asked"][0]
+    assert got["derived"][2] == got["asked"][2], got
+    assert got["asked"][1] > 0, got
+    assert got["derived"][1] == 0, got
 
 
 def test_a_stock_rpc_server_gets_the_star(
