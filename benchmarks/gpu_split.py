@@ -269,7 +269,7 @@ def pipeline_rows(args: argparse.Namespace, rows: set[str], table: list[tuple[in
             try:
                 eps = [ep for _, ep in workers]
                 if args.rtt_ms:  # every link through a relay that delays it
-                    from meshllm.net.delaytcp import DelayProxy  # a LAN's RTT on loopback
+                    from meshllm.delaytcp import DelayProxy  # a LAN's RTT on loopback
 
                     relays = [DelayProxy(int(ep.rsplit(":", 1)[1]), args.rtt_ms, 0) for ep in eps]
                     relays += [DelayProxy(p, args.rtt_ms, 0) for p in peers]
@@ -494,7 +494,7 @@ def main() -> None:
         type=float,
         default=0.0,
         help="--pipeline: every link between two processes (llama-server to a worker, worker to worker) "
-        "through a relay that delays each way by half this (meshllm.net.delaytcp), as on a LAN; "
+        "through a relay that delays each way by half this (meshllm.delaytcp), as on a LAN; "
         "the mesh's nodes with MESH_LLM_NETEM=rtt=MS (its QUIC, and the same relays in front of each worker's "
         "direct-path and peer listeners)",
     )

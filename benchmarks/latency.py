@@ -11,7 +11,7 @@ stock the same way, is the comparison that holds in every row.
 - mesh: three mesh-llm nodes on loopback sized with --max-vram so the plan is host + 2 workers; every node runs
   with MESH_LLM_NETEM (see src/meshllm/net/netem.py), so each QUIC link pays r on its round trip and the rate
   cap on each direction, and so do a worker's direct-path and peer listeners (delay relays in front of them,
-  src/meshllm/net/delaytcp.py). The nodes run with --rpc-path tunnel (default) or, with ``--rpc-path auto``, on
+  src/meshllm/delaytcp.py). The nodes run with --rpc-path tunnel (default) or, with ``--rpc-path auto``, on
   the default path: TCP + TLS to each worker, the hidden state worker to worker.
 - stock, same way: stock llama-server + stock rpc-servers with the mesh plan's layer counts; the two workers sit
   behind a TCP delay proxy (this file: r/2 each direction, same rate cap, TCP_NODELAY), the host's own rpc-server
@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from provenance import header  # benchmarks/provenance.py: the command line and machine
 from tests.integration.meshlab import NodeProc, wait_for
 
+from meshllm.delaytcp import DelayProxy
 from meshllm.llama.build import find_binaries
 from meshllm.llama.processes import (
     Child,
@@ -48,7 +49,6 @@ from meshllm.llama.processes import (
     wait_tcp_ready,
 )
 from meshllm.models.tiny import tiny_model_path
-from meshllm.net.delaytcp import DelayProxy
 
 PROFILES = [("r = 0 ms", 0.0, 0.0), ("r = 5 ms", 5.0, 0.0), ("r = 20 ms", 20.0, 0.0),
             ("Wi-Fi: 30 MB/s, 5 ms", 5.0, 30.0)]  # fmt: skip

@@ -201,7 +201,7 @@ def test_a_member_that_is_not_the_host_gets_neither_a_key_nor_a_tunnel(tmp_path:
 
 def test_netem_delays_the_direct_path_too(tmp_path: Path, tiny_model: Path) -> None:
     """MESH_LLM_NETEM (benchmarks) on a worker: its direct-path and peer listeners sit behind relays that delay each
-    way by rtt/2 (net/delaytcp), so the host's direct TCP + TLS path pays the round trip as the tunnels do: every
+    way by rtt/2 (meshllm.delaytcp), so the host's direct TCP + TLS path pays the round trip as the tunnels do: every
     generated token crosses the link out and back at least once, so decode is no faster than 1000 / rtt tokens a
     second. The path stays direct and the answer is the undelayed split's."""
     rtt = 250.0

@@ -19,6 +19,7 @@ from pathlib import Path
 import aiohttp
 
 from meshllm import state
+from meshllm.delaytcp import DelayProxy
 from meshllm.llama.build import Binaries, cpu_flags
 from meshllm.llama.chat import ChatDefault
 from meshllm.llama.processes import (
@@ -38,8 +39,6 @@ from meshllm.llama.processes import (
     wait_http_ready,
     wait_tcp_ready,
 )
-from meshllm.net.delaytcp import DelayProxy
-from meshllm.net.netem import LinkShape
 from meshllm.sockets import host_port
 
 log = logging.getLogger("meshllm.supervisor")
@@ -307,14 +306,14 @@ class RpcServer(Supervised):
     interface for the direct path: there only a client holding a key from ``keys_file`` gets past the handshake.
     With that, when the build has patch 0011, on ``peer_port`` on every interface for its predecessor in a split:
     there only the worker the host's llama-server named, with the key it made, gets through.
-    It keeps its ports across restarts: the host's llama-server (or its tunnel) points at them. With
-    ``MESH_LLM_NETEM`` (benchmarks) the two listeners move to loopback ports behind relays on the public ones that
-    delay each way by rtt/2 (``net/delaytcp``), so the direct path and the peer links pay the round trip as the
-    tunnels do; the server then sees every client at 127.0.0.1, so that holds for nodes of one machine only."""
+    It keeps its ports across restarts: the host's llama-server (or its tunnel) points at them. ``netem`` (rtt ms,
+    MB/s: ``MESH_LLM_NETEM``, for benchmarks): the two listeners move to loopback ports behind relays on the public
+    ones that delay each way by rtt/2 (``meshllm.delaytcp``), so the direct path and the peer links pay the round
+    trip as the tunnels do; the server then sees every client at 127.0.0.1, so that holds for nodes of one machine."""
 
     def __init__(
         self, bins: Binaries, model: Path, log_dir: Path, device: str | None = None, keys_file: Path | None = None,
-        tls_port: int | None = None, vouched: str | None = None,
+        tls_port: int | None = None, vouched: str | None = None, netem: tuple[float, float] | None = None,
     ) -> None:  # fmt: skip
         def argv(port: int) -> list[str]:
             return rpc_server_argv(bins, port, threads=default_threads(), gguf=model, device=device, vouched=vouched)
@@ -334,15 +333,14 @@ class RpcServer(Supervised):
                 env["GGML_RPC_PEER_LISTEN"] = host_port(ANY_ADDR, self.peer_port)
         taken = [p for p in (self.tls_port, self.peer_port) if p]
         self._delays: list[DelayProxy] = []
-        shape = LinkShape.from_env()
-        if shape is not None and shape.rtt_ms > 0:
+        if netem is not None:
             for name in ("GGML_RPC_TLS_LISTEN", "GGML_RPC_PEER_LISTEN"):
                 if name in env:
                     public = int(env[name].rsplit(":", 1)[1])
                     inner = free_port(avoid=taken)
                     taken.append(inner)
                     env[name] = host_port(LOOPBACK, inner)
-                    self._delays.append(DelayProxy(inner, shape.rtt_ms, shape.rate_mb_s, ANY_ADDR, public))
+                    self._delays.append(DelayProxy(inner, netem[0], netem[1], ANY_ADDR, public))
         port = free_port(avoid=taken)  # none is bound yet: never the same one twice
         super().__init__(
             "rpc-server", bins.rpc_server, argv, ready, log_dir / "rpc-server.log", fixed_port=port, env=env

@@ -5,7 +5,7 @@ node's own UDP socket.
 datagrams leave no faster than ``rate`` MB/s (a 50 ms queue, then tail drop, as a router would). With it on
 every node, each link's round trip grows by ``rtt`` ms and each direction is capped at ``rate``. Off unless set;
 it never changes what is sent, only when. A worker's RPC listeners (the direct path, peer links) get the same
-round trip from TCP relays in front of them (``net/delaytcp``, ``llama/supervisor.RpcServer``).
+round trip from TCP relays in front of them (``meshllm.delaytcp``, ``llama/supervisor.RpcServer``).
 """
 
 from __future__ import annotations

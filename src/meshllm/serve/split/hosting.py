@@ -32,6 +32,7 @@ from meshllm.net.conn import (
     Stream,
 )
 from meshllm.net.meshnet import MeshNet
+from meshllm.net.netem import LinkShape
 from meshllm.net.tunnel import TunnelListener, TunnelStats, connect_and_bridge
 from meshllm.proto import crypto, serving
 from meshllm.proto import token as tok
@@ -133,8 +134,10 @@ class Hosting:
         self.device = device
         state.save_rpc_server_key(self.state_dir, "", None)  # no key from an earlier run survives
         keys = state.rpc_server_keys(self.state_dir) if self.rpc_path == "auto" else None
+        shape = LinkShape.from_env()  # benchmarks: the RPC listeners pay its round trip too
+        netem = (shape.rtt_ms, shape.rate_mb_s) if shape is not None and shape.rtt_ms > 0 else None
         self.rpc = RpcServer(self.bins, model.path, self.state_dir, device, keys_file=keys, tls_port=self.rpc_port,
-                             vouched=model.facts.fingerprint if model.partial else None)  # fmt: skip
+                             vouched=model.facts.fingerprint if model.partial else None, netem=netem)  # fmt: skip
         self.rpc.start()
         try:
             await self.rpc.wait_ready()

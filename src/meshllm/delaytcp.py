@@ -1,7 +1,8 @@
 """A TCP relay that delays every byte by a fixed time each way (and caps the rate, if asked): a link's round trip
 between processes of one machine, where the kernel has no netem. For benchmarks: ``MESH_LLM_NETEM`` puts one in
-front of a worker's direct-path and peer listeners (``llama/supervisor.RpcServer``), and the benchmarks put them in
-front of plain rpc-servers (``benchmarks/latency.py``, ``gpu_split.py --rtt-ms``).
+front of a worker's direct-path and peer listeners (``llama/supervisor.RpcServer``, from ``serve/split/hosting``), and
+the benchmarks put them in front of plain rpc-servers (``benchmarks/latency.py``, ``gpu_split.py --rtt-ms``). A leaf
+beside ``sockets``: the llama.cpp shells may use it, the network layer's netem does not need it.
 
 Each direction has a reader thread, which stamps what it reads, and a writer thread, which sends it when its stamp
 is due: bytes in flight overlap (a pipe, not a stop-and-wait). time.sleep's precision (~0.1 ms) bounds the delay's.
