@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/start_ready.py [--runs 3]
 
-Node a (0.5 GB offered) founds the mesh with the tiny model; b (0.3 GB) is started with a's token as soon as the
+Node a (0.446 GB offered) founds the mesh with the tiny model; b (0.3 GB) is started with a's token as soon as the
 token exists, so the plan splits the model over both. The phases, from the script's clock and each node's timeline
 (its status.json events, to 0.1 s):
 
@@ -55,7 +55,7 @@ def _event(node: NodeProc, kind: str, text: str = "") -> float | None:
 
 def mesh_run(tmp: Path, model: Path) -> tuple[dict[str, float], list[int]]:
     t_a = time.time()
-    a = NodeProc(tmp, "a", model, "--max-vram", "0.5", "--ctx-size", "1024")
+    a = NodeProc(tmp, "a", model, "--max-vram", "0.446", "--ctx-size", "1024")  # 0.5 holds the whole model now
     nodes = [a]
     try:
         wait_for(lambda: (a.state / "token").exists(), 60, "a's token")
