@@ -7,6 +7,7 @@ On a GPU machine with no network (the lent device), after ``benchmarks/gpu_pack.
     python3 benchmarks/gpu_split.py --carry gpuc --replicas [--parallel 16] [--slot-ctx 2048] [--clients 16]
     python3 benchmarks/gpu_split.py --carry gpuc --start [--runs 3]
     python3 benchmarks/gpu_split.py --carry gpuc --pipeline [--nodes 2,3,4] [--rtt-ms 1|--netem-lo 1|--tunnel]
+    python3 benchmarks/gpu_split.py --carry gpuc --pipeline --trace [--nodes 2,3,4] [--trace-clients 1,4]
     python3 benchmarks/gpu_split.py --carry gpuc --bytes [--contexts 900,7600]   (bytes through the host per token)
     python3 benchmarks/gpu_split.py --carry gpuc --embd [--runs 3]        (patch 0013's A/B; --bytes has its row too)
 
@@ -235,12 +236,16 @@ def pipeline_rows(args: argparse.Namespace, rows: set[str], table: list[tuple[in
 
             (work / f"trace{n}").mkdir(exist_ok=True)
             devices = [dict(os.environ, CUDA_VISIBLE_DEVICES=g) for g in [*gpus[1:], gpus[0]]]
-            for off in ((), ("GGML_RPC_QUEUE_INPUTS",)):  # patch 0016 on, then off
+            # one stream with patch 0016 on, then off; then each --trace-clients C > 1 (a step: C tokens)
+            runs = [(c, off) for c in map(int, args.trace_clients.split(","))
+                    for off in (((), ("GGML_RPC_QUEUE_INPUTS",)) if c == 1 else ((),))]  # fmt: skip
+            for c, off in runs:
                 traced = traced_chain(bins, model, n - 1, args.tokens, work / f"trace{n}", layers, devices,
-                                      dict.fromkeys(off, "0"))  # fmt: skip
+                                      dict.fromkeys(off, "0"), c)  # fmt: skip
                 print_table(
                     f"# N={n}: {n - 1} rpc-servers worker to worker + llama-server (GPUs {','.join(gpus)}), "
-                    f"layers {layers}, {args.tokens} greedy tokens{''.join(f', {k}=0' for k in off)}",
+                    f"layers {layers}, {args.tokens} greedy tokens{f' × {c} clients' if c > 1 else ''}"
+                    f"{''.join(f', {k}=0' for k in off)}",
                     traced,
                 )
             continue
@@ -482,6 +487,7 @@ def main() -> None:
         action="store_true",
         help="--pipeline: instead of the table, each N's token time command by command (stage_trace.py)",
     )
+    ap.add_argument("--trace-clients", default="1", help="--trace: streams at once, comma-separated (e.g. 1,4)")
     ap.add_argument(
         "--bytes",
         action="store_true",

@@ -1,12 +1,13 @@
 """Where one token's time goes in a split: each RPC command timestamped on the host and every worker ([pipeline-2] 2).
 
-    .venv/bin/python benchmarks/stage_trace.py [--workers 2] [--tokens 48]            (this machine, the tiny model)
-    python3 benchmarks/gpu_split.py --carry gpuc --pipeline --trace [--nodes 2,3,4]    (the device, the 8B shape)
+    .venv/bin/python benchmarks/stage_trace.py [--workers 2] [--tokens 48] [--clients 4]   (this machine, tiny model)
+    python3 benchmarks/gpu_split.py --carry gpuc --pipeline --trace [--nodes 2,3,4] [--trace-clients 1,4]  (device)
 
 The chain is llama.cpp's worker-to-worker split (patch 0011): N-1 rpc-servers on loopback, each with a peer
 listener, and llama-server with the last layers and the output (``GGML_RPC_PEERS``), every process started with
 ``GGML_RPC_TRACE`` (patch 0015): one clock for all of them, since they share the machine. After a warm-up, one greedy
-completion of --tokens tokens; each token's decode is cut into the segments of its critical path:
+completion of --tokens tokens (with --clients C, C of them at once on C slots: each decoding step then carries one
+token of every client through the chain); each step is cut into the segments of its critical path:
 
   host → w0     from the host having the last worker's output (GET_TENSOR back) to the first worker's compute:
                 the host's own layers, output and sampling and the next token's graph (to its first command queued
@@ -33,6 +34,7 @@ import tempfile
 import time
 import urllib.request
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,19 +142,27 @@ def print_table(title: str, rows: list[tuple[str, float]]) -> None:
         print(f"| {k} | {v:.0f} |" if k in ("tokens", "host waits per token") else f"| {k} | {v:.3f} |")
 
 
-def complete(base: str, tokens: int) -> None:
+def complete(base: str, tokens: int, clients: int = 1) -> None:
+    """``clients`` greedy completions of ``tokens`` tokens at once (the same prompt: they decode in step)."""
     body = {"prompt": "Once upon a time, in a land far away,", "n_predict": tokens, "temperature": 0,
             "cache_prompt": False, "ignore_eos": True}  # fmt: skip
-    req = urllib.request.Request(base + "/completion", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as r:
-        r.read()
+
+    def one(_: int) -> None:
+        req = urllib.request.Request(base + "/completion", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=600) as r:
+            r.read()
+
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(one, range(clients)))
 
 
 def traced_chain(bins: object, model: Path, n_workers: int, tokens: int, work: Path, layers: list[int],
                  devices: list[dict[str, str]] | None = None, host_env: dict[str, str] | None = None,
-                 ) -> list[tuple[str, float]]:  # fmt: skip
-    """Start the chain (module docstring) with tracing, decode once, return the breakdown. ``devices``: each
-    process's environment for its device (workers first, the host last); ``layers`` per process, the host's last."""
+                 clients: int = 1) -> list[tuple[str, float]]:  # fmt: skip
+    """Start the chain (module docstring) with tracing, decode once (``clients`` streams at once), return the
+    breakdown. ``devices``: each process's environment for its device (workers first, the host last); ``layers``
+    per process, the host's last."""
     from meshllm.llama.processes import (
         Child,
         free_port,
@@ -181,7 +191,7 @@ def traced_chain(bins: object, model: Path, n_workers: int, tokens: int, work: P
         port = free_port()
         split = [float(x) for x in layers]
         split[-1] += 1  # the host's entry counts the output layer
-        argv = llama_server_argv(bins, model, port, ctx_size=2048, parallel=1, rpc=eps, n_gpu_layers=999,  # type: ignore[arg-type]
+        argv = llama_server_argv(bins, model, port, ctx_size=2048, parallel=clients, rpc=eps, n_gpu_layers=999,  # type: ignore[arg-type]
                                  tensor_split=split, extra=("--fit", "off"))  # fmt: skip
         env = {**devices[-1], **(host_env or {}), "GGML_RPC_TRACE": f"{prefix}host",
                "GGML_RPC_PEERS": ",".join(f"{ep}=127.0.0.1:{p}" for ep, p in zip(eps, peers, strict=True))}  # fmt: skip
@@ -189,9 +199,9 @@ def traced_chain(bins: object, model: Path, n_workers: int, tokens: int, work: P
         children.append(c)
         base = f"http://127.0.0.1:{port}"
         wait_http_ready(c, base + "/health", 600)
-        complete(base, 8)  # warm-up: links, graphs
+        complete(base, 8, clients)  # warm-up: links, graphs
         t0 = time.monotonic_ns()
-        complete(base, tokens)
+        complete(base, tokens, clients)
         t1 = time.monotonic_ns()
         time.sleep(0.3)  # the processes write their traces every 50 ms
     finally:
@@ -207,6 +217,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--clients", type=int, default=1, help="streams at once, on as many slots (default 1)")
     ap.add_argument("--model", type=Path, default=None, help="default: the tiny test model")
     ap.add_argument(
         "--host-env",
@@ -230,10 +241,12 @@ def main() -> None:
     layers = [n_layer // n + (1 if i < n_layer % n else 0) for i in range(n)] + [0]
     work = Path(tempfile.mkdtemp(prefix="stage-trace-"))
     host_env = dict(x.split("=", 1) for x in args.host_env)
-    rows = traced_chain(find_binaries(stock=False), model, args.workers, args.tokens, work, layers, None, host_env)
+    rows = traced_chain(find_binaries(stock=False), model, args.workers, args.tokens, work, layers, None, host_env,
+                        args.clients)  # fmt: skip
+    many = f" × {args.clients} clients" if args.clients > 1 else ""
     print_table(f"# {model.name}: {args.workers} workers + host on this machine's CPU, layers {layers[:-1]} "
                 f"(the output on the last worker){' ' + ' '.join(args.host_env) if args.host_env else ''}, "
-                f"{args.tokens} greedy tokens", rows)  # fmt: skip
+                f"{args.tokens} greedy tokens{many}", rows)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -213,7 +213,9 @@ def test_tools_and_structured_output_through_a_split_answer_as_llama_server(mesh
     directly (its key) — the same message; the structured answer is JSON of the schema. (The tiny base model under
     its transcript template answers the tool offer in text: no tool call is made, so what this shows is that the
     fields pass through unchanged. The chats name the base model's turn stops themselves, so the API adds none and
-    all three get the same request.)"""
+    all three get the same request. ``cache_prompt`` off: a prompt llama-server has cached is evaluated again from
+    its last token only, whose arithmetic differs — the stock split of the same layers answers the structured chat
+    "New York" and then, cached, "London", a near tie.)"""
     from meshllm.llama.chat import TRANSCRIPT_STOPS
 
     a, b, c = mesh["a"], mesh["b"], mesh["c"]
@@ -227,9 +229,9 @@ def test_tools_and_structured_output_through_a_split_answer_as_llama_server(mesh
     stops = list(TRANSCRIPT_STOPS)
     asks = [
         {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "tools": [weather],
-         "tool_choice": "auto", "max_tokens": 24, "temperature": 0, "stop": stops},
+         "tool_choice": "auto", "max_tokens": 24, "temperature": 0, "stop": stops, "cache_prompt": False},
         {"messages": [{"role": "user", "content": "Name a city and its country."}], "response_format": place,
-         "max_tokens": 48, "temperature": 0, "stop": stops},
+         "max_tokens": 48, "temperature": 0, "stop": stops, "cache_prompt": False},
     ]  # fmt: skip
     for body in asks:
         want = _chat(llama_server_port(a), body, key)["choices"][0]["message"]  # type: ignore[index]
