@@ -20,7 +20,9 @@ token of every client through the chain); each step is cut into the segments of 
   wLast → host  from the last worker's compute done to the host holding the tensor (the GET's round trip)
 
 Each segment is the median over the decoded tokens (the first two left out), in ms; "stage overhead" is the token's
-time less the workers' compute and the host's own part.
+time less the workers' compute and the host's own part. "host waits per token" counts the times llama-server's
+thread slept on a connection (≥ 5 µs: waits on events already done are ~0.1 µs and are left out), "host blocked" adds
+up every wait of the token, in ms.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 GRAPH_COMPUTE, GET_TENSOR, PEER_SEND, PEER_RECV = 10, 8, 23, 24  # ggml-rpc's command numbers (b11312 + 0011)
+BLOCKED_NS = 5_000  # a wait shorter than this found its answer in place: no thread slept (a futex wake takes longer)
 
 
 @dataclass
@@ -88,7 +91,15 @@ def breakdown(procs: dict[str, Proc], workers: list[str], t0: int, t1: int, skip
     got = [e[0] for e in window(host, "S1", GET_TENSOR) if last_ep is None or e[6] == last_ep]
     first_ep = next((n for n, ep in host.peers.items() if ep == procs[workers[0]].endpoint), None)
     to_first = [e[0] for e in window(host, "Q") if e[6] == first_ep] if first_ep is not None else []
-    waits = [(e[0], e[2], e[3]) for e in host.events if t0 <= e[0] <= t1 and e[2] == "W1"]
+    # the host's thread blocked on a connection (a command, a synchronize, an event): W0 → W1 on one thread; a
+    # wait that found its answer there already (an event done before it was waited for) takes well under BLOCKED_NS
+    held: dict[int, int] = {}
+    waits: list[tuple[int, int]] = []  # (released at, ns blocked)
+    for e in host.events:
+        if e[2] == "W0":
+            held[e[1]] = e[0]
+        elif e[2] == "W1" and e[1] in held and t0 <= e[0] <= t1:
+            waits.append((e[0], e[0] - held.pop(e[1])))
     segs: dict[str, list[float]] = defaultdict(list)
     for i in range(skip, n - 1):
         c0 = {w: starts[w][i] for w in workers}
@@ -121,19 +132,19 @@ def breakdown(procs: dict[str, Proc], workers: list[str], t0: int, t1: int, skip
         after = [g for g in got if g > c1[last]]
         if after:
             segs[f"{last} → host"].append((after[0] - c1[last]) / 1e6)
-        # how often the host's thread blocked on a connection (a command, a synchronize, an event) this token
+        # how often, and how long, the host's thread blocked on a connection this token
         end = starts[workers[0]][i + 1]
-        count = sum(1 for t, what, _ in waits if what == "W1" and c0[workers[0]] <= t < end)
-        segs["host waits per token"].append(float(count))
+        mine = [ns for t, ns in waits if c0[workers[0]] <= t < end]
+        segs["host waits per token"].append(float(sum(1 for ns in mine if ns >= BLOCKED_NS)))
+        segs["host blocked per token"].append(sum(mine) / 1e6)
     rows = [(k, statistics.median(v)) for k, v in segs.items() if v]
     med = dict(rows)
     compute = sum(med.get(f"compute {w}", 0.0) for w in workers)
     rows.append(("stage overhead (token − compute − host's part)",
                  med["token"] - compute - med["host → w0 (host's part)"]))  # fmt: skip
     rows.append(("tokens", float(len(segs["token"]))))
-    return [(k, v) for k, v in rows if k != "host waits per token"] + [
-        ("host waits per token", med["host waits per token"])
-    ]
+    last = ("host waits per token", "host blocked per token")
+    return [(k, v) for k, v in rows if k not in last] + [(k, med[k]) for k in last]
 
 
 def print_table(title: str, rows: list[tuple[str, float]]) -> None:
