@@ -1,5 +1,6 @@
 """[fleet] 3: replicas. a founds the mesh with the tiny model, b joins with a whole copy of it, c is a lite client.
-The elected host (the same capacity: the higher id) needs itself alone, so the other serves a replica beside it:
+The elected host (the same capacity: the higher id, unless a was elected before b joined — a sitting host keeps the
+role, so which one it is depends on b's start) needs itself alone, so the other serves a replica beside it:
 every node lists both hosts of the model, requests go to both, and a streamed answer whose host is killed -9 mid-way
 goes on at the other — one stream, no error, the text of the uninterrupted answer — with no model load on the way
 (the survivor already serves)."""
@@ -34,10 +35,20 @@ def test_a_whole_copy_beside_the_host_serves_a_replica(tmp_path: Path, tiny_mode
         nodes += [b, c]
         # every node, the lite client too, lists the model with its host and its replica
         wait_for(lambda: (b.state / "key").exists(), 30, "b's key")
-        host, rep = (a, b) if a.short() > b.short() else (b, a)
-        wait_for(lambda: all(_models(n.port).get(name, {}).get("replicas") == [rep.short()] and
-                             _models(n.port)[name]["state"] == "serving" for n in (a, b, c)), 120,
-                 "a replica listed everywhere")  # fmt: skip
+        pair = {a.short(), b.short()}
+
+        def listed() -> bool:  # both listed on every node, one as the host, the other as its replica
+            for n in (a, b, c):
+                m = _models(n.port).get(name, {})
+                reps = m.get("replicas")
+                if m.get("state") != "serving" or not isinstance(reps, list) or len(reps) != 1:
+                    return False
+                if {m.get("host"), reps[0]} != pair:
+                    return False
+            return True
+
+        wait_for(listed, 120, "a replica listed everywhere")
+        host, rep = (a, b) if _models(c.port)[name]["host"] == a.short() else (b, a)
         for n in (a, b, c):
             m = _models(n.port)[name]
             assert m["host"] == host.short() and m["nodes"] == [host.short(), rep.short()], m
