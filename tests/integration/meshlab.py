@@ -114,12 +114,16 @@ def split_pair(tmp: Path, model: Path, nodes: list[NodeProc], *host_args: str) -
                  (a.state / "token").read_text().strip())  # fmt: skip
     nodes.append(b)
 
-    def serving() -> bool:
-        plan = a.status().get("plan")
-        return "ready:" in a.text() and isinstance(plan, dict) and len(plan.get("assignments", [])) == 2
-
-    wait_for(serving, 120, "a to serve a split with b")
+    wait_for(lambda: serves(a, 2), 120, "a to serve a split with b")
     return a, b
+
+
+def serves(n: NodeProc, assignments: int) -> bool:
+    """``n`` hosts a plan of that many nodes and its llama-server serves that plan now. ("ready:" in its output and
+    the plan in its status are not enough: a node that served alone first said it, and a new plan shows while the
+    llama-server it replaces still answers, then while the new one loads: a 503.)"""
+    plan = n.status().get("plan")
+    return isinstance(plan, dict) and len(plan.get("assignments", [])) == assignments and plan.get("served") is True
 
 
 @contextlib.contextmanager

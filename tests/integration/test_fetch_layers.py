@@ -17,7 +17,7 @@ from meshllm.llama.build import Binaries
 from meshllm.llama.gguf import held_with_layer, model_fingerprint, read_header
 from tests.fakes.hub_standin import HubStandin
 
-from .meshlab import NodeProc, in_process_source, wait_for
+from .meshlab import NodeProc, in_process_source, serves, wait_for
 from .splitlab import PROMPT, stock_split_text
 
 NAME = "gemma-3-270m-q4_k_m"  # the name the mesh serves the tiny model under (its file's stem)
@@ -69,7 +69,7 @@ def test_a_worker_fetches_only_its_layers_and_the_split_pushes_no_weight(
             assert "ready:" not in a.text()
         finally:
             os.kill(c.proc.pid, signal.SIGCONT)
-        wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 180, "a to serve a split with c")
+        wait_for(lambda: serves(a, 2), 180, "a to serve a split with c")
         c_id = json.loads((c.state / "status.json").read_text())["node"]
         mine = _assignments(a)[0]
         assert mine["node"] == c_id, mine
@@ -167,7 +167,7 @@ def test_a_source_that_lies_about_the_sampled_bytes_is_dropped_and_the_copy_comp
         c = NodeProc(tmp_path, "c", None, "--model", NAME, "--models-dir", str(models), "--max-vram", "0.3",
                      "--ctx-size", "1024", "--join", (a.state / "token").read_text().strip(), auto=True)  # fmt: skip
         nodes.append(c)
-        wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 180, "a to serve a split with c")
+        wait_for(lambda: serves(a, 2), 180, "a to serve a split with c")
         caught = [ln for ln in c.text().splitlines() if "sent tensor samples that are not the ones promised" in ln]
         assert len(caught) == 1 and crypto.short(crypto.node_id(key)) in caught[0], c.text()[-3000:]
         assert f"{fp} (as given: a partial copy)" in (c.state / "rpc-server.log").read_text()

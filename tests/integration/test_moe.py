@@ -19,7 +19,7 @@ from meshllm.proto.planner import experts_override
 from meshllm.serve.fetch.modelfiles import model_shape
 from tests.moe_model import tiny_moe_path
 
-from .meshlab import NodeProc, split_pair, wait_for
+from .meshlab import NodeProc, serves, split_pair, wait_for
 from .splitlab import Worker, start_split, stock_split_text, stop_split
 from .test_fetch_layers import N, _ask, _assignments
 
@@ -46,7 +46,7 @@ def test_a_moe_split_over_two_nodes_answers_as_stock_rpc_and_loads_experts_local
         b = NodeProc(tmp_path, "b", tiny_moe, "--ctx-size", "512", "--max-vram", "1",  # less memory: a hosts
                      "--join", (a.state / "token").read_text().strip())  # fmt: skip
         nodes.append(b)
-        wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 120, "a to serve a split with b")
+        wait_for(lambda: serves(a, 2), 120, "a to serve a split with b")
         text = _ask(a.port)
         counts = [float(x["count"]) for x in _assignments(a)]  # type: ignore[arg-type]
         assert counts == [2.0, 2.0], counts
@@ -114,11 +114,13 @@ def test_a_mesh_short_of_accelerator_memory_keeps_whole_layers_and_experts_in_ra
         a = NodeProc(tmp_path, "a", tiny_moe, "--max-vram", "0.034116", "--max-ram", "0.5", "--ctx-size", "512",
                      "--parallel", "1", "--rpc-path", "tunnel")  # fmt: skip
         nodes.append(a)
-        wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
+        # a serves alone first (layers 0-2 whole in RAM): the split with b is a re-plan, and the status shows the
+        # split served only once the old llama-server has gone (before, a request then met the one being replaced)
+        wait_for(lambda: serves(a, 1), 120, "a to serve alone")
         b = NodeProc(tmp_path, "b", tiny_moe, "--max-vram", "0.02387", "--max-ram", "0.5", "--ctx-size", "512",
                      "--join", (a.state / "token").read_text().strip())  # fmt: skip
         nodes.append(b)
-        wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 120, "a to serve a split with b")
+        wait_for(lambda: serves(a, 2), 120, "a to serve a split with b")
         plan = a.status()["plan"]
         assert isinstance(plan, dict)
         assert (plan["ram_layers"], plan["n_gpu_layers"], plan["tensor_split"]) == (2, 3, [1, 2]), plan

@@ -26,7 +26,7 @@ from meshllm.llama.build import Binaries
 from meshllm.llama.processes import Child, free_port, rpc_server_argv, wait_tcp_ready
 from meshllm.llama.rpcwire import CONN_CAPS_SIZE, GGUF_CAPS_MAGIC, HEADER, Cmd, CountingRelay, WireStats
 
-from .meshlab import NodeProc, wait_for
+from .meshlab import NodeProc, serves, wait_for
 from .splitlab import PROMPT, Split, Worker, start_split, stock_split_text, stop_split
 from .test_rpc_direct import _rpc_path
 from .test_serve_split import N as SPLIT_N
@@ -449,7 +449,7 @@ def test_a_three_node_mesh_sends_activations_worker_to_worker(
         for name in "bd":  # workers with room for some of the layers each
             nodes.append(NodeProc(tmp_path, name, tiny_model, "--max-vram", "0.07", "--ctx-size", "1024",
                                   "--join", token))  # fmt: skip
-        wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 3, 180, "a 3-way split")
+        wait_for(lambda: serves(a, 3), 180, "a 3-way split")
         plan = _assignments(a)
         workers = [str(x["node"]) for x in plan[:2]]
         paths = [_rpc_path(a, w) for w in workers]
@@ -496,7 +496,7 @@ def test_workers_behind_tunnels_send_activations_worker_to_worker_through_the_me
         for name in "bd":
             nodes.append(NodeProc(tmp_path, name, tiny_model, "--max-vram", "0.07", "--ctx-size", "1024",
                                   "--join", token))  # fmt: skip
-        wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 3, 180, "a 3-way split")
+        wait_for(lambda: serves(a, 3), 180, "a 3-way split")
         plan = _assignments(a)
         workers = [str(x["node"]) for x in plan[:2]]
         assert all(_rpc_path(a, w).startswith("tunnel") for w in workers), [_rpc_path(a, w) for w in workers]

@@ -7,10 +7,12 @@ layers; one worker takes the rest). One scenario, in order, so the model loads s
   3. the new worker is killed -9 during a stream: the stream ends with an error event, the host re-plans, every
      node answers again, with the text of a fresh split of the same shape;
   4. the host is killed -9: another node hosts and the survivors answer.
+And in one process, the host's side of a re-plan: plans in quick succession leave one llama-server.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
@@ -25,6 +27,10 @@ import psutil
 import pytest
 
 from meshllm.llama.build import Binaries
+from meshllm.llama.supervisor import ChildState, LocalServer, ServerConfig, Tuning
+from meshllm.net.meshnet import MeshNet
+from meshllm.proto import crypto
+from meshllm.serve.split.hosting import Hosting
 
 from .meshlab import NodeProc, children, wait_for
 from .splitlab import PROMPT, stock_split_text
@@ -290,3 +296,53 @@ def test_joins_leaves_and_deaths(tmp_path: Path, tiny_model: Path, stock_bins: B
             lite.stop()
         for n in nodes:
             n.stop()
+
+
+async def test_plans_in_quick_succession_leave_one_llama_server(
+    tmp_path: Path, tiny_model: Path, patched_bins: Binaries
+) -> None:
+    """Two plans one after another, before the first restart has stopped the llama-server it replaces: before, each
+    restart started its own and the first one's was left running, unsupervised (a llama-server holding a worker's
+    rpc-server). Now the old llama-server gets no request from the moment a plan replaces it, a restart waits for the
+    one before it, and a node that stops during a restart leaves nothing running."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    net = MeshNet(crypto.new_key(), None, state, bind=("127.0.0.1", 0))
+    await net.start()
+    h = Hosting(net, patched_bins, state, Tuning(), None, 8, on_listeners=lambda: None, elected=lambda: None)
+
+    def cfg(ctx: int) -> ServerConfig:
+        return ServerConfig(model=tiny_model, alias="tiny", ctx_size=ctx, threads=1)
+
+    def servers() -> list[psutil.Process]:
+        return [p for p in psutil.Process().children(recursive=True) if p.name() == "llama-server"]
+
+    async def serving() -> LocalServer:
+        for _ in range(600):
+            if h.server is not None and h.server.state == ChildState.SERVING:
+                return h.server
+            await asyncio.sleep(0.1)
+        raise AssertionError("llama-server did not serve")
+
+    try:
+        h.replace_server(cfg(256), {})
+        first = await serving()
+        assert first.child is not None and len(servers()) == 1
+        old = psutil.Process(first.child.pid)
+        h.replace_server(cfg(512), {})
+        assert h.server is None  # no request goes to the llama-server being replaced
+        h.replace_server(cfg(1024), {})
+        assert h._reconfig_task is not None
+        await h._reconfig_task
+        assert not old.is_running(), "the next llama-server started before the one it replaces had stopped"
+        last = await serving()
+        pids = [p.pid for p in servers()]
+        assert last.cfg.ctx_size == 1024 and last.child is not None and pids == [last.child.pid], pids
+        assert h.generations == 2  # the plan in between was never started
+        h.replace_server(cfg(256), {})
+        await h.stop()  # while that restart is under way
+        await asyncio.sleep(0.5)
+        assert servers() == [], [p.cmdline() for p in servers()]
+    finally:
+        await h.stop()
+        await net.stop(leave=False)

@@ -18,7 +18,7 @@ from pathlib import Path
 from meshllm.llama.build import Binaries
 from meshllm.llama.processes import free_port, port_in_use
 
-from .meshlab import NodeProc, wait_for
+from .meshlab import NodeProc, serves, wait_for
 from .splitlab import stock_split_text
 from .test_serve_split import N, _assignments, complete, text_of, two_nodes
 
@@ -53,7 +53,7 @@ def test_a_split_goes_direct_with_tls_and_only_the_host_gets_through(
         a,
         b,
     ):
-        wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 120, "a two-way split")
+        wait_for(lambda: serves(a, 2), 120, "a two-way split")
         worker = str(_assignments(a)[0]["node"])
         path = _rpc_path(a, worker)
         assert path == f"direct 127.0.0.1:{port} (TLS)", path
@@ -145,7 +145,7 @@ def test_rpc_path_tunnel_keeps_every_byte_in_the_mesh(tmp_path: Path, tiny_model
         a,
         b,
     ):
-        wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 120, "a two-way split")
+        wait_for(lambda: serves(a, 2), 120, "a two-way split")
         worker = str(_assignments(a)[0]["node"])
         assert _rpc_path(a, worker) == "tunnel"
         assert "TLS endpoint" not in b.text_of("rpc-server.log")
@@ -165,7 +165,7 @@ def test_a_member_that_is_not_the_host_gets_neither_a_key_nor_a_tunnel(tmp_path:
     from meshllm.proto import token as tok
 
     with two_nodes(tmp_path, tiny_model, ("--max-vram", "0.446"), ("--max-vram", "0.3")) as (a, b):
-        wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 120, "a two-way split")
+        wait_for(lambda: serves(a, 2), 120, "a two-way split")
         worker = bytes.fromhex(str(_assignments(a)[0]["node"]))
         token = tok.parse((a.state / "token").read_text().strip())
         state = tmp_path / "intruder"
@@ -207,7 +207,7 @@ def test_netem_delays_the_direct_path_too(tmp_path: Path, tiny_model: Path) -> N
     rtt = 250.0
     (tmp_path / "plain").mkdir()
     with two_nodes(tmp_path / "plain", tiny_model, ("--max-vram", "0.446"), ("--max-vram", "0.3")) as (a, _):
-        wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 120, "a two-way split")
+        wait_for(lambda: serves(a, 2), 120, "a two-way split")
         plain = complete(a.port, "/v1/completions")
     b_env = {"MESH_LLM_NETEM": f"rtt={rtt}"}
     a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024", "--max-vram", "0.446")
@@ -216,7 +216,7 @@ def test_netem_delays_the_direct_path_too(tmp_path: Path, tiny_model: Path) -> N
         wait_for(lambda: (a.state / "token").exists(), 30, "a's token")
         nodes.append(NodeProc(tmp_path, "b", tiny_model, "--ctx-size", "1024", "--max-vram", "0.3", "--join",
                               (a.state / "token").read_text().strip(), env=b_env))  # fmt: skip
-        wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 180, "a two-way split, delayed")
+        wait_for(lambda: serves(a, 2), 180, "a two-way split, delayed")
         worker = str(_assignments(a)[0]["node"])
         assert _rpc_path(a, worker).startswith("direct 127.0.0.1:"), _rpc_path(a, worker)
         delayed = complete(a.port, "/v1/completions")

@@ -19,7 +19,7 @@ from meshllm.llama.build import Binaries
 from meshllm.llama.gguf import read_header
 from meshllm.sockets import host_port
 
-from .meshlab import NodeProc, children, wait_for
+from .meshlab import NodeProc, children, serves, wait_for
 from .splitlab import PROMPT, stock_split_text
 
 N = 64
@@ -65,7 +65,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator
         for name in "bd":  # workers with room for some of the layers each
             nodes[name] = NodeProc(tmp, name, tiny_model, "--max-vram", "0.07", "--ctx-size", "1024", "--join", token)
         nodes["c"] = NodeProc(tmp, "c", None, env={"MESH_LLM_JOIN": token})  # the lite client
-        wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 3, 120, "the host to serve a 3-way split")
+        wait_for(lambda: serves(a, 3), 120, "the host to serve a 3-way split")
         for n in nodes.values():
             wait_for(lambda n=n: _health(n.port) == 200, 60, f"{n.state.name}'s :{n.port} to answer")
         yield nodes
@@ -299,7 +299,7 @@ def test_a_split_with_a_draft_keeps_the_draft_on_the_host(
     so it holds that too (patch 0013), loaded from its own file; the answer is the stock split's."""
     host_args = ("--max-vram", "0.446", "--draft", str(tiny_model), "--rpc-path", "tunnel")  # counted bytes
     with two_nodes(tmp_path, tiny_model, host_args, ("--max-vram", "0.3")) as (a, _):
-        wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 120, "a split with a draft")
+        wait_for(lambda: serves(a, 2), 120, "a split with a draft")
         assert "--spec-draft-device none" in (a.state / "llama-server.log").read_text()
         worker = _assignments(a)[0]
         out = text_of(complete(a.port, "/v1/completions"))

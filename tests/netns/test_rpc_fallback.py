@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.meshlab import wait_for
+from tests.integration.meshlab import serves, wait_for
 from tests.integration.test_rpc_direct import _rpc_path
 from tests.integration.test_serve_split import _assignments, complete, text_of, two_nodes
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
 def test_a_broken_direct_path_falls_back_to_the_tunnel(tmp_path: Path, tiny_model: Path) -> None:
     with two_nodes(tmp_path, tiny_model, ("--max-vram", "0.446"), ("--max-vram", "0.3")) as (a, _):
-        wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 120, "a two-way split")
+        wait_for(lambda: serves(a, 2), 120, "a two-way split")
         worker = str(_assignments(a)[0]["node"])
         m = re.fullmatch(r"direct 127\.0\.0\.1:(\d+) \(TLS\)", _rpc_path(a, worker))
         assert m, _rpc_path(a, worker)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from meshllm.llama.gguf import model_fingerprint
 from meshllm.proto import crypto
-from tests.integration.meshlab import NodeProc, in_process_source, wait_for
+from tests.integration.meshlab import NodeProc, in_process_source, serves, wait_for
 from tests.integration.test_fetch import NAME, _rotted_copy
-from tests.integration.test_fetch_layers import _ask, _assignments
+from tests.integration.test_fetch_layers import _ask
 from tests.security.test_members import _mint
 
 
@@ -79,7 +79,7 @@ def test_a_client_scoped_member_cannot_make_a_fetched_model_its_own(tmp_path: Pa
         d = NodeProc(tmp_path, "d", None, "--model", NAME, "--models-dir", str(d_models), "--max-vram", "0.3",
                      "--ctx-size", "1024", "--join", join, auto=True)  # fmt: skip
         nodes.append(d)
-        wait_for(lambda: "ready:" in a.text() and len(_assignments(a)) == 2, 180, "a to serve a split with d")
+        wait_for(lambda: serves(a, 2), 180, "a to serve a split with d")
         assert _ask(a.port).strip()
         part = d_models / ".partial" / f"{fp}.part"
         held = next(iter(json.loads((d_models / ".partial" / f"{fp}.have").read_text()).values()))

@@ -233,6 +233,7 @@ class Report:
                 "embd_first": p.embd_first,  # the token embedding on the first worker (patch 0013)
                 "ram_layers": p.ram_layers,  # [big] layers [0, ram_layers) whole in the host's RAM
                 "n_gpu_layers": p.n_gpu_layers,  # what llama-server is given then (None: every layer offloaded)
+                "served": self.hosting.serves_plan(),  # the host: its llama-server serves this plan now
             }
         elif isinstance(p, Waiting):
             plan_obj = {"waiting": p.message(), "need": p.need, "have": p.have}

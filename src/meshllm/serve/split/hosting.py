@@ -119,6 +119,7 @@ class Hosting:
         self._key_holder: NodeId | None = None
         self._key_seq = 0
         self.plan: Plan | Waiting | None = None  # this node's current plan (reconfigure)
+        self._cfg_plan: Plan | Waiting | None = None  # the plan ``server_cfg`` was made for
         # worker to worker where the workers are reached through tunnels (serve/split/peerlinks.py)
         self.links = PeerLinks(net, elected, lambda: self.plan, lambda: self.rpc.peer_port if self.rpc else None,
                                self._opener, on_listeners)  # fmt: skip
@@ -538,10 +539,23 @@ class Hosting:
                 n_gpu_layers=plan.n_gpu_layers if isinstance(plan, Plan) else None,
                 embeddings=self.model.embedding,
             )  # fmt: skip
-        if want == self.server_cfg:
-            return
+        self._cfg_plan = plan
+        if want != self.server_cfg:
+            self.replace_server(want, direct)
+
+    def serves_plan(self) -> bool:
+        """Our llama-server serves the plan this node has now: False while a new plan waits (for tunnels, layers,
+        keys) and while the llama-server it needs loads; the one it replaces may still answer meanwhile."""
+        srv, plan = self.server, self.plan
+        return plan is not None and self._cfg_plan == plan and srv is not None and srv.state == ChildState.SERVING
+
+    def replace_server(self, want: ServerConfig | None, direct: dict[NodeId, str]) -> None:
+        """Our llama-server is to run ``want`` (None: none): the one running now gets no request from this moment
+        (status shows the new plan and nobody serving it yet, in the same tick), and the restart waits for any
+        still under way, so that two plans in quick succession leave one llama-server, not one each."""
         self.server_cfg = want
-        self._reconfig_task = asyncio.ensure_future(self._restart_server(want, direct))
+        retired, self.server = self.server, None
+        self._reconfig_task = asyncio.ensure_future(self._restart_server(want, direct, retired, self._reconfig_task))
 
     def _host_of(self, n: NodeId) -> NodeId | None:
         rec = self.net.record(n)
@@ -580,17 +594,24 @@ class Hosting:
                 self.rpc_listeners[n] = lst  # only once it has a port
         self.on_listeners()
 
-    async def _restart_server(self, cfg: ServerConfig | None, direct: dict[NodeId, str]) -> None:
-        old, self.server = self.server, None
-        if old:
+    async def _restart_server(self, cfg: ServerConfig | None, direct: dict[NodeId, str],
+                              retired: LocalServer | None = None, before: asyncio.Future[None] | None = None) -> None:
+        if before is not None:  # the restart before this one may still start a server: this one stops it
+            await asyncio.gather(before, return_exceptions=True)
+        stale = [s for s in (retired, self.server) if s is not None]
+        self.server = None
+        for old in stale:
             # llama-server answers SIGTERM only once its streams end (10 s of a long answer held a worker's
             # rpc-server that the new plan's host waited for): the streams cut here go on where they came from
             await old.stop(grace_s=RESTART_GRACE_S)
+        if cfg is not None and cfg is not self.server_cfg:
+            return  # a later plan came: its restart, chained after this one, starts the server
         self.announced, self._recovering = False, False
         self._direct_in_cfg = {}
         if cfg is None or self.bins is None:
-            if old:  # we served, and serve nothing now (a plan waiting for peers): peers stop routing here
-                self.net.update(state=NodeState.READY)
+            mine = self.net.core.record if self.net.core else None  # we serve nothing now (a plan waiting for peers)
+            if mine is not None and mine.state in (NodeState.LOADING, NodeState.SERVING):
+                self.net.update(state=NodeState.READY)  # peers stop routing here
             return
         self.net.update(state=NodeState.LOADING)  # peers stop routing here until we announce "serving" again
         if direct:  # fresh keys for this llama-server: each worker's earlier key stops working
@@ -646,6 +667,9 @@ class Hosting:
         return out
 
     async def stop(self) -> None:
+        self.server_cfg = None  # a restart under way stops what it retires and starts nothing
+        if self._reconfig_task is not None:
+            await asyncio.gather(self._reconfig_task, return_exceptions=True)
         if self.door:
             await self.door.stop()
         if self.sharing is not None and self.sharing.direct is not None:
