@@ -122,8 +122,9 @@ def serves(n: NodeProc, assignments: int) -> bool:
     """``n`` hosts a plan of that many nodes and its llama-server serves that plan now. ("ready:" in its output and
     the plan in its status are not enough: a node that served alone first said it, and a new plan shows while the
     llama-server it replaces still answers, then while the new one loads: a 503.)"""
-    plan = n.status().get("plan")
-    return isinstance(plan, dict) and len(plan.get("assignments", [])) == assignments and plan.get("served") is True
+    st = n.status()
+    plan = st.get("plan")
+    return isinstance(plan, dict) and len(plan.get("assignments", [])) == assignments and st.get("plan_served") is True
 
 
 @contextlib.contextmanager

@@ -233,7 +233,6 @@ class Report:
                 "embd_first": p.embd_first,  # the token embedding on the first worker (patch 0013)
                 "ram_layers": p.ram_layers,  # [big] layers [0, ram_layers) whole in the host's RAM
                 "n_gpu_layers": p.n_gpu_layers,  # what llama-server is given then (None: every layer offloaded)
-                "served": self.hosting.serves_plan(),  # the host: its llama-server serves this plan now
             }
         elif isinstance(p, Waiting):
             plan_obj = {"waiting": p.message(), "need": p.need, "have": p.have}
@@ -256,6 +255,7 @@ class Report:
             "role": "replica" if core.record.replica else core.record.role,
             "label": mine[1],
             "host": v.host.hex() if v.host else None, "peers": peers, "plan": plan_obj,
+            "plan_served": self.hosting.serves_plan(),  # the host: its llama-server serves that plan now
             "reach": {
                 "addrs": self.net.all_addrs, "public": self.net.nat.public, "relay_server": ep.relay_server,
                 "relayed_packets": ep.stats.relayed_packets, "relayed_bytes": ep.stats.relayed_bytes,
