@@ -155,12 +155,12 @@ async def join_lan(net: MeshNet, pick: str, name: str, console: Console) -> tok.
     if len({m.mesh_id for m in found}) > 1:
         raise UserError("several meshes announce themselves here: " + "; ".join(m.describe() for m in found)
                         + " — name one: --join-lan MESH (its id, or the announcing node's id or name)")  # fmt: skip
-    said, why, ignored = False, "", list[str]()
+    said, why, ignored, mesh = False, "", list[str](), found[0].mesh_id
     while True:
         answered = False
         for m in list(found):  # every member that announces the mesh, each round: one that answers "waiting" and
             # never approves (anyone can announce) must not keep our knocks from the founder
-            ask = make_knock(net.key, m.mesh_id, name, time.time(), m.node)
+            ask = make_knock(net.key, mesh, name, time.time(), m.node)
             try:
                 ans = await net.knock(m.node, list(m.addrs), ask)
             except (MeshError, TimeoutError, OSError) as e:
@@ -189,14 +189,16 @@ async def join_lan(net: MeshNet, pick: str, name: str, console: Console) -> tok.
                               f"approval — on that node: [bold]mesh-llm approve {crypto.short(net.me)}[/] "
                               "(--scope worker, host or client)")  # fmt: skip
                 said = True
-        if not found:
-            found = [m for m in await browse() if _matches(m, pick) and m.mesh_id == ask.mesh_id
-                     and not any(m.describe() in line for line in ignored)]  # fmt: skip
-            if not found and loop.time() > deadline + FIND_S:
-                raise UserError("no member that may let us in answered: " + "; ".join(ignored))
         if not answered:
             log.debug("no announcing member answered a knock: %s", why)
-        await asyncio.sleep(KNOCK_EVERY_S)
+        # between rounds, look again (as long as a round's pause): a member that announces the mesh later, or that
+        # the first look missed, the founder among them, is asked from the next round on; before, a node that first
+        # heard only an announcer that never approves knocked there alone for ever
+        known = {m.node for m in found}
+        found += [m for m in await browse(KNOCK_EVERY_S) if _matches(m, pick) and m.mesh_id == mesh
+                  and m.node not in known and not any(m.describe() in line for line in ignored)]  # fmt: skip
+        if not found and loop.time() > deadline + FIND_S:
+            raise UserError("no member that may let us in answered: " + "; ".join(ignored))
 
 
 ANNOUNCE_CHECK_S = 2.0  # how often a node checks whether it is the founder or an admin (one named while it runs)
