@@ -1,8 +1,10 @@
-"""[first-run-2] Every Python this machine has runs mesh-llm's first command: for each interpreter found (the
-system's ``/usr/bin/python3*``, ``/usr/local/bin/python3*`` and every pyenv version), one of 3.11 or later gets a
-venv of its own (kept in the cache), mesh-llm installed into it, ``mesh-llm --help``, and the llama.cpp source
-extracted from the pinned sdist by the build's own code (Debian 12's 3.11.2 once failed there: no tarfile data
-filter). An older one is listed as what ``scripts/setup`` replaces. Prints a table; exits 1 when any fails.
+"""Every Python this machine has runs mesh-llm: for each interpreter found (the system's ``/usr/bin/python3*``,
+``/usr/local/bin/python3*`` and every pyenv version), one of 3.11 or later gets a venv of its own (kept in the
+cache), mesh-llm installed into it with the test tools, ``mesh-llm --help``, the llama.cpp source extracted from the
+pinned sdist by the build's own code (Debian 12's 3.11.2 once failed there: no tarfile data filter), and the unit
+tests. The Python the suite itself runs under (the one ``scripts/setup`` picked) is only listed: every other step
+of ``just test`` runs under it. An older one is listed as what ``scripts/setup`` replaces. Prints a table; exits 1
+when any fails.
 
 python scripts/interpreters.py
 """
@@ -72,7 +74,7 @@ def check(py: Path, v: tuple[int, ...], sdist: Path) -> str:
         if made.returncode != 0:
             shutil.rmtree(venv, ignore_errors=True)
             return f"venv: {(made.stderr or made.stdout).strip().splitlines()[-1:]}"
-    pip = run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "-e", str(ROOT)])
+    pip = run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "-e", f"{ROOT}[test]"])
     if pip.returncode != 0:
         return f"pip install: {pip.stderr.strip().splitlines()[-1:]}"
     helped = run([str(venv / "bin" / "mesh-llm"), "--help"])
@@ -87,7 +89,18 @@ def check(py: Path, v: tuple[int, ...], sdist: Path) -> str:
         got = run([str(venv / "bin" / "python"), "-c", EXTRACT, tmp])
         if got.returncode != 0:
             return f"source extraction: {got.stderr.strip().splitlines()[-1:]}"
+    if same_python(py, Path(sys.executable)):
+        return ""
+    tests = run([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit"], cwd=ROOT)
+    if tests.returncode != 0:
+        return f"unit tests: {tests.stdout.strip().splitlines()[-1:]}"
     return ""
+
+
+def same_python(py: Path, other: Path) -> bool:
+    """Whether ``other`` (an interpreter or a venv's) runs on ``py``."""
+    ask = "import os, sys; print(os.path.realpath(sys._base_executable))"
+    return run([str(py), "-c", ask]).stdout == run([str(other), "-c", ask]).stdout
 
 
 def main() -> int:
@@ -107,7 +120,9 @@ def main() -> int:
             continue
         why = check(py, v, sdist)
         failed += bool(why)
-        rows.append((str(py), shown, f"FAILED: {why}" if why else "ok: installs, --help, extracts the source"))
+        ok = ("ok: the suite's own Python (every step of `just test`)" if same_python(py, Path(sys.executable))
+              else "ok: installs, --help, extracts the source, unit tests pass")  # fmt: skip
+        rows.append((str(py), shown, f"FAILED: {why}" if why else ok))
     print(f"$ python {' '.join(sys.argv)}\n\n| interpreter | version | result |\n|---|---|---|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]} |")
