@@ -205,8 +205,8 @@ def test_bad_tokens_fail_at_once_with_one_line(tmp_path: Path, tiny_model: Path)
         assert len(lines) == 1 and "invite token" in lines[0], (name, r.stderr)
         assert not state.exists(), "nothing half-started"
     # a node already in one mesh, handed a token for another
+    from meshllm.machine.state import load_or_create_key, save_membership
     from meshllm.net.meshnet import new_mesh
-    from meshllm.state import load_or_create_key, save_membership
 
     state = tmp_path / "member"
     save_membership(state, new_mesh(load_or_create_key(state), time.time()))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,6 +24,16 @@ def _models(port: int) -> dict[str, dict[str, object]]:
         return {m["id"]: m.get("meshllm", {}) for m in _get(port, "/v1/models")["data"]}  # type: ignore[attr-defined]
     except OSError:
         return {}
+
+
+def _timing_lines_after(request: Callable[[], object], servers: tuple[NodeProc, ...]) -> list[int]:
+    """Each server's count of timing lines once ``request`` (one request) has run and its line is written: read
+    straight after the answer, the count could miss it, and a later "one more line" would then be this one."""
+    before = [n.text_of("llama-server.log").count(DONE) for n in servers]
+    request()
+    now = lambda: [n.text_of("llama-server.log").count(DONE) for n in servers]  # noqa: E731
+    wait_for(lambda: sum(now()) == sum(before) + 1, 10, "the request's timing line")
+    return now()
 
 
 def test_a_whole_copy_beside_the_host_serves_a_replica(tmp_path: Path, tiny_model: Path) -> None:
@@ -78,13 +89,14 @@ def test_a_whole_copy_beside_the_host_serves_a_replica(tmp_path: Path, tiny_mode
         body = {"model": name, "prompt": "Count from 1 to 100, separated by commas: 1, 2,", "max_tokens": 300,
                 "temperature": 0, "stream": True}  # fmt: skip
         ref: list[bytes] = []
-        _stream(c.port, body, ref)
+        counts = _timing_lines_after(lambda: _stream(c.port, body, ref), (a, b))
         assert ref[-1] == b"data: [DONE]" and len(_text(ref)) > 100, ref[-3:]
-        counts = [n.text_of("llama-server.log").count(DONE) for n in (a, b)]
         # the one running it (its own record says a slot is busy) killed -9 after 20 events
         victim, stall = _kill_mid_stream(c.port, body, [a, b], nodes, ref)
         other = b if victim is a else a
-        assert other.text_of("llama-server.log").count(DONE) > counts[(a, b).index(other)]
+        # llama-server writes a request's timing line a moment after the answer's last byte: waited for, bounded
+        wait_for(lambda: other.text_of("llama-server.log").count(DONE) > counts[(a, b).index(other)], 10,
+                 "the survivor's timing line of the continued answer")  # fmt: skip
         assert "continuing on" in c.text(), c.text()[-2000:]
         role = "the elected host" if victim is host else "the replica"
         print(f"{role} killed -9 mid-stream: the client's longest wait between events {stall:.1f} s; "
@@ -159,8 +171,8 @@ def test_nodes_that_hold_the_model_only_together_serve_a_replica_that_is_a_split
         body = {"model": name, "prompt": "Count from 1 to 100, separated by commas: 1, 2,", "max_tokens": 200,
                 "temperature": 0, "stream": True}  # fmt: skip
         ref: list[bytes] = []
-        _stream(e.port, body, ref)
-        said, counts = len(e.text()), [n.text_of("llama-server.log").count(DONE) for n in (host, rep)]
+        counts = _timing_lines_after(lambda: _stream(e.port, body, ref), (host, rep))
+        said = len(e.text())
         victim, stall = _kill_mid_stream(e.port, body, [host, rep], nodes, ref, child="llama-server", exact=False)
         other = rep if victim is host else host
         assert "continuing on" in e.text()[said:], e.text()[said:]

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from meshllm.paths import write_private
 from meshllm.proto import crypto
 from meshllm.proto import token as tok
-from meshllm.state import write_private
 
 from .lab import RDV, Lab, why_not
 

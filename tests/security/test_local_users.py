@@ -72,8 +72,8 @@ def test_a_tunnel_listener_takes_clients_of_our_own_user_only() -> None:
 def test_the_console_and_its_token_serve_our_own_user_only(tmp_path: Path) -> None:
     """The console's /token would give any local user a host-scoped way into the mesh, and its /approve ([lan])
     would let any node in."""
+    from meshllm.machine.state import save_token
     from meshllm.serve.report.console import Console
-    from meshllm.state import save_token
 
     async def main() -> None:
         save_token(tmp_path, "mesh1.secret-token")

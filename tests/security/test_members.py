@@ -11,11 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+from meshllm.machine.state import load_membership
 from meshllm.proto import crypto
 from meshllm.proto.auth import make_proof
 from meshllm.proto.planner import GB
 from meshllm.proto.token import Link
-from meshllm.state import load_membership
 from tests.integration.meshlab import NodeProc, _free_port, split_pair, wait_for
 from tests.integration.test_mesh import _attempt, _handshake_as, _membership
 
@@ -171,7 +171,7 @@ def test_rotating_the_secret_stops_old_tokens_and_keeps_members(tmp_path: Path, 
         wait_for(lambda: d.short() in a.peers() and epoch(back) == 1, 30, "d back in, with the new secret")
         # [trust-2] 10: revoke, then rotate at once (in one tick of the founder's): the revoked node, still
         # connected for a moment, must not be handed the new secret (it was, in 1 of 2 runs)
-        from meshllm.cli import main as cli
+        from meshllm.cli.main import main as cli
 
         wait_for(lambda: epoch(new) == 1 and new.short() in a.peers(), 30, "e a member of epoch 1")
         assert cli(["revoke", new.short(), "--state-dir", str(a.state)]) == 0
@@ -434,7 +434,7 @@ def test_a_member_away_during_a_rotation_admits_nobody_with_its_old_secret(tmp_p
     """[trust-2] 10: a member that was away while the founder rotated the secret still held the old one and admitted
     tokens of it (its own token, re-minted at start, too) for as long as it stayed out of touch. A member connected
     to no other member (the founder aside) now admits nobody by token: it cannot know the mesh's current secret."""
-    from meshllm.cli import main as cli
+    from meshllm.cli.main import main as cli
 
     a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024")
     nodes = [a]

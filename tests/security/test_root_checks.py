@@ -108,7 +108,7 @@ def test_a_hello_for_another_mesh_is_refused() -> None:
 
 @pytest.mark.parametrize("mode", [0o640, 0o604, 0o660, 0o644, 0o601])
 def test_secrets_readable_by_group_or_others_are_refused(tmp_path: Path, mode: int) -> None:
-    from meshllm import state
+    from meshllm.machine import state
 
     state.load_or_create_key(tmp_path)
     (tmp_path / "key").chmod(mode)
@@ -119,7 +119,7 @@ def test_secrets_readable_by_group_or_others_are_refused(tmp_path: Path, mode: i
 def test_a_symlink_planted_at_the_temporary_name_is_never_written_through(tmp_path: Path) -> None:
     """write_private's temporary file: another user who can guess its name plants a symlink to a file of theirs
     (or ours); the write must not follow it, and the planted target keeps its bytes."""
-    from meshllm import state
+    from meshllm.paths import write_private
 
     target = tmp_path / "victim"
     target.write_text("theirs\n")
@@ -127,7 +127,7 @@ def test_a_symlink_planted_at_the_temporary_name_is_never_written_through(tmp_pa
     dest.parent.mkdir(mode=0o700)
     planted = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
     planted.symlink_to(target)
-    state.write_private(dest, b"secret\n")
+    write_private(dest, b"secret\n")
     assert target.read_text() == "theirs\n"
     assert dest.read_bytes() == b"secret\n" and not dest.is_symlink() and dest.stat().st_mode & 0o777 == 0o600
     # and had the unlink lost a race to a new plant, O_EXCL|O_NOFOLLOW refuses rather than follows
@@ -136,7 +136,7 @@ def test_a_symlink_planted_at_the_temporary_name_is_never_written_through(tmp_pa
     try:
         os.unlink = lambda p, *a, **k: None  # type: ignore[assignment]
         with pytest.raises(UserError, match="cannot write"):
-            state.write_private(dest, b"secret 2\n")
+            write_private(dest, b"secret 2\n")
     finally:
         os.unlink = real_unlink
     assert target.read_text() == "theirs\n" and dest.read_bytes() == b"secret\n"

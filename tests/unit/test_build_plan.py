@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from meshllm.cli import main
+from meshllm.cli.main import main
 from meshllm.errors import BuildError
 from meshllm.llama import build as b
 

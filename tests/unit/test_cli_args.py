@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshllm.cli import main
+from meshllm.cli.main import main
 from meshllm.net.endpoint import parse_addr
 
 BAD = [
@@ -105,7 +105,7 @@ def test_contradictions_found_before_starting(argv: list[str], says: str, capsys
 
 
 def test_good_values_parse() -> None:
-    from meshllm.cli import build_parser
+    from meshllm.cli.main import build_parser
 
     a = build_parser().parse_args(
         ["--model", "m.gguf", "--port", "65535", "--bind-port", "0", "--bind-host", "::", "--advertise",
@@ -138,7 +138,7 @@ def test_every_command_and_option_explains_itself() -> None:
     """[face] item 10: subcommands with a description, every option with help, --model naming all its forms."""
     import argparse
 
-    from meshllm.cli import build_parser
+    from meshllm.cli.main import build_parser
 
     p = build_parser()
     subs = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
@@ -155,7 +155,7 @@ def test_every_command_and_option_explains_itself() -> None:
 def test_serving_options_reach_llama_servers_command_line(tmp_path: object) -> None:
     from pathlib import Path
 
-    from meshllm.cli import build_parser
+    from meshllm.cli.main import build_parser
     from meshllm.llama.build import Binaries
     from meshllm.llama.chat import BASE_MODEL, TRANSCRIPT, ChatDefault
     from meshllm.llama.processes import Tuning, llama_server_argv
@@ -215,7 +215,7 @@ def test_durations_read_as_people_say_them() -> None:
 
 
 def test_a_node_may_be_named_like_a_subcommand() -> None:
-    from meshllm.cli import _options_before_subcommand, build_parser
+    from meshllm.cli.main import _options_before_subcommand, build_parser
 
     p = build_parser()
     assert _options_before_subcommand(p, ["--model", "m.gguf", "--name", "status"]) == []
@@ -227,7 +227,7 @@ def test_relay_rate_reads_megabytes_per_second() -> None:
     """[lan] 5: --relay-rate MB/s (0: no cap); anything else is one line naming the option."""
     import pytest
 
-    from meshllm.cli import build_parser
+    from meshllm.cli.main import build_parser
     from meshllm.proto.reach import RELAY_RATE
 
     assert build_parser().parse_args(["--model", "m"]).relay_rate == RELAY_RATE == 8 * 2**20
@@ -241,7 +241,7 @@ def test_relay_rate_reads_megabytes_per_second() -> None:
 def test_an_unknown_option_is_named_with_the_one_it_may_be_a_typo_of() -> None:
     """[face-3] 4: `--modle gemma3-270m` was reported as "invalid choice: 'gemma3-270m'" (argparse read the model's
     name as a subcommand)."""
-    from meshllm.cli import build_parser, unknown_option
+    from meshllm.cli.main import build_parser, unknown_option
 
     p = build_parser()
     assert unknown_option(p, ["--modle", "gemma3-270m"]) == "unknown option --modle (did you mean --model?)"

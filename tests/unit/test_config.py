@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from meshllm import config
-from meshllm.cli import _parse_with_config, build_parser
+from meshllm.cli.main import _parse_with_config, build_parser
 from meshllm.errors import UserError
+from meshllm.machine import config
 
 GOOD = """
 model = "m.gguf"

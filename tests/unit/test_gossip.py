@@ -309,7 +309,7 @@ def test_addresses_from_peers_are_ip_literals_never_names() -> None:
 
     import pytest
 
-    from meshllm.argtypes import host_port
+    from meshllm.cli.args import host_port
     from meshllm.net.endpoint import parse_addr, try_addr
 
     t = Table(crypto.node_id(FOUNDER), MESH)

@@ -1,6 +1,7 @@
-"""[house] The import graph reads cli → serve → net → proto (llama, models, state beside) with no circle; [house-2] 4:
-the network knows nothing of llama.cpp, llama.cpp's shells nothing of the protocol, and the protocol cores only
-themselves, the standard library and pure libraries."""
+"""The import graph reads cli → serve → net → machine → llama → models, with proto beside (below all but llama and
+models) and four leaves at the top (errors, paths, sockets, delaytcp), with no circle: the network knows nothing of
+llama.cpp, llama.cpp's shells nothing of the protocol, and the protocol cores only themselves, the standard library
+and pure libraries."""
 
 from __future__ import annotations
 
@@ -41,23 +42,53 @@ def test_no_import_circle() -> None:
         visit(m, [m])
 
 
+LAYERS = {  # each package of meshllm and what it may never import (its docstring says what it may)
+    "meshllm.proto": ("meshllm.net", "meshllm.serve", "meshllm.llama", "meshllm.models", "meshllm.cli",
+                      "meshllm.machine"),
+    "meshllm.models": ("meshllm.proto", "meshllm.net", "meshllm.serve", "meshllm.llama", "meshllm.cli",
+                       "meshllm.machine"),
+    "meshllm.llama": ("meshllm.serve", "meshllm.net", "meshllm.cli", "meshllm.proto", "meshllm.machine"),
+    "meshllm.machine": ("meshllm.net", "meshllm.serve", "meshllm.cli"),
+    "meshllm.net": ("meshllm.serve", "meshllm.cli", "meshllm.llama"),
+    "meshllm.serve": ("meshllm.cli",),
+    "meshllm.cli": (),
+}  # fmt: skip
+LEAVES = {  # the modules left at the top: each imports only the leaves before it
+    "meshllm.errors": (),
+    "meshllm.paths": ("meshllm.errors",),
+    "meshllm.sockets": (),
+    "meshllm.delaytcp": ("meshllm.sockets",),
+}
+
+
 def test_layers_import_only_downwards() -> None:
-    above = {
-        "meshllm.proto": ("meshllm.net", "meshllm.serve", "meshllm.llama", "meshllm.models", "meshllm.cli",
-                          "meshllm.state", "meshllm.bundle"),
-        "meshllm.net": ("meshllm.serve", "meshllm.cli", "meshllm.bundle", "meshllm.llama"),
-        "meshllm.llama": ("meshllm.serve", "meshllm.net", "meshllm.cli", "meshllm.proto"),
-        "meshllm.serve": ("meshllm.cli",),
-    }  # fmt: skip
     for mod, deps in imports().items():
-        for layer, forbidden in above.items():
+        for layer, forbidden in LAYERS.items():
             if mod.startswith(layer + ".") or mod == layer:
                 bad = sorted(d for d in deps if d.startswith(forbidden))
                 assert not bad, f"{mod} imports {bad}"
 
 
+def test_every_package_has_its_layer_and_says_what_it_may_import() -> None:
+    """The rules above cover the whole tree: a new package gets its rule (and a docstring naming what it may import),
+    a new module at the top is a leaf (at most eight modules there), and no package waits unnamed."""
+    for init in SRC.rglob("__init__.py"):
+        parts = init.parent.relative_to(SRC).parts
+        if not parts:
+            continue
+        name = ".".join(("meshllm", *parts))
+        assert name in LAYERS or (parts[0] == "serve" and len(parts) == 2 and parts[1] in SERVE), name
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "May import:" in doc, f"{init.relative_to(SRC)}: its docstring does not say what it may import"
+    top = {p.stem for p in SRC.glob("*.py")} - {"__init__"}
+    assert top == {m.split(".")[1] for m in LEAVES} and len(top) + 1 <= 8, sorted(top)
+    graph = imports()
+    for leaf, allowed in LEAVES.items():
+        assert graph[leaf] <= set(allowed), f"{leaf} imports {sorted(graph[leaf] - set(allowed))}"
+
+
 PURE = {"msgpack", "cryptography"}  # libraries with no I/O of their own that the protocol cores may use
-NEUTRAL = {"meshllm.errors"}  # leaves of our own, importing nothing of meshllm, that every layer may use
+NEUTRAL = {"meshllm.errors"}  # the leaf of our own, importing nothing of meshllm, that the protocol cores may use
 
 
 def test_the_protocol_cores_import_only_themselves_the_standard_library_and_pure_libraries() -> None:

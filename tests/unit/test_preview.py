@@ -3,8 +3,8 @@ what the mesh lacks. From a node's status (pure), without loading anything."""
 
 from __future__ import annotations
 
-from meshllm.preview import describe, mesh_slots
 from meshllm.proto.planner import GB, MiB, ModelShape, size
+from meshllm.serve.preview import describe, mesh_slots
 
 SHAPE = ModelShape(
     n_layer=10, layer_bytes=(100 * MiB,) * 10, embd_bytes=200 * MiB, output_bytes=200 * MiB, other_bytes=MiB,

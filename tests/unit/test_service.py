@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from meshllm import service
-from meshllm.cli import main
+from meshllm.cli.main import main
 from meshllm.errors import UserError
+from meshllm.machine import service
 
 
 def test_install_writes_a_unit_systemd_accepts_and_remove_takes_it_away(

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from meshllm import state as s
 from meshllm.errors import UserError
+from meshllm.machine import state as s
 from meshllm.proto import crypto
 
 
@@ -91,8 +91,8 @@ def test_serve_and_drop_sign_words_in_the_founders_state_dir(tmp_path: Path, cap
     that is neither founder nor admin gets one line."""
     import time
 
-    from meshllm import state as s
-    from meshllm.cli import main
+    from meshllm.cli.main import main
+    from meshllm.machine import state as s
     from meshllm.proto import crypto
     from meshllm.proto import token as tok
 
@@ -125,7 +125,7 @@ def test_serve_and_drop_sign_words_in_the_founders_state_dir(tmp_path: Path, cap
 def test_the_signed_words_files_must_be_private(tmp_path: Path, name: str) -> None:
     """[trust-3] 6 (the mutation audit left it untested): ``revoked``, ``admins`` and ``directives`` are read only
     when no one else may read or write them; one with another mode is a clear error, not trusted."""
-    from meshllm.state import load_directives, load_signed
+    from meshllm.machine.state import load_directives, load_signed
 
     state = tmp_path / "s"
     state.mkdir(mode=0o700)

@@ -1,5 +1,7 @@
-"""Building llama.cpp as the command line does it: the cached build found, or a build now with a progress bar on the
-terminal, self-tested (retried once with safer CPU flags), and the line that says what was built."""
+"""``mesh-llm build [--stock] [--backend B] [--cpu LEVEL]``: the llama.cpp binaries as the command line gets them —
+the cached build found, or a build now with a progress bar on the terminal, self-tested (retried once with safer CPU
+flags), and the line that says what was built (``llama/build.py`` does the work). ``ensure_binaries`` is the same for
+a node about to start (``cli/node.py``): the one place a node's start may build."""
 
 from __future__ import annotations
 
@@ -7,15 +9,14 @@ import argparse
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from meshllm.argtypes import positive_int
+from meshllm.cli import console
+from meshllm.cli.args import positive_int
 from meshllm.errors import UserError
 from meshllm.llama.build import Binaries, BuildPlan
-
-console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def ensure_binaries(bin_dir: Path | None) -> Binaries:
@@ -29,7 +30,7 @@ def ensure_binaries(bin_dir: Path | None) -> Binaries:
     plan = b.plan_build()
     if not plan.is_built():
         console.print("llama.cpp is not built yet: building it now (about 10 minutes on 2 cores, once)")
-        build_command(argparse.Namespace(stock=False, llama_src=None, backend=None, bin_dir=None, jobs=None,
+        run(argparse.Namespace(stock=False, llama_src=None, backend=None, bin_dir=None, jobs=None,
                                          print_dir=False, cpu_level=None))  # fmt: skip
     return b.find_binaries()
 
@@ -59,7 +60,7 @@ def build_shown(plan: BuildPlan, replan: Callable[[str], BuildPlan], jobs: int |
     return done
 
 
-def build_command(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """``mesh-llm build``: the binaries found, already built, or built now with a progress bar."""
     from meshllm.llama import build as b
 
@@ -89,8 +90,12 @@ def build_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_build_args(p: argparse.ArgumentParser) -> None:
-    """``mesh-llm build``'s options (``mesh-llm bundle`` takes some of them too)."""
+def add(sub: Any) -> None:
+    p = sub.add_parser(
+        "build",
+        help="build (or find) the llama.cpp binaries",
+        description="Build the pinned llama.cpp with mesh-llm's patches (or find a cached build).",
+    )
     p.add_argument("--stock", action="store_true", help="build upstream llama.cpp without our patches")
     p.add_argument("--llama-src", type=Path, metavar="DIR", help="build this llama.cpp tree instead of the pinned one")
     p.add_argument(
@@ -105,3 +110,4 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("-j", "--jobs", type=positive_int, help="parallel compile jobs (default: all cores)")
     p.add_argument("--print-dir", action="store_true", help="print the directory holding the binaries and exit")
+    p.set_defaults(func=run)

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import aiohttp
 
-from meshllm import state
 from meshllm.delaytcp import DelayProxy
 from meshllm.llama.build import Binaries, cpu_flags
 from meshllm.llama.chat import ChatDefault
@@ -39,6 +38,7 @@ from meshllm.llama.processes import (
     wait_http_ready,
     wait_tcp_ready,
 )
+from meshllm.paths import write_private
 from meshllm.sockets import host_port
 
 log = logging.getLogger("meshllm.supervisor")
@@ -213,7 +213,7 @@ class LocalServer(Supervised):
         # the machine cannot go around mesh-llm's API (its key, its caps) to llama-server; only /health is open
         self.key = secrets.token_hex(32)
         key_file = log_dir / "llama-server.key"
-        state.write_private(key_file, f"{self.key}\n".encode())
+        write_private(key_file, f"{self.key}\n".encode())
 
         def argv(port: int) -> list[str]:
             return llama_server_argv(

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from meshllm.errors import UserError
-from meshllm.state import check_private
+from meshllm.machine.state import check_private
 
 SECRETS = ("join", "api-key")
 NOT_KEYS = ("help", "version", "config", "verbose")

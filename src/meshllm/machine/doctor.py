@@ -4,7 +4,6 @@ models, and — where a node runs on the state dir — which members it reaches 
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -12,8 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshllm.errors import MeshError
-from meshllm.paths import models_dir, state_dir
-from meshllm.state import running_pid
+from meshllm.machine.state import running_pid
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -78,7 +76,7 @@ def api_port(port: int, state: Path) -> Check:
 
 
 def state_ok(state: Path) -> Check:
-    from meshllm.state import check_dir
+    from meshllm.machine.state import check_dir
 
     try:
         check_dir(state)
@@ -128,25 +126,6 @@ def _status(state: Path) -> dict[str, object]:
         return {}
 
 
-def run(state: Path, port: int, where: Path, need: int | None) -> list[Check]:
+def checks(state: Path, port: int, where: Path, need: int | None) -> list[Check]:
     return [python(), build_tools(), llama_build(), gpu(), state_ok(state), api_port(port, state), disk(where, need),
             reach(state)]  # fmt: skip
-
-
-def add_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    pd = sub.add_parser("doctor", help="check what this machine has for a node, one line per check with its fix",
-                        description="Python, build tools, llama.cpp's build, GPU and toolkit, the API port, the "
-                                    "state dir, disk for models, and the members a running node reaches.")  # fmt: skip
-    pd.add_argument("--state-dir", type=Path, metavar="DIR", help="the node's state (default ~/.mesh-llm)")
-    pd.add_argument("--port", type=int, default=9337, help="the API port the node would use (default 9337)")
-    pd.add_argument("--models-dir", type=Path, metavar="DIR", help="where models go (default ~/.models)")
-    pd.add_argument("--model", metavar="FILE", help="a model file: is there disk for a copy of it")
-    pd.set_defaults(func=_cmd)
-
-
-def _cmd(args: argparse.Namespace) -> int:
-    need = Path(args.model).stat().st_size if args.model and Path(args.model).is_file() else None
-    checks = run(state_dir(args.state_dir), args.port, models_dir(args.models_dir), need)
-    for c in checks:
-        print(c.line())
-    return 1 if any(c.result == FAIL for c in checks) else 0

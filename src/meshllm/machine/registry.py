@@ -11,7 +11,6 @@ never by name.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -24,8 +23,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from meshllm.errors import UserError
-from meshllm.paths import cache_dir, state_dir
-from meshllm.state import running_pid
+from meshllm.machine.state import running_pid
+from meshllm.paths import cache_dir
 
 LOG = "node.log"
 LOG_MAX = 8 << 20  # bytes of node.log before it moves to node.log.1
@@ -184,56 +183,3 @@ def logs(state: Path, lines: int, follow: bool, out: TextIO = sys.stdout) -> Non
                 f.close()
                 f = path.open(errors="replace")
             time.sleep(0.2)
-
-
-# ------------------------------------------------------------------------------------------------ the commands
-
-
-def add_commands(sub: Any) -> None:
-    """``ps``, ``stop`` and ``logs`` on the CLI's subcommand parser."""
-    pp = sub.add_parser("ps", help="list the mesh-llm nodes running on this machine",
-                        description="Each node running here: state dir, pid, model, API URL, state.")  # fmt: skip
-    pp.add_argument("--json", action="store_true", help="as JSON")
-    pp.set_defaults(func=_cmd_ps)
-    pst = sub.add_parser("stop", help="stop the node running on a state dir (it leaves the mesh cleanly)",
-                         description="SIGTERM to the node holding the state dir's lock, then a wait.")  # fmt: skip
-    pst.add_argument("--state-dir", type=Path, metavar="DIR", help="the node's state (default ~/.mesh-llm)")
-    pst.add_argument("--all", action="store_true", help="every node `mesh-llm ps` lists")
-    pst.set_defaults(func=_cmd_stop)
-    pl = sub.add_parser("logs", help="what a node has printed (its state dir's node.log)",
-                        description="The last lines of the node's log; -f follows it.")  # fmt: skip
-    pl.add_argument("--state-dir", type=Path, metavar="DIR", help="the node's state (default ~/.mesh-llm)")
-    pl.add_argument("-n", "--lines", type=int, default=50, metavar="N", help="how many lines (default 50)")
-    pl.add_argument("-f", "--follow", action="store_true", help="keep printing new lines while the node runs")
-    pl.set_defaults(func=_cmd_logs)
-
-
-def _cmd_ps(args: argparse.Namespace) -> int:
-    nodes = running_nodes()
-    if args.json:
-        print(json.dumps(nodes, indent=1))
-        return 0
-    if not nodes:
-        print("no mesh-llm node runs on this machine (as this user)")
-        return 0
-    rows = [("STATE DIR", "PID", "MODEL", "API", "STATE")]
-    rows += [(n["state_dir"], str(n["pid"]), n["model"] or "-", n["api"], n["state"]) for n in nodes]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4])
-    return 0
-
-
-def _cmd_stop(args: argparse.Namespace) -> int:
-    targets = [Path(n["state_dir"]) for n in running_nodes()] if args.all else [state_dir(args.state_dir)]
-    if args.all and not targets:
-        print("no mesh-llm node runs on this machine (as this user)")
-    for state in targets:
-        print(stop(state))
-    return 0
-
-
-def _cmd_logs(args: argparse.Namespace) -> int:
-    with contextlib.suppress(KeyboardInterrupt):
-        logs(state_dir(args.state_dir), args.lines, args.follow)
-    return 0

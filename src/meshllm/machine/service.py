@@ -10,7 +10,6 @@ command line): ``--join-file``, ``$MESH_LLM_JOIN`` in a 0600 environment file, o
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shlex
@@ -88,25 +87,3 @@ def _this_mesh_llm() -> str:
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
     return f"{sys.executable} -m meshllm.cli"
-
-
-def add_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    pv = sub.add_parser("service", help="run a node as a systemd user service (restarted on failure, at boot)",
-                        description="install: a systemd user unit running mesh-llm with the flags after it; "
-                                    "remove: take it away.")  # fmt: skip
-    pv.add_argument("action", choices=("install", "remove"))
-    pv.add_argument("--unit", default=UNIT, metavar="NAME", help=f"the unit's name (default {UNIT})")
-    pv.add_argument("flags", nargs=argparse.REMAINDER, help="the node's flags (install), e.g. --model gemma3-270m")
-    pv.set_defaults(func=_cmd)
-
-
-def _cmd(args: argparse.Namespace) -> int:
-    flags, unit = [f for f in args.flags if f != "--"], args.unit
-    if "--unit" in flags:  # after the action, argparse leaves it among the node's flags
-        i = flags.index("--unit")
-        if i + 1 >= len(flags):
-            raise UserError("--unit needs a name")
-        unit = flags[i + 1]
-        del flags[i : i + 2]
-    print(install(flags, unit) if args.action == "install" else remove(unit))
-    return 0

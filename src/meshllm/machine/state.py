@@ -26,7 +26,6 @@ Secrets are never logged.
 from __future__ import annotations
 
 import base64
-import contextlib
 import fcntl
 import json
 import os
@@ -37,39 +36,9 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshllm.errors import UserError
+from meshllm.paths import tighten_dir, write_private
 from meshllm.proto import crypto
 from meshllm.proto import token as tok
-
-
-def write_private(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically with mode 0600 (its folder made 0700 if missing, and made 0700 if others
-    may write to it). The temporary file is always a new one of ours: whatever stands at its name (a file or a
-    symlink someone planted there) is removed first, never written through or kept with its own mode."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        _tighten(path.parent)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except OSError as e:
-        raise UserError(f"cannot write {path}: {e.strerror}; pass another --state-dir") from None
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-
-
-def _tighten(folder: Path) -> None:
-    """A state dir others can write to (an old one made 0777) lets them plant files: ours is made 0700; one we do
-    not own is refused."""
-    st = folder.stat()
-    if st.st_mode & 0o022:
-        if st.st_uid != os.getuid() or st.st_mode & 0o1000:  # not ours, or a shared folder such as /tmp (sticky)
-            raise UserError(f"state dir {folder} is a folder others can write to: pass a --state-dir of its own")
-        folder.chmod(0o700)
 
 
 def check_dir(state: Path) -> None:
@@ -88,7 +57,7 @@ def take_lock(state: Path) -> int:
     """One node per state dir: an exclusive lock on ``state/lock`` (held until this process exits; the file says our
     pid), or one line naming the node that holds it. Makes the dir (after check_dir) if it is not there yet."""
     state.mkdir(mode=0o700, parents=True, exist_ok=True)
-    _tighten(state)
+    tighten_dir(state)
     path = state / "lock"
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)

@@ -17,6 +17,10 @@ from typing import TYPE_CHECKING
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshllm.errors import MeshError, Refused, RemoteProtocolError
+from meshllm.machine.state import (
+    Membership,
+    save_membership,
+)
 from meshllm.net.conn import STREAM_AUTH, STREAM_GOSSIP, STREAM_KNOCK, Addr, Conn, DialError, Stream
 from meshllm.net.endpoint import Endpoint, parse_addr
 from meshllm.net.netevents import Connected, NetEvent
@@ -39,10 +43,6 @@ from meshllm.proto.knock import REFUSED, KnockAnswer, KnockAsk
 from meshllm.proto.meshcore import MeshCore, Out
 from meshllm.proto.wire import FrameDecoder, Message, encode
 from meshllm.sockets import host_port
-from meshllm.state import (
-    Membership,
-    save_membership,
-)
 
 log = logging.getLogger("meshllm.mesh")
 

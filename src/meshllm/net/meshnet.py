@@ -22,6 +22,18 @@ from typing import TypeVar, Unpack
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshllm.errors import LocalProtocolError, RemoteProtocolError, UserError
+from meshllm.machine.state import (
+    ADMINS,
+    DIRECTIVES,
+    REVOKED,
+    Membership,
+    load_directives,
+    load_rekey,
+    load_signed,
+    save_directives,
+    save_membership,
+    save_signed,
+)
 from meshllm.net.conn import STREAM_GOSSIP, Addr, Conn, Stream
 from meshllm.net.endpoint import Endpoint
 from meshllm.net.meshauth import Admitting
@@ -40,18 +52,6 @@ from meshllm.proto.meshcore import EventKind, MeshCore, Out, token_alternates
 from meshllm.proto.reach import RELAY_RATE, Observed, PunchRequest, RelayMode
 from meshllm.proto.wire import FrameDecoder, encode
 from meshllm.sockets import host_port
-from meshllm.state import (
-    ADMINS,
-    DIRECTIVES,
-    REVOKED,
-    Membership,
-    load_directives,
-    load_rekey,
-    load_signed,
-    save_directives,
-    save_membership,
-    save_signed,
-)
 
 _W = TypeVar("_W", tok.Revocation, tok.Grant, tok.Directive)
 log = logging.getLogger("meshllm.mesh")

@@ -21,6 +21,7 @@ from rich.text import Text
 
 from meshllm import __version__
 from meshllm.errors import UserError
+from meshllm.machine.state import save_addrs
 from meshllm.net.meshnet import MeshNet
 from meshllm.net.netevents import CHANGED, AddrsLearned, Changed, Connected, MeshEvent
 from meshllm.paths import state_dir as default_state_dir
@@ -45,7 +46,6 @@ from meshllm.serve.split.hosting import Hosting
 from meshllm.serve.split.replanning import Replanner
 from meshllm.serve.split.routing import Router
 from meshllm.serve.split.telemetry import watch_llama
-from meshllm.state import save_addrs
 
 if TYPE_CHECKING:
     from meshllm.serve.report.console import Console as WebConsole

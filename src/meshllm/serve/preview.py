@@ -10,7 +10,6 @@ Memory is the planner's estimate (weights, KV cache, compute buffers); it is not
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -77,9 +76,9 @@ def describe(model: str, shape: ModelShape, file_size: int, got: tuple[Plan | Wa
 def preview(model_arg: str, state: Path, models_dir: Path | None, parallel: int | None, ctx: int | None,
             cache: str = "f16") -> list[str]:  # fmt: skip
     from meshllm.llama.gguf import read_header
+    from meshllm.machine.state import running_pid
     from meshllm.models.download import resolve
     from meshllm.serve.fetch.modelfiles import model_shape
-    from meshllm.state import running_pid
 
     path = resolve(model_arg, models_dir, fetch=False)
     if not path.is_file():
@@ -116,24 +115,3 @@ def _this_machine() -> tuple[Slot, list[Slot], dict[bytes, str]]:
     me = b"\0" * 32
     return Slot(me, offer.capacity, ram=offer.ram, gpu=offer.use is not None), [], {
         me: f"this machine ({offer.device}, {offer.capacity / GB:.1f} GB offered)"}
-
-
-def add_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    pp = sub.add_parser("plan", help="what the mesh would do with a model, without loading it",
-                        description="Placement, memory per node, slots and context the mesh as it stands would "
-                                    "give MODEL (the view of the node on --state-dir; this machine alone when none "
-                                    "runs).")  # fmt: skip
-    pp.add_argument("model", metavar="MODEL", help="a GGUF file or an installed catalog name")
-    pp.add_argument("--state-dir", type=Path, metavar="DIR", help="the running node's state (default ~/.mesh-llm)")
-    pp.add_argument("--models-dir", type=Path, metavar="DIR", help="where models are (default ~/.models)")
-    pp.add_argument("--parallel", type=int, metavar="N", help="slots (default: as the node would pick)")
-    pp.add_argument("--ctx-size", type=int, metavar="N", help="context per slot (default: as the node would pick)")
-    pp.set_defaults(func=_cmd)
-
-
-def _cmd(args: argparse.Namespace) -> int:
-    from meshllm.paths import state_dir
-
-    for line in preview(args.model, state_dir(args.state_dir), args.models_dir, args.parallel, args.ctx_size):
-        print(line)
-    return 0

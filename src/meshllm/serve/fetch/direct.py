@@ -34,9 +34,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from meshllm import sockets
+from meshllm.paths import write_private
 from meshllm.proto.crypto import NodeId
 from meshllm.sockets import host_port
-from meshllm.state import write_private
 
 log = logging.getLogger("meshllm.fetch")
 TICKET_S = 600.0

@@ -13,7 +13,18 @@ from rich.console import Console
 from meshllm.errors import MeshError, UserError
 from meshllm.llama.chat import chat_default
 from meshllm.llama.gguf import is_embedding_model, read_header
-from meshllm.net.meshnet import MeshNet
+from meshllm.machine.state import (
+    has_node,
+    load_addrs,
+    load_members,
+    load_membership,
+    load_or_create_key,
+    load_token,
+    save_addrs,
+    save_members,
+    save_token,
+)
+from meshllm.net.meshnet import MeshNet, mint_scoped
 from meshllm.paths import models_dir
 from meshllm.proto import crypto, fleet
 from meshllm.proto import token as tok
@@ -27,7 +38,6 @@ from meshllm.serve.life import lan
 from meshllm.serve.options import NodeOptions, default_name
 from meshllm.serve.report.narration import duration
 from meshllm.serve.split.hosting import Hosting
-from meshllm.state import load_members, load_token, save_addrs, save_members, save_token
 
 
 async def join_first(net: MeshNet, tokens: list[tok.Token], console: Console) -> None:
@@ -123,6 +133,23 @@ def publish_token(net: MeshNet, state: Path, ttl_s: float, console: Console) -> 
         console.print(
             f"invite token ({t.scope} scope) written to {path} (mode 0600); `mesh-llm token` prints a new one"
         )
+
+
+def mint_invite(state: Path, ttl_s: float, scope: tok.Scope | None) -> tuple[str, str]:
+    """``mesh-llm token``: a new invite token from the node's state dir, naming the members it last knew (a joiner
+    dials them too); one of the node's own scope replaces the saved invite, a narrower one is only returned. The
+    line that says what it is, and the token."""
+    if not has_node(state):
+        raise UserError(f"no node in {state}: start one with `mesh-llm --model ...` first (or pass --state-dir)")
+    m = load_membership(state)
+    if m is None:
+        raise UserError(f"the node in {state} is not in a mesh yet")
+    also = list(load_members(state).items())
+    t = mint_scoped(load_or_create_key(state), m, load_addrs(state), time.time(), ttl_s, scope, also)
+    saved = ""
+    if scope is None or scope == tok.chain_scope(m.chain):
+        saved = f"; it replaces the invite saved in {save_token(state, t.encode())}"
+    return f"{t.scope} token, valid {duration(ttl_s)}{saved}:", t.encode()
 
 
 def addresses_learned(net: MeshNet, state: Path, addrs: list[str], ttl_s: float, console: Console) -> None:

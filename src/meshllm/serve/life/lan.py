@@ -21,13 +21,7 @@ from zeroconf import IPVersion, ServiceStateChange
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
 from meshllm.errors import MeshError, UserError
-from meshllm.net.endpoint import parse_addr
-from meshllm.net.meshnet import MeshNet, mint_scoped
-from meshllm.proto import crypto
-from meshllm.proto import token as tok
-from meshllm.proto.crypto import NodeId
-from meshllm.proto.knock import APPROVED, REFUSED, Doorbell, KnockAnswer, KnockAsk, make_knock, refusal_is_final
-from meshllm.state import (
+from meshllm.machine.state import (
     load_addrs,
     load_approvals,
     load_knocks,
@@ -39,6 +33,12 @@ from meshllm.state import (
     save_knocks,
     save_refusals,
 )  # fmt: skip
+from meshllm.net.endpoint import parse_addr
+from meshllm.net.meshnet import MeshNet, mint_scoped
+from meshllm.proto import crypto
+from meshllm.proto import token as tok
+from meshllm.proto.crypto import NodeId
+from meshllm.proto.knock import APPROVED, REFUSED, Doorbell, KnockAnswer, KnockAsk, make_knock, refusal_is_final
 
 log = logging.getLogger("meshllm.lan")
 

@@ -14,13 +14,7 @@ from rich.console import Console
 
 from meshllm.errors import UserError
 from meshllm.llama.processes import ANY_ADDR, port_in_use, udp_free
-from meshllm.net.meshnet import new_mesh
-from meshllm.proto import token as tok
-from meshllm.proto.planner import ModelShape
-from meshllm.serve.fetch.fetching import is_local
-from meshllm.serve.fetch.modelfiles import ModelFiles, open_model
-from meshllm.serve.options import NodeOptions, parse_tokens
-from meshllm.state import (
+from meshllm.machine.state import (
     Membership,
     check_dir,
     load_membership,
@@ -29,6 +23,12 @@ from meshllm.state import (
     saved_port,
     take_lock,
 )
+from meshllm.net.meshnet import new_mesh
+from meshllm.proto import token as tok
+from meshllm.proto.planner import ModelShape
+from meshllm.serve.fetch.fetching import is_local
+from meshllm.serve.fetch.modelfiles import ModelFiles, open_model
+from meshllm.serve.options import NodeOptions, parse_tokens
 
 
 @dataclass

@@ -21,10 +21,10 @@ from aiohttp import web
 from rich.console import Console as RichConsole
 
 from meshllm.errors import UserError
+from meshllm.machine.state import load_knocks, load_token
 from meshllm.proto import token as tok
 from meshllm.serve.http import webguard
 from meshllm.serve.life import lan
-from meshllm.state import load_knocks, load_token
 
 STATIC = ("console.html", "console.js", "console.css")
 MAX_CHAT_TOKENS = 4096  # the console's chat box adds the API key itself: it must not pass on what a page asks

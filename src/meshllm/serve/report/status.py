@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from meshllm import __version__
+from meshllm.machine.state import save_status
 from meshllm.net.meshnet import MeshNet
 from meshllm.proto import crypto, fleet, standing
 from meshllm.proto.crypto import NodeId
@@ -20,7 +21,6 @@ from meshllm.proto.standing import Standing
 from meshllm.serve.http.api import Api
 from meshllm.serve.http.metrics import Exposition
 from meshllm.serve.split.hosting import Hosting
-from meshllm.state import save_status
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from rich.text import Text
 
 class Terminal(Console):
     """A rich Console whose every print starts with the time of day; with ``log`` (a file-like object), each line
-    also goes there as plain text (``mesh-llm logs`` reads it: machine.py)."""
+    also goes there as plain text (``mesh-llm logs`` reads it: machine/registry.py)."""
 
     def __init__(self, *args: Any, log: Any = None, **kw: Any) -> None:
         super().__init__(*args, **kw)

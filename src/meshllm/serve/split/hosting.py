@@ -15,12 +15,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from meshllm import state
 from meshllm.errors import UserError
 from meshllm.llama.build import Binaries
 from meshllm.llama.processes import ChildFailed, Tuning, speaks_tls
 from meshllm.llama.rpcwire import Cmd, CommandParser, WireStats
 from meshllm.llama.supervisor import ChildState, LocalServer, RpcServer, ServerConfig, default_threads
+from meshllm.machine import state
 from meshllm.net.conn import (
     STREAM_FETCH,
     STREAM_HTTP,
