@@ -20,8 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from common import header  # benchmarks/common.py: the command line and machine
 from loadgen import concurrent, ids, one, pct, wait_until
-from provenance import header  # benchmarks/provenance.py: the command line and machine
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from provenance import header  # benchmarks/provenance.py: the command line and machine
+from common import header  # benchmarks/common.py: the command line and machine
 
 from meshllm.llama import build as b
 from meshllm.llama.processes import Child, ChildFailed, describe_exit, free_port, llama_server_argv, wait_http_ready

@@ -39,8 +39,8 @@ import threading
 import time
 from pathlib import Path
 
+from common import header  # benchmarks/common.py: the command line and machine
 from loadgen import wait_until
-from provenance import header  # benchmarks/provenance.py: the command line and machine
 
 ROOT = Path(__file__).resolve().parents[1]
 

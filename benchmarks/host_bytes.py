@@ -19,7 +19,7 @@ before QUIC's framing), both with the mesh's defaults (inputs as what changed, t
 
 Counted from the third streamed token on (the prompt's graphs are sent by then); "graphs" is whole graphs sent again
 (GRAPH_COMPUTE: a new shape, once per 256 cells of context), shown apart and left out of the total. gpu_split.py --bytes
-uses ``per_token`` for the 8B shape on a GPU.
+uses the same counting (``common.per_token``) for the 8B shape on a GPU.
 """
 
 from __future__ import annotations
@@ -31,56 +31,12 @@ import http.client
 import json
 import sys
 import tempfile
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from meshllm.llama.rpcwire import Cmd, CountingRelay, WireStats
-
-
-@dataclass
-class Bytes:
-    up: float  # llama-server -> the workers, B/token, graphs included
-    graphs: float  # of which whole graphs sent again
-    down: float  # the workers -> llama-server
-    digest: str  # of the generated token ids
-
-    @property
-    def total(self) -> float:
-        """Both ways, less whole graphs sent again (once per 256 cells: over a short window one such send would
-        count as if every token paid it)."""
-        return self.up - self.graphs + self.down
-
-
-def per_token(port: int, relays: Sequence[CountingRelay], prompt: list[int], n: int) -> Bytes:
-    """Stream ``n`` greedy tokens after ``prompt`` (token ids) from llama-server on ``port``; what crossed ``relays``
-    from the third token to the last, per token."""
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
-    body = {"prompt": prompt, "n_predict": n, "temperature": 0, "cache_prompt": False, "ignore_eos": True,
-            "stream": True, "return_tokens": True}  # fmt: skip
-    c.request("POST", "/completion", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    r = c.getresponse()
-    assert r.status == 200, r.read()[:300]
-    before: list[WireStats] = []
-    toks: list[int] = []
-    seen = 0
-    for line in r:
-        if line.startswith(b"data: {"):
-            chunk: dict[str, Any] = json.loads(line[6:])
-            toks += chunk.get("tokens") or []
-            seen += 1
-            if seen == 2:
-                before = [x.snapshot() for x in relays]
-    c.close()
-    assert seen >= n and before, f"{seen} chunks streamed"
-    d = [x.snapshot().minus(b) for x, b in zip(relays, before, strict=True)]
-    k = n - 2
-    graphs = sum(a.payload[Cmd.GRAPH_COMPUTE] for a in d) / k
-    digest = hashlib.sha256(json.dumps(toks).encode()).hexdigest()[:8]
-    return Bytes(sum(a.bytes_up for a in d) / k, graphs, sum(a.bytes_down for a in d) / k, digest)
+from common import Bytes, per_token, print_bytes_table  # benchmarks/common.py
 
 
 def tunnel_rpc_bytes(port: int) -> tuple[int, int]:
@@ -159,27 +115,14 @@ def _peers(node: Any) -> list[dict[str, Any]]:
     return list(peers) if isinstance(peers, list) else []
 
 
-def print_table(title: str, rows: list[tuple[str, dict[int, Bytes]]]) -> None:
-    """One row per setup and context; ÷ star against the first setup at the same context."""
-    print(f"\n# {title}")
-    print("| setup | context | to the workers B/token | of which graphs | back B/token | total less graphs | ÷ star | "
-          "÷ own at the shortest | text |\n|---|---:|---:|---:|---:|---:|---:|---:|---|")  # fmt: skip
-    star = rows[0][1]
-    for name, by_ctx in rows:
-        first = by_ctx[min(by_ctx)]
-        for ctx, b in sorted(by_ctx.items()):
-            print(f"| {name} | {ctx} | {b.up:.0f} | {b.graphs:.0f} | {b.down:.0f} | {b.total:.0f} | "
-                  f"{b.total / star[ctx].total:.2f} | {b.total / first.total:.2f} | {b.digest} |")  # fmt: skip
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="900,16000", help="prompt lengths in tokens, comma-separated")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--mesh", action="store_true", help="instead: through mesh-llm's tunnels, 3 nodes (see above)")
     args = ap.parse_args()
+    from common import header  # benchmarks/common.py
     from loadgen import ids  # benchmarks/loadgen.py
-    from provenance import header  # benchmarks/provenance.py
     from tests.integration.splitlab import Worker, start_split, stop_split
 
     from meshllm.llama.build import find_binaries
@@ -191,9 +134,12 @@ def main() -> int:
     if args.mesh:
         with tempfile.TemporaryDirectory(prefix="mesh-llm-bytes-") as tmpd:
             through = mesh_rows(contexts, args.tokens, tiny_model_path(), Path(tmpd))
-        print_table(f"tiny model, mesh-llm: 3 nodes (6 + 6 + 7 layers), the host reaching both workers through "
-                    f"tunnels, {args.tokens} greedy tokens, counted from the third; one run", through)  # fmt: skip
+        print_bytes_table(f"tiny model, mesh-llm: 3 nodes (6 + 6 + 7 layers), the host reaching both workers "
+                          f"through tunnels, {args.tokens} greedy tokens, counted from the third; one run",
+                          through)  # fmt: skip
         return 0
+    from meshllm.llama.rpcwire import CountingRelay
+
     model, stock, patched = tiny_model_path(), find_binaries(stock=True), find_binaries()
     ctx = max(contexts) + args.tokens + 256
     setups: list[tuple[str, Any, bool, dict[str, str]]] = [
@@ -222,8 +168,8 @@ def main() -> int:
                 stop_split(s)
                 for ch in children:
                     ch.stop()
-    print_table(f"tiny model, 2 workers (6 + 6 layers) + a last device (7 + output), {args.tokens} greedy tokens, "
-                "counted from the third; one run", rows)  # fmt: skip
+    print_bytes_table(f"tiny model, 2 workers (6 + 6 layers) + a last device (7 + output), {args.tokens} greedy "
+                      "tokens, counted from the third; one run", rows)  # fmt: skip
     return 0
 
 

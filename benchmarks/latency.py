@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from provenance import header  # benchmarks/provenance.py: the command line and machine
+from common import header  # benchmarks/common.py: the command line and machine
 from tests.integration.meshlab import NodeProc, wait_for
 
 from meshllm.delaytcp import DelayProxy

@@ -95,3 +95,18 @@ def wait_until(pred: object, timeout: float, what: str, every: float = 0.2) -> N
         if time.monotonic() - t0 > timeout:
             raise SystemExit(f"timed out waiting for {what}")
         time.sleep(every)
+
+
+PROMPT = "Once upon a time, in a land far away,"
+
+
+def tps(base: str, path: str, tokens: int, runs: int) -> float:
+    def once(n: int) -> float:
+        body = {"prompt": PROMPT, "n_predict": n, "max_tokens": n, "temperature": 0, "cache_prompt": False,
+                "ignore_eos": True}  # fmt: skip
+        req = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return float(json.loads(r.read())["timings"]["predicted_per_second"])
+
+    once(8)
+    return statistics.median(once(tokens) for _ in range(runs))

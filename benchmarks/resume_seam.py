@@ -30,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from provenance import header  # benchmarks/provenance.py: the command line and machine
+from common import header  # benchmarks/common.py: the command line and machine
 
 from meshllm.llama.build import find_binaries
 from meshllm.llama.processes import Child, free_port, llama_server_argv, wait_http_ready

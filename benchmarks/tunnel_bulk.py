@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from provenance import header  # benchmarks/provenance.py: the command line and machine
+from common import header  # benchmarks/common.py: the command line and machine
 
 from meshllm.net.conn import STREAM_RPC, Conn, Stream
 from meshllm.net.endpoint import Endpoint

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from provenance import header  # benchmarks/provenance.py: the command line and machine
+from common import header  # benchmarks/common.py: the command line and machine
 from tests.integration.meshlab import NodeProc, wait_for
 from tests.integration.splitlab import Worker, start_split, stop_split
 from tests.integration.test_serve_split import llama_server_port

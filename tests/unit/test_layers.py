@@ -126,3 +126,21 @@ def test_each_package_of_serve_imports_only_the_packages_its_docstring_names() -
             dp = d.split(".")
             if dp[:2] == ["meshllm", "serve"] and len(dp) > 2 and dp[2] != parts[2]:
                 assert dp[2] in SERVE[parts[2]], f"{mod} imports {d}"
+
+
+BENCH = SRC.parents[1] / "benchmarks"
+SHARED = {"loadgen", "common"}  # the helpers every benchmark may import; benchmarks never import each other
+
+
+def test_benchmarks_import_only_the_shared_helpers() -> None:
+    scripts = {p.stem for p in BENCH.glob("*.py")}
+    assert SHARED <= scripts
+    for p in sorted(BENCH.glob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                top = name.split(".")[0]
+                assert top not in scripts - SHARED or top == p.stem, f"benchmarks/{p.name} imports {name}"
+                assert p.stem not in SHARED or top not in SHARED - {p.stem}, f"benchmarks/{p.name} imports {name}"
