@@ -1,4 +1,4 @@
-"""Many clients at once on this machine's CPU, tiny model ([team]): aggregate generated tokens per wall second and time
+"""Many clients at once on this machine's CPU, tiny model: aggregate generated tokens per wall second and time
 to first token, through mesh-llm's API next to llama-server alone with the same slots and context.
 
     .venv/bin/python benchmarks/concurrency.py [--parallel 4] [--ctx 2048] [--clients 1,4,8] [--tokens 64] [--runs 5]

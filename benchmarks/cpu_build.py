@@ -1,4 +1,4 @@
-"""Solo decode speed of llama.cpp builds made with different CPU flags, on the tiny model ([first-run]).
+"""Solo decode speed of llama.cpp builds made with different CPU flags, on the tiny model.
 
     .venv/bin/python benchmarks/cpu_build.py [--runs 5] [--tokens 64] [--build LABEL=BIN_DIR ...]
 

@@ -1,4 +1,4 @@
-"""Fetching a model from peers ([fetch]) next to a plain TCP copy of the same file between the same two endpoints.
+"""Fetching a model from peers next to a plain TCP copy of the same file between the same two endpoints.
 
     .venv/bin/python benchmarks/fetch.py [--runs 3] [--sources 1,2] [--link 1gbit]
 

@@ -1,4 +1,4 @@
-"""Decode speed of one model split over two GPUs, the same layer split six ways, all in one run ([gpu], [datapath]).
+"""Decode speed of one model split over two GPUs, the same layer split six ways, all in one run.
 
 On a GPU machine with no network (the lent device), after ``benchmarks/gpu_pack.sh`` made the carry folder here:
 
@@ -12,12 +12,12 @@ On a GPU machine with no network (the lent device), after ``benchmarks/gpu_pack.
     python3 benchmarks/gpu_split.py --carry gpuc --embd [--runs 3]        (patch 0013's A/B; --bytes has its row too)
 
 (--prepare builds and makes the model only, so a second call on the still-warm machine has the whole 10 minutes.)
---load is [team]'s table: many clients at once and long prompts, every setup with the same slots and context.
---replicas is [fleet]'s: many clients on one model served by one GPU node and by two (the second a replica).
---start is [pipeline] 4's: a 2-node split's start → ready next to stock's own load of the same split.
---embd is [pipeline] 3's A/B of patch 0013: --load's 2-node split through the tunnel with the token embedding on the
+--load: many clients at once and long prompts, every setup with the same slots and context.
+--replicas: many clients on one model served by one GPU node and by two (the second a replica).
+--start: a 2-node split's start → ready next to stock's own load of the same split.
+--embd: the A/B of patch 0013: --load's 2-node split through the tunnel with the token embedding on the
 worker and on the host (LLAMA_INPUT_ON_FIRST_RPC=0), and on the default (direct) path: 2k and 8k prefill, one stream.
---pipeline is [pipeline] 5's: N nodes × 1 GPU (N = --nodes), the mesh, worker to worker and the stock star with the
+--pipeline: N nodes × 1 GPU (N = --nodes), the mesh, worker to worker and the stock star with the
 same split, and llama.cpp in one process on N GPUs: one stream's decode, 4 clients at once, a 2,400-token prefill.
 
 It installs the carried wheels (into WORK/site), builds the patched binaries with mesh-llm's own build (CUDA,
@@ -151,7 +151,7 @@ def random_model(vocab_file: Path, out: Path) -> None:
 
 
 def start(run_mesh: Any, server: Any, rpc_server: Any, args: argparse.Namespace) -> None:
-    """[pipeline] 4: start → ready of a 2-node split (GPU 0 host, GPU 1 worker, each capped at --cap), --runs times:
+    """Start → ready of a 2-node split (GPU 0 host, GPU 1 worker, each capped at --cap), --runs times:
     from the second node's start to the host's "ready:" line; stock: the worker's rpc-server already up, llama-server
     on GPU 0 with the mesh's split, from its start to /health 200 (its own load of the same split)."""
     mesh_s, stock_s = [], []
@@ -184,7 +184,7 @@ def pipeline(
     model: Path | None = None,
     work: Path | None = None,
 ) -> None:
-    """[pipeline] 5: for N in --nodes, N nodes × 1 GPU (GPU 0 the host) with one even split (--tensor-split, workers
+    """For N in --nodes, N nodes × 1 GPU (GPU 0 the host) with one even split (--tensor-split, workers
     first): the mesh (its default path: direct TLS, worker to worker where both neighbours are direct); the same
     devices without the mesh, host GPU in-process + N-1 rpc-servers over loopback TCP, worker to worker (GGML_RPC_PEERS)
     and the star (stock ggml-rpc's: every boundary through llama-server); llama.cpp in one process on N GPUs. Each:
@@ -219,7 +219,7 @@ def pipeline_rows(args: argparse.Namespace, rows: set[str], table: list[tuple[in
         # node i on GPU i; with fewer GPUs than nodes they take turns (one stream's decode uses one stage at a time)
         gpus = [str(i % n_gpus) for i in range(n)]
         layers = [32 // n + (1 if i < 32 % n else 0) for i in range(n)]
-        if args.trace:  # [pipeline-2] 2: one token's time, command by command (benchmarks/stage_trace.py)
+        if args.trace:  # one token's time, command by command (benchmarks/stage_trace.py)
             from common import print_trace_table, traced_chain
 
             (work / f"trace{n}").mkdir(exist_ok=True)
@@ -297,7 +297,7 @@ def pipeline_rows(args: argparse.Namespace, rows: set[str], table: list[tuple[in
 
 def print_pipeline(args: argparse.Namespace, table: list[tuple[int, str, dict[str, Any]]], parallel: int, ctx: int,
                    n_gpus: int) -> None:  # fmt: skip
-    """--pipeline's table, then [pipeline-2]'s goals against what it shows."""
+    """--pipeline's table, then the goals for N nodes against what it shows."""
     print(
         f"\n# {args.tokens} greedy tokens (one stream; 4 clients at once: aggregate), a 2,400-token prefill; "
         f"median of {args.runs}; {parallel} slots × {ctx} tokens; the same even layer split per N"
@@ -317,7 +317,7 @@ def print_pipeline(args: argparse.Namespace, table: list[tuple[int, str, dict[st
             f"{r['c4']:.1f} | {r['c4'] / base['c4']:.2f} | {r['pre']:.0f} | {r['pre'] / base['pre']:.2f} | {r['txt']} |"
         )
     rtt = args.netem_lo or args.rtt_ms
-    print(f"\n# [pipeline-2]'s goals ({'at ' + str(rtt) + ' ms RTT per link' if rtt else 'loopback'}), each setup")
+    print(f"\n# goals for N nodes ({'at ' + str(rtt) + ' ms RTT per link' if rtt else 'loopback'}), each setup")
     for n, name, r in table:
         if name.startswith("llama.cpp in one process"):
             continue
@@ -329,7 +329,7 @@ def print_pipeline(args: argparse.Namespace, table: list[tuple[int, str, dict[st
                   f"{where}")  # fmt: skip
 
 
-# [pipeline-2]'s goals, ÷ llama.cpp in one process on N GPUs: (N, links delayed) -> (what, column, at least)
+# the goals for N nodes, ÷ llama.cpp in one process on N GPUs: (N, links delayed) -> (what, column, at least)
 GOALS: dict[tuple[int, bool], tuple[tuple[str, str, float], ...]] = {
     (4, False): (("prefill 2.4k", "pre", 0.7), ("decode", "dec", 0.85), ("4 clients", "c4", 0.85)),
     (3, False): (("prefill 2.4k", "pre", 0.75),),
@@ -359,7 +359,7 @@ def netem_lo(rtt_ms: float, carry: Path) -> Iterator[None]:
 
 
 def bytes_per_token(server: Any, rpc_server: Any, free_port: Any, args: argparse.Namespace) -> None:
-    """[pipeline] goal 3, [pipeline-2] 4: what crosses llama-server's connections to two RPC workers per generated
+    """What crosses llama-server's connections to two RPC workers per generated
     token after prompts of each --contexts length (the host's GPU in-process holds the last layers and the output),
     counted by a relay in front of each worker (benchmarks/host_bytes.py's ``per_token``); worker to worker's link
     goes around the relays (that is its point). The star sends every input whole (GGML_RPC_DELTA=0): stock's bytes."""
@@ -514,12 +514,12 @@ def main() -> None:
     )
     ap.add_argument("--prepare", action="store_true", help="only build the binaries and make the model, then stop")
     ap.add_argument("--moe-spill", type=float, metavar="GB",
-                    help="instead ([big]): one mesh node on GPU 0 with the carried tiny MoE (gpuc/tiny-moe.gguf, "
+                    help="instead: one mesh node on GPU 0 with the carried tiny MoE (gpuc/tiny-moe.gguf, "
                          "tests/moe_model.py) and --max-vram GB: its plan line, llama-server's buffers (experts on "
                          "the CPU, the rest on the GPU) and its text next to llama-server alone with the same "
                          "overrides")  # fmt: skip
     ap.add_argument("--big", metavar="MODELS",
-                    help="instead ([big] 5, benchmarks/gpu_big.py): models that need RAM, 'moe' (Qwen3-30B-A3B's "
+                    help="instead: models that need RAM, 'moe' (Qwen3-30B-A3B's "
                          "shape) and/or 'dense' (Llama-3-8B's), comma-separated: one node, two GPU nodes, a GPU host "
                          "and a CPU-only worker under --max-vram caps, next to llama-server's best offload and stock "
                          "RPC")  # fmt: skip
@@ -549,7 +549,7 @@ def main() -> None:
     )
 
     model = work / "m-q4.gguf"
-    if args.big:  # its own models (benchmarks/gpu_big.py), written in Q4_K
+    if args.big:  # its own models (the --big section below), written in Q4_K
         models(args.carry.resolve(), work)
     elif not model.is_file():
         t0 = time.monotonic()
@@ -724,7 +724,7 @@ def main() -> None:
 
 
 def load(run_mesh: Any, server: Any, rpc_server: Any, args: Any) -> None:
-    """[team]: every setup with --parallel slots of --slot-ctx tokens and the same layer split (the mesh's host on GPU
+    """Every setup with --parallel slots of --slot-ctx tokens and the same layer split (the mesh's host on GPU
     0, its worker on GPU 1; --tensor-split forces the split, as the issue's 13/19): aggregate tok/s of --tokens greedy
     tokens at each client count and the time to first token, then the prefill of a 2k and an 8k prompt. On a machine
     of one GPU every process shares GPU 0 (the mesh's paths side by side; "in one process" is llama.cpp on it)."""
@@ -819,7 +819,7 @@ def embd(run_mesh: Any, env: dict[str, str], args: Any) -> None:
 
 
 def replicas(run_mesh: Any, server: Any, args: Any) -> None:
-    """[fleet] 3 and 5: --clients streams of --tokens greedy tokens at once, every server with --parallel slots of
+    """--clients streams of --tokens greedy tokens at once, every server with --parallel slots of
     --slot-ctx tokens: one mesh node on GPU 0, then two (GPU 0 and GPU 1, each holding the whole model: the second
     serves a replica) asked at the first node's API; stock: llama-server on GPU 0, and two llama-servers (GPU 0,
     GPU 1) with the clients split between them (clients that share themselves out: the best two servers give)."""
@@ -878,7 +878,7 @@ _ROW = re.compile(r"\|\s+-\s+(?P<dev>\S+)[^|]*\|[^(|]*?(?:\(\s*)?(?P<self>\d+) =
 
 
 def moe_spill(bins: Any, model: Path, cap: float, work: Path, env: dict[str, str]) -> None:
-    """[big] on a GPU: a mesh node whose --max-vram holds all but some layers' routed experts serves with those
+    """On a GPU: a mesh node whose --max-vram holds all but some layers' routed experts serves with those
     experts in RAM; llama-server's own buffer lines say where the bytes went; the text is llama-server's alone with
     the same overrides (-ngl 999)."""
 
@@ -1017,7 +1017,7 @@ def quad(run_mesh: Any, server: Any, rpc_server: Any, tokens: int, runs: int) ->
 
 
 # ---------------------------------------------------------------------------------------------------- --big
-# [big] 5: models that need RAM, on the lent GPU machine — ``python3 benchmarks/gpu_split.py --carry gpuc --big``.
+# models that need RAM, on the lent GPU machine — ``python3 benchmarks/gpu_split.py --carry gpuc --big``.
 #
 # Two random-weight models written straight in Q4_K (Q4_K_M's main type; no F16 pass, no llama-quantize): the shape of
 # Qwen3-30B-A3B (``qwen3moe``: 48 layers, 128 routed experts of which 8 fire, expert FFN 768, 32 heads, 4 KV heads of
@@ -1277,7 +1277,7 @@ def big(run_mesh: Any, server: Any, rpc_server: Any, carry: Path, work: Path, ar
     for name in args.big.split(","):
         cap = args.big_cap_moe if name == "moe" else args.big_cap_dense
         bench(name, got[name], cap, (MOE if name == "moe" else DENSE)["n_layer"])
-    print(f"\n# [big] {args.tokens} greedy tokens (one stream; 4 clients at once: aggregate), a 2,000-token prefill; "
+    print(f"\n# {args.tokens} greedy tokens (one stream; 4 clients at once: aggregate), a 2,000-token prefill; "
           f"median of {args.runs}; {PARALLEL} slots × {SLOT_CTX} tokens; GPU MiB: nvidia-smi, llama-server processes")
     print("| model | setup | GPU MiB | decode tok/s | ÷ best one node | 4 clients tok/s | ÷ | prefill tok/s | ÷ | "
           "placement |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---|")

@@ -1,4 +1,4 @@
-"""[pipeline-2] 4: bytes through the host per generated token, with two RPC workers, as the context grows.
+"""Bytes through the host per generated token, with two RPC workers, as the context grows.
 
     .venv/bin/python benchmarks/host_bytes.py [--contexts 900,16000] [--tokens 32]
 

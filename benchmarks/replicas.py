@@ -1,4 +1,4 @@
-"""Replicas on this machine's CPU, tiny model ([fleet] 3 and 5): many clients on one model served by one node and by
+"""Replicas on this machine's CPU, tiny model: many clients on one model served by one node and by
 two nodes that each hold it whole (the second serves a replica), each node pinned to a CPU of its own (``taskset``:
 two one-CPU machines), next to llama-server alone on one CPU and two llama-servers on one CPU each with the clients
 split between them (the best stock setup for two machines: clients that share themselves out).

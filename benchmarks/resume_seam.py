@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""[face-3] 2: can a cut answer go on after one prefill and still be the uninterrupted text? For each prompt and
+"""Can a cut answer go on after one prefill and still be the uninterrupted text? For each prompt and
 each cut point k (tokens sent before the cut) of its greedy answer, two continuations in one prefill each:
 
 - text: the prompt extended by the k tokens' text (what ``proto/resume.continuation`` sends; the text is tokenized

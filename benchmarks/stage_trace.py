@@ -1,4 +1,4 @@
-"""Where one token's time goes in a split: each RPC command timestamped on the host and every worker ([pipeline-2] 2).
+"""Where one token's time goes in a split: each RPC command timestamped on the host and every worker.
 
     .venv/bin/python benchmarks/stage_trace.py [--workers 2] [--tokens 48] [--clients 4]   (this machine, tiny model)
     python3 benchmarks/gpu_split.py --carry gpuc --pipeline --trace [--nodes 2,3,4] [--trace-clients 1,4]  (device)

@@ -1,4 +1,4 @@
-"""Where a 2-node split's start → ready goes ([pipeline] 4), next to llama.cpp's own start and load of the same split.
+"""Where a 2-node split's start → ready goes, next to llama.cpp's own start and load of the same split.
 
     .venv/bin/python benchmarks/start_ready.py [--runs 3]
 

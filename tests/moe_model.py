@@ -1,4 +1,4 @@
-"""[big] 4: a small random-weight mixture-of-experts model for CPU tests — a real MoE architecture llama.cpp runs
+"""A small random-weight mixture-of-experts model for CPU tests — a real MoE architecture llama.cpp runs
 (``qwen3moe``, the architecture of Qwen3-30B-A3B): 4 layers, 8 routed experts of which 2 fire per token, the
 vocabulary and tokenizer of the pinned tree's ``models/ggml-vocab-llama-spm.gguf`` (32,000 tokens), F16 weights,
 about 6 MB. Written with the ``gguf`` package, deterministic for a seed, kept in the cache once made."""

@@ -1,4 +1,4 @@
-"""[lan] 4: sockets for both IP families. A listener on every interface ("0.0.0.0" or "::", the default) is one IPv6
+"""Sockets for both IP families. A listener on every interface ("0.0.0.0" or "::", the default) is one IPv6
 socket that takes IPv4 too (dual stack): one port, one socket, whatever family a peer uses. On such a socket an IPv4
 peer reads as ``::ffff:a.b.c.d``; the endpoint turns that back into the dotted address that tokens, gossip and key
 files name (``canonical`` does the same for addresses we are given), and the reverse for a send. A machine without

@@ -143,7 +143,7 @@ def _text(events: list[str]) -> str:
 
 
 async def test_a_stream_cut_mid_way_goes_on_where_it_was_cut(llama: Upstream) -> None:
-    """[fleet] 4: the model server's connection drops after a few events; the answer goes on in the same stream on
+    """The model server's connection drops after a few events; the answer goes on in the same stream on
     whatever serves the model next (here the same llama-server, directly): the uninterrupted text, no error."""
     a, url = await _api(Routes(llama))
     try:
@@ -167,7 +167,7 @@ async def test_a_stream_cut_mid_way_goes_on_where_it_was_cut(llama: Upstream) ->
 async def test_a_long_answer_cut_goes_on_after_one_prefill_of_what_was_sent(
     llama: Upstream, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """[face-3] 2: an answer cut after more than REPLAY_MAX_TOKENS tokens goes on from its prompt extended by the
+    """An answer cut after more than REPLAY_MAX_TOKENS tokens goes on from its prompt extended by the
     text sent — one prefill, only the rest generated — not from a regeneration token by token (which keeps the
     uninterrupted text but costs the tokens' decode time again): one stream, no error, as many tokens as asked."""
     monkeypatch.setattr(resume, "REPLAY_MAX_TOKENS", 4)
@@ -195,7 +195,7 @@ async def test_a_long_answer_cut_goes_on_after_one_prefill_of_what_was_sent(
 async def test_two_cuts_in_one_stream_each_get_their_own_wait_and_the_client_hears_all_along(
     llama: Upstream, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """[face-3] 2: the host cut mid-stream, ~2 s with no model server, the next one cut too, ~2 s again, then one
+    """The host cut mid-stream, ~2 s with no model server, the next one cut too, ~2 s again, then one
     that serves: the answer ends whole (the uninterrupted text, no error) although the two waits together outlast
     one wait (3 s here) — each cut waits anew — and the client hears an SSE comment at least every KEEPALIVE_S
     while nothing else comes (a client or proxy read timeout does not end an answer about to go on)."""
@@ -237,7 +237,7 @@ async def test_two_cuts_in_one_stream_each_get_their_own_wait_and_the_client_hea
 
 
 async def test_a_stream_whose_host_goes_silent_goes_on_elsewhere(llama: Upstream) -> None:
-    """[fleet] a host killed -9 mid-stream leaves its tunnel open until the mesh declares it dead (6 s): an answer
+    """A host killed -9 mid-stream leaves its tunnel open until the mesh declares it dead (6 s): an answer
     that brings nothing for a second asks whether the mesh still hears from its node, and goes on at the next host
     as soon as it does not. Here the relay stops passing bytes (the connection stays open) and the node falls silent
     with it."""
@@ -328,7 +328,7 @@ async def test_every_request_to_llama_server_has_a_connection_of_its_own(llama: 
 
 
 async def test_an_upstream_error_keeps_its_retry_after_and_llama_servers_fields() -> None:
-    """[face-3] 5: a lite client dropped Retry-After from the host's 429, and llama-server's own fields of an error
+    """A lite client dropped Retry-After from the host's 429, and llama-server's own fields of an error
     (``n_prompt_tokens``, ``n_ctx`` of a context overflow) were lost on the way. The upstream here is a stand-in for
     the host's door (its answers as the door and llama-server give them: status, Retry-After, the error object)."""
     from aiohttp import web
@@ -364,7 +364,7 @@ async def test_an_upstream_error_keeps_its_retry_after_and_llama_servers_fields(
 
 
 async def test_a_mesh_of_several_models_answers_per_model_and_asks_which_when_a_request_names_none() -> None:
-    """[face-3] 1: with two models served (one up, one without a host), a request naming none goes to this node's own
+    """With two models served (one up, one without a host), a request naming none goes to this node's own
     model, and where the node has none (a lite client) it is a 400 listing them — not whichever model sorts first.
     ``/health`` is "ok" only when every model answers, says each one's state under its name, and answers for one
     model with ``?model=``."""

@@ -1,4 +1,4 @@
-"""[first-run] A bundle made here installs and serves where there is no compiler and no package index."""
+"""A bundle made here installs and serves where there is no compiler and no package index."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""[console] The web console in headless Chromium (Debian's chromium + chromedriver, driven by Selenium), and
+"""The web console in headless Chromium (Debian's chromium + chromedriver, driven by Selenium), and
 /metrics parsed by prometheus_client."""
 
 from __future__ import annotations
@@ -44,16 +44,16 @@ def test_console_shows_the_mesh_and_chats(tmp_path: Path, tiny_model: Path, brow
 
         wait_for(lambda: len(segs()) == 2, 20, "both nodes on the page")
         a_short = next(k for k in segs() if k != b_short)
-        assert "layers 0–17 + output" in segs()[a_short] and "host" in segs()[a_short]  # [face-3] 4: the output too
+        assert "layers 0–17 + output" in segs()[a_short] and "host" in segs()[a_short]  # the output too
         used = next(p["planned_bytes"] for p in a.status()["peers"] if p["short"] == a_short)  # type: ignore[attr-defined, index]
-        assert f"{used / 1e9:.1f} GB of " in segs()[a_short], segs()  # [face] memory planned of offered
-        # [fleet] b holds the whole model too: a replica beside the host, its own layers, listed with the model
+        assert f"{used / 1e9:.1f} GB of " in segs()[a_short], segs()  # memory planned of offered
+        # b holds the whole model too: a replica beside the host, its own layers, listed with the model
         wait_for(lambda: "replica" in segs()[b_short], 30, "b as a replica")
         assert "layers 0–17" in segs()[b_short], segs()
         wait_for(lambda: f"replicas {b_short}" in drv.find_element(By.ID, "m-models").text, 10, "the model's replicas")  # type: ignore[attr-defined]
         assert "gemma" in drv.find_element(By.ID, "m-name").text  # type: ignore[attr-defined]
         assert "pi --provider mesh" in drv.find_element(By.ID, "agents").text  # type: ignore[attr-defined]
-        # [face] what a copy button copies is the command alone (it used to copy "goose: ..." with the label)
+        # what a copy button copies is the command alone (it used to copy "goose: ..." with the label)
         copies = drv.execute_script(  # type: ignore[attr-defined]
             "return Array.from(document.querySelectorAll('#agents pre')).map(e => e.textContent)"
         )
@@ -100,13 +100,13 @@ def test_console_shows_the_mesh_and_chats(tmp_path: Path, tiny_model: Path, brow
         assert [m["role"] for m in sent[2]["messages"]] == ["user"], sent[2]  # the new chat starts afresh
         ARTIFACTS.mkdir(exist_ok=True)
         drv.execute_script("window.scrollTo(0, 0)")  # type: ignore[attr-defined]
-        # [face] the chat sat below the fold: at 1200x900, its input is in the first screen, conversation and all
+        # the chat sat below the fold: at 1200x900, its input is in the first screen, conversation and all
         js = "const r = document.getElementById('chat-input').getBoundingClientRect(); return [r.bottom, innerHeight]"
         bottom, height = drv.execute_script(js)  # type: ignore[attr-defined]
         assert 0 < bottom <= height, (bottom, height)
         drv.save_screenshot(str(ARTIFACTS / "console.png"))  # type: ignore[attr-defined]
         drv.save_screenshot(str(tmp_path / "console-desktop.png"))  # type: ignore[attr-defined]
-        # [face-2] 8: a phone (390x844): one column, nothing wider than the screen, the chat's input on it
+        # a phone (390x844): one column, nothing wider than the screen, the chat's input on it
         drv.set_window_size(390, 844)  # type: ignore[attr-defined]
         time.sleep(0.5)
         js = ("const i = document.getElementById('chat-input'), r = i.getBoundingClientRect(),"
@@ -126,7 +126,7 @@ def test_console_shows_the_mesh_and_chats(tmp_path: Path, tiny_model: Path, brow
                  10, "the mesh's token count")  # fmt: skip
         assert "ms median" in drv.find_element(By.ID, "m-ttft").text  # type: ignore[attr-defined]
         wait_for(lambda: "ms average over" in drv.find_element(By.ID, "m-ttft").text, 10, "the mesh's first-token time")  # type: ignore[attr-defined]
-        assert re.fullmatch(r"\d+ of \d+ busy, \d+ waiting · \d+ tokens each",  # [team] the host's slots
+        assert re.fullmatch(r"\d+ of \d+ busy, \d+ waiting · \d+ tokens each",  # the host's slots
                             drv.find_element(By.ID, "m-slots").text), drv.find_element(By.ID, "m-slots").text  # type: ignore[attr-defined]
 
         def timeline() -> str:
@@ -140,7 +140,7 @@ def test_console_shows_the_mesh_and_chats(tmp_path: Path, tiny_model: Path, brow
         dead = f"peer {b_short} went silent and is declared dead"
         wait_for(lambda: dead in timeline(), 10, "the death in the timeline")
         assert timeline().index("declared dead") < timeline().index("joined")  # newest first
-        # [face-2] 6: the page's own node dies: the page greys out and says since when it is stale
+        # the page's own node dies: the page greys out and says since when it is stale
         a.stop(signal.SIGKILL)
         wait_for(lambda: "lost" in (drv.find_element(By.TAG_NAME, "body").get_attribute("class") or ""), 15,  # type: ignore[attr-defined]
                  "the page to grey out")  # fmt: skip
@@ -161,7 +161,7 @@ def test_metrics_parse_and_move(tmp_path: Path, tiny_model: Path) -> None:
         c = NodeProc(tmp_path, "c", None, "--join", (a.state / "token").read_text().strip())  # a lite client
         nodes.append(c)
         wait_for(lambda: "API up:" in c.text(), 60, "c's API")
-        # [face] load progress: llama-server (patch 0007) reports each step; the host reads the last one
+        # load progress: llama-server (patch 0007) reports each step; the host reads the last one
         assert "load progress: text_model 100.0%" in a.text_of("llama-server.log")
 
         def scrape(n: NodeProc = a) -> dict[str, float]:
@@ -195,10 +195,10 @@ def test_metrics_parse_and_move(tmp_path: Path, tiny_model: Path) -> None:
         assert after["mesh_llm_tokens_per_second"] > 0
         urllib.request.urlopen(f"http://127.0.0.1:{a.port}/health", timeout=10).read()
         ok = 'mesh_llm_requests_total{"status": "200"}'
-        assert scrape()[ok] == after[ok]  # [face-2] 7: probes (/metrics, /health) are not requests to the model
+        assert scrape()[ok] == after[ok]  # probes (/metrics, /health) are not requests to the model
         assert after["mesh_llm_decode_seconds_total"] > before.get("mesh_llm_decode_seconds_total", 0)
         assert any(k.startswith("mesh_llm_build_info") for k in after)
-        # [face] counts were per node only: a request through the lite client is counted mesh-wide by the host's
+        # counts were per node only: a request through the lite client is counted mesh-wide by the host's
         # llama-server, and every node shows that count (from the host's gossip); latency and time to first token
         # are histograms
         mesh = "mesh_llm_mesh_tokens_generated_total"
@@ -216,7 +216,7 @@ def test_metrics_parse_and_move(tmp_path: Path, tiny_model: Path) -> None:
         # the mesh's time to first token: each node's own count and sum, gossiped; a and c agree
         wait_for(lambda: all((n.status().get("mesh_ttft_s") or {}).get("count") == 2 for n in (a, c)), 15,
                  "both requests' first-token times on both nodes")  # fmt: skip
-        # [face-2] 9: serving state, requests in flight, the host's slots, peers by name as well as id
+        # serving state, requests in flight, the host's slots, peers by name as well as id
         on_c = scrape(c)
         assert on_c["mesh_llm_serving"] == 1 and on_c["mesh_llm_requests_in_flight"] == 0
         assert on_c["mesh_llm_slots_total"] >= 1 and on_c["mesh_llm_queue_depth"] == 0

@@ -1,4 +1,4 @@
-"""[face-3] 5: /v1/embeddings where the mesh serves an embedding model — llama-server's embedding mode on the node that
+"""/v1/embeddings where the mesh serves an embedding model — llama-server's embedding mode on the node that
 hosts it, the same vectors through a lite client — and a clear 400 for the wrong kind of request either way.
 
 The embedding model is made for the test: the tiny model with a pooling type in its metadata (``gemma3.pooling_type``

@@ -277,7 +277,7 @@ def test_every_certificate_loads_whatever_its_length() -> None:
 
 
 def test_writing_to_a_closing_connection_is_a_connection_error() -> None:
-    """[trust-2] 10: qh3 raises its own QuicConnectionError for a write to a connection that is closing; one peer's
+    """Qh3 raises its own QuicConnectionError for a write to a connection that is closing; one peer's
     closing connection killed another peer's gossip reader (it forwarded to the closing one), and the founder exited
     with "internal error" on shutdown. Writes and new streams there are ConnectionError, which senders handle."""
 
@@ -316,7 +316,7 @@ async def _relay_trio() -> tuple[Endpoint, Endpoint, Endpoint, reach.Addr]:
 
 
 def test_a_relay_takes_only_packets_with_the_token_of_the_senders_connection() -> None:
-    """[trust-2] 10: a relay named a RELAY packet's sender by its source address alone, so a third party spoofing a
+    """A relay named a RELAY packet's sender by its source address alone, so a third party spoofing a
     member's address had its packets forwarded as that member's. Now each packet carries its connection's pair
     token (set by the mesh's auth; here by hand): without it, from the member's very address, nothing passes."""
 
@@ -341,7 +341,7 @@ def test_a_relay_takes_only_packets_with_the_token_of_the_senders_connection() -
 
 
 def test_a_relay_caps_what_it_forwards_per_pair_and_other_pairs_still_pass() -> None:
-    """[lan] 5: one pair's burst through a relay is cut at its budget (the rest dropped and counted); another pair
+    """One pair's burst through a relay is cut at its budget (the rest dropped and counted); another pair
     through the same relay at the same moment is forwarded in full."""
 
     async def main() -> None:
@@ -381,7 +381,7 @@ def _has_ipv6() -> bool:
 
 @pytest.mark.skipif(not _has_ipv6(), reason="this machine has no IPv6")
 def test_one_endpoint_takes_ipv4_and_ipv6_peers_and_names_each_as_it_is() -> None:
-    """[lan] 4: the default bind (every interface) is one dual-stack socket: an IPv4 peer reads as its dotted
+    """The default bind (every interface) is one dual-stack socket: an IPv4 peer reads as its dotted
     address (never ::ffff:...: keys and tokens name it so), an IPv6 peer as itself, in brackets where shown; probes
     with a TTL (hole punching) leave in both families; an IPv4-only endpoint cannot reach an IPv6 one and says so
     as a failed dial, not an error of its socket."""
@@ -436,7 +436,7 @@ class _NoSegmentation:
 
 @pytest.mark.parametrize("segmentation", ["on", "refused"])
 def test_bulk_bytes_arrive_whole_in_segmented_sends_and_without_them(segmentation: str) -> None:
-    """[pipeline] 3: a stream of 8 MB both ways. Sends leave in runs (UDP GSO) and reads take coalesced runs (GRO)
+    """A stream of 8 MB both ways. Sends leave in runs (UDP GSO) and reads take coalesced runs (GRO)
     on Linux; where the kernel refuses a segmented send the socket sends one datagram per call from then on."""
 
     async def main() -> None:

@@ -1,4 +1,4 @@
-"""[fetch] A node that joins with --model NAME and lacks the file fetches it from the members that serve it — several
+"""A node that joins with --model NAME and lacks the file fetches it from the members that serve it — several
 at once, chunk by chunk, each chunk checked — and serves it; the hub (its local stand-in) sees not one request.
 
 The mesh: a (the founder, an honest source), b (``--share off``: sends nothing) and x, whose copy of the model rotted
@@ -218,7 +218,7 @@ def test_a_model_no_member_serves_comes_from_the_hub(mesh: dict[str, object], ti
 
 
 def test_share_off_answers_no_request_of_any_kind(mesh: dict[str, object], tiny_model: Path) -> None:
-    """[trust-3] 6 (the mutation audit found only "chunk" checked it): a member with --share off answers neither a
+    """(the mutation audit found only "chunk" checked it): a member with --share off answers neither a
     manifest, nor tensor samples, nor a ticket for the direct path, nor a chunk — asked over real QUIC by a member;
     the same asks of a, which shares, are answered."""
     import asyncio

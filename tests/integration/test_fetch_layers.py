@@ -1,4 +1,4 @@
-"""[fetch] 2: a worker that joins with ``--model NAME`` and lacks the file fetches only what the plan gives it — the
+"""A worker that joins with ``--model NAME`` and lacks the file fetches only what the plan gives it — the
 header, the bytes the model fingerprint samples of every tensor, and its own layers' chunks — into a sparse copy whose
 fingerprint is the model's. The host waits for those layers, then loads the split with no weight pushed, and the
 answer is the same greedy text as the same split loaded the stock way."""
@@ -179,7 +179,7 @@ def test_a_source_that_lies_about_the_sampled_bytes_is_dropped_and_the_copy_comp
 
 
 def test_a_partial_copy_gives_back_the_layers_a_plan_took_away(tmp_path: Path, tiny_model: Path) -> None:
-    """[trust-3] 2: layers a stable plan no longer gives a worker are given back — holes punched in its sparse copy
+    """Layers a stable plan no longer gives a worker are given back — holes punched in its sparse copy
     (the disk freed, the file's size kept), the chunks forgotten in ``.have`` — and the layers it keeps are intact."""
     from meshllm.proto import crypto
     from meshllm.serve.fetch.modelfiles import model_shape

@@ -1,4 +1,4 @@
-"""[fleet] 1: two models in one mesh of three nodes — a hosts the tiny model, b a copy of it with other weights (one
+"""Two models in one mesh of three nodes — a hosts the tiny model, b a copy of it with other weights (one
 tensor replaced, as a fine-tune would be: another fingerprint, another name), c is a lite client. Each model has its
 own host; every node lists both with their hosts and nodes, answers each under its own name, and names the models
 there are for one it does not serve; ``mesh-llm status`` groups the nodes by model."""
@@ -116,7 +116,7 @@ def test_two_models_each_answer_under_their_own_name_from_every_node(tmp_path: P
         with urllib.request.urlopen(req, timeout=120) as r:
             answer = json.loads(r.read())["choices"][0]
         assert answer["message"]["content"] == " The capital of France is Paris." and answer["finish_reason"] == "stop"
-        # [face-3] 1: one truth per model — each model's tokens and slots under its name (the mesh's line is their
+        # one truth per model — each model's tokens and slots under its name (the mesh's line is their
         # sum, said so), /health for each, and a request naming no model goes to the node's own or is a 400
         def per_model() -> dict[str, dict[str, object]]:
             return {str(m["name"]): m for m in _get(c.port, "/mesh/status")["models"]}  # type: ignore[attr-defined]
@@ -161,7 +161,7 @@ def test_two_models_each_answer_under_their_own_name_from_every_node(tmp_path: P
             "return Array.from(document.querySelectorAll('.seg')).map(e => [e.dataset.node, e.innerText])")
         segs = dict(segs)
         assert f"host · {x}" in segs[a.short()] and f"host · {y}" in segs[b.short()], segs
-        # [face-3] 4: eight nodes (five more lite clients) and two models, on a desktop and on a phone (390×844):
+        # eight nodes (five more lite clients) and two models, on a desktop and on a phone (390×844):
         # every node in the bar, no node's name or state clipped, nothing wider than the screen
         for i in range(5):
             nodes.append(NodeProc(tmp_path, f"l{i}", None, "--client", "--join", token))
@@ -181,7 +181,7 @@ def test_two_models_each_answer_under_their_own_name_from_every_node(tmp_path: P
         # each host's layers, as its own model's host says (they were another model's host's, or none)
         peers = {p["short"]: p for p in _get(c.port, "/mesh/status")["peers"]}  # type: ignore[attr-defined]
         assert peers[a.short()]["layers"] == [0, 17] and peers[b.short()]["layers"] == [0, 17], peers
-        # [fleet] 2: the founder drops y — no node lists it, none answers it, its host stops its llama-server and
+        # the founder drops y — no node lists it, none answers it, its host stops its llama-server and
         # stands by — then serves it again: its nodes serve it
         assert f"drop {y}:" in _cli(a, "drop", y)
         listed = lambda n: [m["id"] for m in _get(n.port, "/v1/models")["data"]]  # type: ignore[index]  # noqa: E731
@@ -268,7 +268,7 @@ def _kill_mid_stream(port: int, body: dict[str, object], hosts: list[NodeProc], 
 
 
 def test_a_streamed_answer_survives_its_host_s_kill_9(tmp_path: Path, tiny_model: Path) -> None:
-    """[fleet] 4: a, b and d hold the model whole (one hosts, the others serve replicas: [fleet] 3), c is a lite
+    """A, b and d hold the model whole (one hosts, the others serve replicas: 3), c is a lite
     client. A greedy answer streamed through c whose host is killed -9 mid-way goes on at another: one stream, no
     error event, and the text of the uninterrupted answer — a completion, then a chat (its host killed in turn)."""
 
@@ -308,7 +308,7 @@ def test_a_streamed_answer_survives_its_host_s_kill_9(tmp_path: Path, tiny_model
 
 
 def test_a_node_with_model_auto_joins_the_model_that_needs_it_most(tmp_path: Path, tiny_model: Path) -> None:
-    """[fleet] 2: b serves the tiny model alone; d, started with ``--model auto`` and an empty models dir, takes it
+    """B serves the tiny model alone; d, started with ``--model auto`` and an empty models dir, takes it
     up (the only model: its plan does not use d). Then a joins with another model and too little memory for it
     alone (its plan waits for peers): d lets the tiny model go and joins the model that waits — fetching its layers
     from a — and that model's split serves, the tiny one as before."""
@@ -340,7 +340,7 @@ def test_a_node_with_model_auto_joins_the_model_that_needs_it_most(tmp_path: Pat
 
 def test_a_dropped_model_and_one_asked_for_that_a_node_serving_nothing_takes_up(tmp_path: Path, tiny_model: Path
                                                                                  ) -> None:  # fmt: skip
-    """[fleet] 2: the founder drops the model it serves — nothing is served, a request for it is a 404 saying so;
+    """The founder drops the model it serves — nothing is served, a request for it is a 404 saying so;
     d joins with --model auto and serves nothing; `mesh-llm serve` of a name nobody can fetch leaves it so, with a
     line saying why; `mesh-llm serve gemma3-270m` (the catalog's name, installed here) and d takes it up and serves
     it, reached through the founder, whose dropped copy of the same file stays stopped."""

@@ -1,4 +1,4 @@
-"""[lan] 1: a mesh found on the LAN, joined only with approval — real nodes, real mDNS (zeroconf on this machine's
+"""A mesh found on the LAN, joined only with approval — real nodes, real mDNS (zeroconf on this machine's
 network), real knocks over QUIC, the real `mesh-llm approve`."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""[patch] Workers load weights from their own GGUF, proven to be the same file.
+"""Workers load weights from their own GGUF, proven to be the same file.
 
 Real binaries, the real test model, two rpc-servers each behind a counting relay, llama-server --rpc to both.
 """
@@ -204,7 +204,7 @@ def test_a_partial_file_loads_what_it_holds_and_the_host_pushes_the_rest(
     tmp_path: Path,
     children: list[Child],
 ) -> None:
-    """[fetch] A worker whose copy has holes (it fetched only its layers) has the model's fingerprint, so the host
+    """A worker whose copy has holes (it fetched only its layers) has the model's fingerprint, so the host
     asks it to load its tensors from its file; a tensor that lies in a hole must fail to load there (patch 0009)
     and be pushed, or the worker computes with zeros."""
     import os

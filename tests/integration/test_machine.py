@@ -1,4 +1,4 @@
-"""[first-run-2] 4: the nodes of a machine, on real nodes — `mesh-llm ps` lists each running node (state dir, pid,
+"""The nodes of a machine, on real nodes — `mesh-llm ps` lists each running node (state dir, pid,
 model, API URL, state) and forgets one killed with -9; `mesh-llm logs [-f]` prints what the node printed (no colour
 codes, never the invite token); `mesh-llm stop` ends the node holding a state dir's lock, by its pid, and says so."""
 

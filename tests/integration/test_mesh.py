@@ -1,4 +1,4 @@
-"""[mesh] Real mesh-llm processes on loopback: three nodes from one token; refusals at the accepting member;
+"""Real mesh-llm processes on loopback: three nodes from one token; refusals at the accepting member;
 a killed member leaves every table."""
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def test_bad_tokens_fail_at_once_with_one_line(tmp_path: Path, tiny_model: Path)
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert r.returncode == 2 and "wrong-mesh" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    # [face-2] 9: a token whose issuer does not answer fails after the node started its API: one line, and the
+    # a token whose issuer does not answer fails after the node started its API: one line, and the
     # node stops what it started ("Unclosed client session" was printed after the error)
     r = subprocess.run(
         [sys.executable, "-m", "meshllm.cli", "--model", str(tiny_model), "--state-dir", str(tmp_path / "fresh"),

@@ -1,4 +1,4 @@
-"""[models] Downloads against the local hub stand-in (FAKE: tests/fakes/hub_standin.py), and model names."""
+"""Downloads against the local hub stand-in (FAKE: tests/fakes/hub_standin.py), and model names."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def test_a_url_of_another_host_is_refused(hub: HubStandin, tmp_path: Path) -> No
 
 
 def test_a_file_name_that_climbs_out_of_the_models_dir_is_refused(hub: HubStandin, tmp_path: Path) -> None:
-    """[trust] low finding: `..` in `org/repo/file` and URL forms resolved outside the models dir (huggingface_hub
+    """Low finding: `..` in `org/repo/file` and URL forms resolved outside the models dir (huggingface_hub
     refused it; we no longer rely on that). Nothing is asked of the hub, nothing is written outside."""
     models = tmp_path / "models"
     hub.files["org/repo/m.gguf"] = HubFile(DATA)
@@ -193,7 +193,7 @@ def test_download_lists_the_catalog_and_unknown_names_get_suggestions(tmp_path: 
     r = subprocess.run([sys.executable, "-m", "meshllm.cli", "download"], capture_output=True, text=True, env=env)
     assert r.returncode == 0 and all(len(line) <= 80 for line in r.stdout.splitlines())
     words = set(r.stdout.replace(",", " ").split())
-    for e in catalog.CATALOG:  # [face] at 80 columns every name and alias a user may type is there, whole
+    for e in catalog.CATALOG:  # at 80 columns every name and alias a user may type is there, whole
         assert e.name in words and set(e.aliases) <= words, (e.name, e.aliases)
     r = subprocess.run([sys.executable, "-m", "meshllm.cli", "download", "qwen2.5-32"], capture_output=True,
                        text=True, env=env)  # fmt: skip

@@ -1,4 +1,4 @@
-"""[big] 4: a mixture-of-experts model on the mesh, on CPU — the tiny random-weight ``qwen3moe`` of
+"""A mixture-of-experts model on the mesh, on CPU — the tiny random-weight ``qwen3moe`` of
 ``tests/moe_model.py`` (8 routed experts, 2 active) split over two real nodes: the greedy text equals the same split
 loaded by stock binaries, and the worker loads its layers' expert tensors from its own copy of the file (nothing of
 them crosses the wire); a node, and a mesh, short of memory keep routed experts and whole layers in RAM and answer as
@@ -54,7 +54,7 @@ def test_a_moe_split_over_two_nodes_answers_as_stock_rpc_and_loads_experts_local
         b_id = b.status()["node"]
         peer = next(p for p in a.status()["peers"] if p["node"] == b_id)  # type: ignore[attr-defined]
         assert peer["tunnel"]["rpc_local_loads"] > 0 and peer["tunnel"]["load_weight_bytes"] <= 64 << 10, peer
-        # [big] 3: the plan preview of the running mesh names both nodes and loads nothing
+        # the plan preview of the running mesh names both nodes and loads nothing
         argv = ["plan", str(tiny_moe), "--state-dir", str(a.state), "--ctx-size", "512", "--parallel", "1"]
         r = subprocess.run([sys.executable, "-m", "meshllm.cli", *argv], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and "on the mesh as node" in r.stdout and "2 nodes that may serve" in r.stdout, r
@@ -67,7 +67,7 @@ def test_a_moe_split_over_two_nodes_answers_as_stock_rpc_and_loads_experts_local
 def test_a_node_short_of_accelerator_memory_keeps_experts_in_ram_and_serves(
     tmp_path: Path, tiny_moe: Path, stock_bins: Binaries
 ) -> None:
-    """[big] 1-2 on one node: ``--max-vram`` too small for the tiny MoE (35.13 MB planned at this context) and RAM
+    """On one node: ``--max-vram`` too small for the tiny MoE (35.13 MB planned at this context) and RAM
     offered beside it: before, the node waited ("need 0.04 GB, have 0.04 GB"); now it serves with the routed experts
     of its first layers in RAM (llama-server gets the tensor overrides, as ``--n-cpu-moe`` would), and answers as
     llama-server alone with the same overrides."""
@@ -104,7 +104,7 @@ def _cmdline_of_children(n: NodeProc) -> str:
 def test_a_mesh_short_of_accelerator_memory_keeps_whole_layers_and_experts_in_ram_and_answers_as_stock(
     tmp_path: Path, tiny_moe: Path, stock_bins: Binaries
 ) -> None:
-    """[big] 2: two nodes whose offered memory (``--max-vram``) holds one layer each of the tiny MoE with its routed
+    """Two nodes whose offered memory (``--max-vram``) holds one layer each of the tiny MoE with its routed
     experts in RAM: the plan keeps the first two layers whole in the host's RAM (llama-server's --n-gpu-layers) and
     the experts of the others in RAM (the host's by a tensor override; the CPU worker's one device is its RAM). It
     serves instead of waiting, and answers as the same placement loaded by stock binaries. The host's llama-server
@@ -162,7 +162,7 @@ def _allocated(log: str, endpoints: list[str]) -> list[float]:
 def test_the_plan_preview_names_the_memory_each_node_of_a_split_allocates(
     tmp_path: Path, tiny_model: Path, patched_bins: Binaries
 ) -> None:
-    """[big] 3: ``mesh-llm plan`` prints, per node, what the planner charges (weights, KV cache, compute and output
+    """``mesh-llm plan`` prints, per node, what the planner charges (weights, KV cache, compute and output
     buffers); the same placement loaded with llama-server's buffer lines on (-lv 4: the mesh's own runs print none)
     allocates that within 10 % on each node — the worker's rpc-server, the host's rpc-server and llama-server's CPU.
     (The tiny MoE is no test of it: its 5.7 MB are less than the fixed part of a compute buffer.)"""

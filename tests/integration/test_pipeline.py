@@ -1,4 +1,4 @@
-"""[pipeline] Worker to worker (patch 0011): at a boundary between two rpc-servers of a layer split, the hidden state
+"""Worker to worker (patch 0011): at a boundary between two rpc-servers of a layer split, the hidden state
 goes from one straight to the next (PEER_SEND / PEER_RECV over a TLS link whose key llama-server made), not through
 llama-server. Real patched and stock binaries, the real model, loopback; openssl's own client as the stranger."""
 
@@ -148,7 +148,7 @@ def _waits_per_token(trace_prefix: Path, t0: int, t1: int, n: int) -> float:
 def test_inputs_are_queued_not_waited_for_with_the_same_text(
     tmp_path: Path, tiny_model: Path, patched_bins: Binaries, module_children: list[Child]
 ) -> None:
-    """[pipeline-2] 2, patch 0016: the inputs llama-server sets on each server every token are queued (the message
+    """2, patch 0016: the inputs llama-server sets on each server every token are queued (the message
     holds a copy) and a synchronize with nothing queued returns at once: its thread blocks on the connections a
     few times a token, not ~20 times per server; the text is the same with it off (GGML_RPC_QUEUE_INPUTS=0)."""
     got: dict[str, tuple[str, float]] = {}
@@ -203,7 +203,7 @@ def _overlapped(trace_prefix: Path, t0: int, t1: int) -> int:
 def test_a_prompt_s_micro_batches_overlap_across_servers_through_llama_server(
     tmp_path: Path, tiny_model: Path, patched_bins: Binaries, module_children: list[Child]
 ) -> None:
-    """[pipeline-2] 1, patch 0017 on CPU: at a boundary between two rpc-servers without a link (the star), the read
+    """1, patch 0017 on CPU: at a boundary between two rpc-servers without a link (the star), the read
     from one is queued and answered straight into the write queued to the next, so llama-server's thread goes on
     queueing a prompt's micro-batches while the servers compute (stock: it waited for each boundary's read, the
     whole chain before it). Same text with it off (GGML_SCHED_STAGED_COPIES=0); the prompt speeds are printed."""
@@ -292,7 +292,7 @@ def test_a_stock_rpc_server_gets_the_star(
 def test_the_inputs_workers_get_each_token_stay_flat_as_the_context_grows(
     tmp_path: Path, tiny_model: Path, patched_bins: Binaries, module_children: list[Child]
 ) -> None:
-    """[pipeline-2] 3 (patch 0014): worker to worker, what llama-server still sends each worker every token is its
+    """(patch 0014): worker to worker, what llama-server still sends each worker every token is its
     graph inputs — the KQ masks (n_kv values each, growing with the context) above all. Sent as what changed since the
     last token, the bytes to the workers per generated token stay flat from a short prompt to a ~1,500-token one;
     every input whole (GGML_RPC_DELTA=0, stock's way) they grow. Same greedy text both ways."""
@@ -474,7 +474,7 @@ def test_a_three_node_mesh_sends_activations_worker_to_worker(
 def test_workers_behind_tunnels_send_activations_worker_to_worker_through_the_mesh(
     tmp_path: Path, tiny_model: Path, stock_bins: Binaries
 ) -> None:
-    """[pipeline] 2 where no direct path exists (the host on ``--rpc-path tunnel``: every worker through its QUIC
+    """Where no direct path exists (the host on ``--rpc-path tunnel``: every worker through its QUIC
     tunnel): the host asks the first worker for a loopback port that leads to the second over the mesh, and the
     hidden state goes that way, TLS with llama-server's key inside; the same text as the stock split. A member that
     is not the first worker, and a stranger, get nothing from the second worker; a member that is not the host gets

@@ -1,4 +1,4 @@
-"""[replan] A living mesh: joins, a clean leave, a worker killed mid-stream, the host killed.
+"""A living mesh: joins, a clean leave, a worker killed mid-stream, the host killed.
 
 Five nodes of 0.5 GB each; the tiny model needs two (the host keeps the embedding, the output and the last
 layers; one worker takes the rest). One scenario, in order, so the model loads stay few:
@@ -53,7 +53,7 @@ def plan_of(node: NodeProc) -> dict[str, object]:
 
 def main_plans(nodes: list[NodeProc]) -> list[dict[str, object]]:
     """The plans of the nodes that follow the elected host's plan: a node in a split replica's plan (its host a
-    replica: the nodes the elected plan leaves out serve one, [fleet] 3) follows another, and is left out here."""
+    replica: the nodes the elected plan leaves out serve one) follows another, and is left out here."""
     replicas = {r for n in nodes for m in n.status().get("models", []) for r in m.get("replicas", [])}  # type: ignore[attr-defined]
     return [p for n in nodes if (p := plan_of(n)).get("host") not in replicas]
 
@@ -193,7 +193,7 @@ def test_joins_leaves_and_deaths(tmp_path: Path, tiny_model: Path, stock_bins: B
         worker.stop(signal.SIGKILL)
         nodes.remove(worker)
         assert ended.wait(90), "the stream hung after its worker died"
-        # [fleet] 4: it goes on once the mesh has re-planned (it ended with an error event before): one stream
+        # it goes on once the mesh has re-planned (it ended with an error event before): one stream
         assert events[-1] == b"data: [DONE]\n" and not any(b'"error"' in e for e in events), events[-3:]
         stall = max(y - x for x, y in itertools.pairwise(stamps))
         took = until_answered(nodes, t_kill, 90)
@@ -235,7 +235,7 @@ def test_joins_leaves_and_deaths(tmp_path: Path, tiny_model: Path, stock_bins: B
             gap_over.set()
             listener.join()
         print(f"host kill -9 -> every survivor answering: {took:.1f} s")
-        # [face-2] 5: one state and one reason on every node: a worker said the dead host "is loading the model"
+        # one state and one reason on every node: a worker said the dead host "is loading the model"
         # while the lite client said "no host elected yet"; both now judge its silent record the same way
         # (a lite client may move on to the new host before it finds the old one silent: it has no election to settle)
         for who, reasons in said.items():
@@ -255,7 +255,7 @@ def test_joins_leaves_and_deaths(tmp_path: Path, tiny_model: Path, stock_bins: B
         new_host, _ = roles(nodes)
         assert new_host in nodes and new_host is not host
 
-        # 5. [face] the last worker leaves: the host alone cannot hold the model, and every answer says so —
+        # 5. the last worker leaves: the host alone cannot hold the model, and every answer says so —
         # /health, a request, the host's own row — instead of "ok" over a model server that is gone
         host, worker = roles(nodes)
         worker.stop(signal.SIGTERM)
@@ -267,7 +267,7 @@ def test_joins_leaves_and_deaths(tmp_path: Path, tiny_model: Path, stock_bins: B
 
         wait_for(lambda: health()[0] == 503, 30, "/health to say unavailable")
         assert "waiting for more peers" in health()[1], health()
-        assert "then `mesh-llm --model MODEL --join TOKEN` there" in host.text()  # [face-2] 9: the next step
+        assert "then `mesh-llm --model MODEL --join TOKEN` there" in host.text()  # the next step
         with pytest.raises(urllib.error.HTTPError) as busy:
             ask(host.port, 4)
         assert busy.value.code == 503 and "waiting for more peers" in busy.value.read().decode()

@@ -1,4 +1,4 @@
-"""[fleet] 3: replicas. a founds the mesh with the tiny model, b joins with a whole copy of it, c is a lite client.
+"""Replicas. a founds the mesh with the tiny model, b joins with a whole copy of it, c is a lite client.
 The elected host (the same capacity: the higher id, unless a was elected before b joined — a sitting host keeps the
 role, so which one it is depends on b's start) needs itself alone, so the other serves a replica beside it:
 every node lists both hosts of the model, requests go to both, and a streamed answer whose host is killed -9 mid-way
@@ -113,7 +113,7 @@ def test_a_whole_copy_beside_the_host_serves_a_replica(tmp_path: Path, tiny_mode
 
 def test_nodes_that_hold_the_model_only_together_serve_a_replica_that_is_a_split(tmp_path: Path,
                                                                                  tiny_model: Path) -> None:  # fmt: skip
-    """[fleet] 3 "as two splits": four nodes with whole copies, each with memory for half of the model (any two hold
+    """"As two splits": four nodes with whole copies, each with memory for half of the model (any two hold
     it, none alone). The elected host's plan takes one worker; the two it leaves out serve a second split, hosted
     by the one with the most memory (``fleet.split_replica_host``) over the other's rpc-server; every node lists it
     as a replica and requests through a lite client run on both splits."""

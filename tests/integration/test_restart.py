@@ -1,4 +1,4 @@
-"""[face-2] 2: a member restarted with its plain start command (no --join) rejoins the members it last knew, at
+"""A member restarted with its plain start command (no --join) rejoins the members it last knew, at
 once: a worker, a lite client and the founder (on its old UDP port, so the invite tokens minted before still work).
 Before, each elected itself host of a one-node mesh and waited for ever."""
 
@@ -73,7 +73,7 @@ def test_a_restarted_worker_client_and_founder_rejoin_with_their_plain_command(t
         # the line follows the dial's answer, which may come a moment after a's own connection to b (CI saw it)
         wait_for(lambda: "rejoined the mesh via" in b.text(), 10, "b's rejoin line")
         assert "new mesh" not in b.text(), b.text()
-        # [face-2] 6: the host reaches it directly again (its rpc-server listens on a new port): it stayed on the
+        # the host reaches it directly again (its rpc-server listens on a new port): it stayed on the
         # tunnel, the direct path blamed for a peer that had died
         wait_for(lambda: _ask(c) == 200 and _rpc_path(a, b).startswith("direct "), 120,
                  "the split to serve over the direct path again")  # fmt: skip
@@ -100,7 +100,7 @@ def test_a_restarted_worker_client_and_founder_rejoin_with_their_plain_command(t
         d = NodeProc(tmp_path, "d", None, "--join", token)
         nodes.append(d)
         wait_for(lambda: _sees(d, a), 30, "a new member through the old token")
-        # [face-2] 2: the invite token the founder keeps names the other members too: with the founder away, a
+        # the invite token the founder keeps names the other members too: with the founder away, a
         # joiner gets in through one of them
         wait_for(lambda: b.short() in _named(a), 15, "the founder's token to name the worker")
         fresh = (a.state / "token").read_text().strip()

@@ -1,4 +1,4 @@
-"""[datapath] The direct RPC path: a host reaches its worker's rpc-server over TCP + TLS 1.3 with a pre-shared key
+"""The direct RPC path: a host reaches its worker's rpc-server over TCP + TLS 1.3 with a pre-shared key
 the worker handed it over the mesh, the tunnel staying as the fallback. Real nodes, real patched binaries, and
 openssl's own client as the stranger and as the key holder (so the TLS is standard TLS 1.3, not a private format)."""
 
@@ -94,7 +94,7 @@ def test_a_split_goes_direct_with_tls_and_only_the_host_gets_through(
         watcher.start()
         a.kill_child("llama-server")
         wait_for(lambda: "restarting" in a.text(), 30, "the restart")
-        # [face-2] 6: the death is in the timeline (what the console shows) and counted in /metrics
+        # the death is in the timeline (what the console shows) and counted in /metrics
         def timeline() -> str:
             with urllib.request.urlopen(f"http://127.0.0.1:{a.port}/mesh/status", timeout=10) as r:
                 return " | ".join(e["text"] for e in json.loads(r.read())["events"])
@@ -105,7 +105,7 @@ def test_a_split_goes_direct_with_tls_and_only_the_host_gets_through(
         wait_for(lambda: "llama-server ready" in a.text().split("restarting")[-1], 120, "llama-server back")
         watching.set()
         watcher.join()
-        # [face-2] 6: every node says the host restarts a crashed llama-server (the record said "serving" through it)
+        # every node says the host restarts a crashed llama-server (the record said "serving" through it)
         # ("restarting it" at once, then the supervisor's own "restarting in 1 s": a watcher may see either)
         crash = f"the host {a.short()} is loading: llama-server exited (SIGKILL); restarting"
         assert any(r.startswith(crash) for r in said), said
@@ -133,7 +133,7 @@ def test_a_split_goes_direct_with_tls_and_only_the_host_gets_through(
             assert "Cipher is (NONE)" in said or "TLSv1.3" not in said, said
         wait_for(lambda: b.text_of("rpc-server.log").count("TLS client refused") >= refused + 3, 30, "3 refusals")
         assert "Expected HELLO" not in b.text_of("rpc-server.log")  # the RPC parser never saw their bytes
-    # [face] shutting down while a peer is gone prints no traceback (a dial to the departed host was under way)
+    # shutting down while a peer is gone prints no traceback (a dial to the departed host was under way)
     for n in (a, b):
         assert "Traceback" not in n.text() and "never retrieved" not in n.text(), n.text()[-2000:]
 

@@ -1,4 +1,4 @@
-"""A build proves itself before it is cached, and a crashing llama-server is reported in one line ([first-run])."""
+"""A build proves itself before it is cached, and a crashing llama-server is reported in one line."""
 
 from __future__ import annotations
 

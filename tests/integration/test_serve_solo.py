@@ -1,4 +1,4 @@
-"""[serve] Solo: one node serves the test model on its API port, through llama-server on loopback."""
+"""Solo: one node serves the test model on its API port, through llama-server on loopback."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def test_solo_answers_like_llama_server_itself(solo: Solo) -> None:
     chat = {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 8, "temperature": 0}
     code, out = _post(solo.port, "/v1/chat/completions", chat)
     assert code == 200 and out["choices"][0]["message"]["content"]  # type: ignore[index]
-    # [face-2] 1: the README's first examples print what the README shows: its chat (no max_tokens) answers and
+    # the README's first examples print what the README shows: its chat (no max_tokens) answers and
     # stops, though the tiny model is a base model; its completion prints the text shown
     examples = _readme_examples()
     assert [path for path, _, _ in examples] == ["/v1/chat/completions", "/v1/completions"], examples
@@ -125,7 +125,7 @@ def test_solo_answers_like_llama_server_itself(solo: Solo) -> None:
         assert code == 200 and got == shown, (path, out)
         if "message" in choice:
             assert choice["finish_reason"] == "stop" and out["usage"]["completion_tokens"] < 16, out  # type: ignore[index]
-    # [face-3] 5: /v1/responses of a base model (a transcript template, no turn tokens) ends at the turn too (before,
+    # /v1/responses of a base model (a transcript template, no turn tokens) ends at the turn too (before,
     # it ran to its cap: " Hello.\nUser: Hello.\nAssistant: Hello.\n…")
     code, out = _post(solo.port, "/v1/responses", {"input": "Say hello.", "max_output_tokens": 60, "temperature": 0})
     said = out["output"][0]["content"][0]["text"]  # type: ignore[index]
@@ -148,7 +148,7 @@ def test_solo_answers_like_llama_server_itself(solo: Solo) -> None:
     code, err = _post(solo.port, "/v1/completions", {"model": "gemma3-270m", "max_tokens": 1})  # no prompt
     assert code == 400 and err["error"]["param"] == "prompt", err  # type: ignore[index]
     assert "json.exception" not in json.dumps(err)  # not llama-server's JSON library talking
-    with pytest.raises(openai.BadRequestError) as ns:  # a model that makes text: no embeddings ([face-3] 5)
+    with pytest.raises(openai.BadRequestError) as ns:  # a model that makes text: no embeddings
         client.embeddings.create(model="gemma3-270m", input="hello")
     assert ns.value.code == "model_not_supported" and "--embeddings" not in str(ns.value), ns.value
 
@@ -179,7 +179,7 @@ def test_streaming_arrives_token_by_token(solo: Solo) -> None:
     # token by token, not buffered: the first token reached us well before the last (a proxy that buffers the
     # whole reply delivers every event within a few milliseconds of the end)
     assert content[-1] - content[0] >= 0.25 * (content[-1] - t0), (content[0] - t0, content[-1] - t0)
-    # [face-3] 4: more tokens than a slot holds (max_tokens 10,000,000 was taken as asked): as many as it holds, and a
+    # more tokens than a slot holds (max_tokens 10,000,000 was taken as asked): as many as it holds, and a
     # header says how many (a stop string ends this one at once)
     st = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{solo.port}/mesh/status", timeout=10).read())
     big = {"prompt": "Once upon a time", "max_tokens": 10_000_000, "stop": [" "], "temperature": 0}
@@ -223,7 +223,7 @@ def test_bad_input_is_one_clear_line(tmp_path: Path) -> None:
         busy.listen()
         r = run("--model", "gemma3-270m", "--rpc-port", str(busy.getsockname()[1]))
     assert r.returncode == 2 and "--rpc-port" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    with socket.socket() as busy:  # [face-3] 4: the console's port, before the node founds a mesh (no token written)
+    with socket.socket() as busy:  # the console's port, before the node founds a mesh (no token written)
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         r = run("--model", "gemma3-270m", "--console", str(busy.getsockname()[1]))
@@ -254,7 +254,7 @@ def _port_with_next_taken() -> Iterator[int]:
 
 
 def test_sigterm_leaves_no_children_and_the_same_command_starts_again_at_once(tmp_path: Path) -> None:
-    """[face-2] 3 and 4: a second node on a running node's state dir is refused with one line naming its pid; after
+    """A second node on a running node's state dir is refused with one line naming its pid; after
     Ctrl-C the same command starts again at once (the API port's connections in TIME-WAIT do not count as in use)."""
     s = Solo(tmp_path)
     s.wait_ready()
@@ -278,7 +278,7 @@ def test_sigterm_leaves_no_children_and_the_same_command_starts_again_at_once(tm
     _, alive = psutil.wait_procs(kids, timeout=10)
     assert not alive, f"left behind: {[p.pid for p in alive]}"
     kept.close()
-    assert "stopped: no node runs on" in status_text()  # [face-2] 9: a stopped node was shown as live
+    assert "stopped: no node runs on" in status_text()  # a stopped node was shown as live
     again = Solo(tmp_path, "--port", str(s.port))  # the same state dir and port, at once
     try:
         again.wait_ready()

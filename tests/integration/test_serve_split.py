@@ -1,4 +1,4 @@
-"""[serve] Three model nodes sized so the plan splits three ways, plus a lite client: the same answers from every
+"""Three model nodes sized so the plan splits three ways, plus a lite client: the same answers from every
 node's :9337, with no weights and no logits on the wire."""
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def test_plan_splits_and_every_node_gives_the_hosts_answer(
 
 def test_openai_sdk_through_a_worker_and_a_lite_client(mesh: dict[str, NodeProc]) -> None:
     openai = pytest.importorskip("openai")
-    for n in (mesh["b"], mesh["c"]):  # [face] a worker and a lite client say their API is up, and where it goes
+    for n in (mesh["b"], mesh["c"]):  # a worker and a lite client say their API is up, and where it goes
         line = next((x for x in n.text().splitlines() if "API up:" in x), "")
         assert f":{n.port}/v1" in line and "served by host" in line, n.text()[-1500:]
     for n in (mesh["b"], mesh["c"]):
@@ -144,7 +144,7 @@ def test_openai_sdk_through_a_worker_and_a_lite_client(mesh: dict[str, NodeProc]
         pieces = [ch.choices[0].delta.content for ch in stream if ch.choices and ch.choices[0].delta.content]
         assert len(pieces) >= 4
         comp = client.completions.create(model=models[0], prompt="One, two,", max_tokens=4, temperature=0)
-        assert comp.choices[0].text and comp.id.startswith("cmpl-"), comp.id  # [face] OpenAI's prefix
+        assert comp.choices[0].text and comp.id.startswith("cmpl-"), comp.id  # OpenAI's prefix
         assert chat.id.startswith("chatcmpl-"), chat.id
         chunks = list(client.completions.create(model=models[0], prompt="One,", max_tokens=4, stream=True))
         assert chunks and all(c.id.startswith("cmpl-") for c in chunks), [c.id for c in chunks]
@@ -155,7 +155,7 @@ def test_status_command_shows_both_model_nodes(mesh: dict[str, NodeProc]) -> Non
     import subprocess
     import sys
 
-    # [face] at 80 columns, as a lite client sees it: the host named, nothing cut, the host's share with the output
+    # at 80 columns, as a lite client sees it: the host named, nothing cut, the host's share with the output
     env = {**os.environ, "COLUMNS": "80"}
     r = subprocess.run([sys.executable, "-m", "meshllm.cli", "status", "--port", str(mesh["c"].port)],
                        capture_output=True, text=True, timeout=30, env=env)  # fmt: skip
@@ -163,34 +163,34 @@ def test_status_command_shows_both_model_nodes(mesh: dict[str, NodeProc]) -> Non
     assert "host" in r.stdout and "worker" in r.stdout and "client" in r.stdout
     assert "…" not in r.stdout and max(len(x) for x in r.stdout.splitlines()) <= 80, r.stdout
     assert "host none" not in r.stdout, r.stdout
-    # (a lite client knows no plan: layers "-"); [face-2] 9: the model and the API's URL
+    # (a lite client knows no plan: layers "-"); the model and the API's URL
     assert re.search(r"model: \S+ — API http://127\.0\.0\.1:\d+/v1", r.stdout), r.stdout
     assert socket.gethostname()[:12] in r.stdout, r.stdout  # each node's name (here: the hostname) under its id
     for header in ("node", "role", "state", "memory", "layers", "path, RTT"):
         assert header in next(x for x in r.stdout.splitlines() if " role " in x), r.stdout
-    assert re.search(r"· [\d.]+\s+ms", r.stdout), r.stdout  # [face-3] 4: each peer's RTT, at 80 columns too
+    assert re.search(r"· [\d.]+\s+ms", r.stdout), r.stdout  # each peer's RTT, at 80 columns too
     # the mesh-wide count (the host's, through gossip, on a lite client) and the latest events
     mesh_line = r"mesh: \d+ tokens generated, \d+ prompt tokens \(host [0-9a-f]{8}\); [\d.]+ tok/s now"
     assert re.search(mesh_line, r.stdout), r.stdout
-    # [face-2] 5: a lite client (which plans nothing) showed the serving worker as "standby" with no layers; it now
+    # a lite client (which plans nothing) showed the serving worker as "standby" with no layers; it now
     # shows what the host's record says: the worker serving, with its layers
     as_json = [sys.executable, "-m", "meshllm.cli", "status", "--json", "--port", str(mesh["c"].port)]
     st_c = json.loads(subprocess.run(as_json, capture_output=True, text=True, timeout=30).stdout)
     workers = [p for p in st_c["peers"] if p["role"] == "worker"]
     assert workers and all(p["state"] == "serving" and p["layers"] for p in workers), st_c["peers"]
     assert st_c["state"] == "serving" and st_c["unavailable"] is None, st_c
-    # [face-2] 9: an address is never broken across lines at 80 columns
+    # an address is never broken across lines at 80 columns
     for p in st_c["peers"]:
         for addr in re.findall(r"\d+\.\d+\.\d+\.\d+:\d+", f"{p['path']} {p.get('rpc_path') or ''}"):
             assert addr in r.stdout, (addr, r.stdout)
-    # [team] the host's slots, as it gossips them
+    # the host's slots, as it gossips them
     assert re.search(r"slots: \d+ of [1-9]\d* busy, \d+ waiting; \d+ tokens of context each", r.stdout), r.stdout
     assert "joined" in r.stdout, r.stdout
     # the host's view, from the state dir it writes (no API needed): every share, the host's with the output
     r2 = subprocess.run([sys.executable, "-m", "meshllm.cli", "status", "--state-dir", str(mesh["a"].state)],
                         capture_output=True, text=True, timeout=30, env=env)  # fmt: skip
     assert r2.returncode == 0 and "+ output" in r2.stdout and "…" not in r2.stdout, r2.stderr + r2.stdout
-    # [face] memory the plan uses of what each node offers, where the plan gives it a share
+    # memory the plan uses of what each node offers, where the plan gives it a share
     st = json.loads((mesh["a"].state / "status.json").read_text())
     shares = {p["short"]: p["planned_bytes"] for p in st["peers"] if p.get("layers") or p["role"] == "host"}
     assert shares and all(isinstance(b, int) and b > 0 for b in shares.values()), st["peers"]
@@ -208,7 +208,7 @@ def _chat(port: int, body: dict[str, object], key: str | None = None) -> dict[st
 
 
 def test_tools_and_structured_output_through_a_split_answer_as_llama_server(mesh: dict[str, NodeProc]) -> None:
-    """[face-3] 5: a chat offering a tool (``tools``, ``tool_choice``) and one asking for a JSON schema
+    """A chat offering a tool (``tools``, ``tool_choice``) and one asking for a JSON schema
     (``response_format``), through a worker's API and a lite client's, answer as the host's llama-server asked
     directly (its key) — the same message; the structured answer is JSON of the schema. (The tiny base model under
     its transcript template answers the tool offer in text: no tool call is made, so what this shows is that the
@@ -295,7 +295,7 @@ def two_nodes(tmp: Path, model: Path, a_args: tuple[str, ...], b_args: tuple[str
 def test_a_split_with_a_draft_keeps_the_draft_on_the_host(
     tmp_path: Path, tiny_model: Path, stock_bins: Binaries
 ) -> None:
-    """The draft model stays on the host. [pipeline] The worker has room for the token embedding beside its layers,
+    """The draft model stays on the host. The worker has room for the token embedding beside its layers,
     so it holds that too (patch 0013), loaded from its own file; the answer is the stock split's."""
     host_args = ("--max-vram", "0.446", "--draft", str(tiny_model), "--rpc-path", "tunnel")  # counted bytes
     with two_nodes(tmp_path, tiny_model, host_args, ("--max-vram", "0.3")) as (a, _):
@@ -321,7 +321,7 @@ def test_a_split_with_a_draft_keeps_the_draft_on_the_host(
 
 
 def test_a_host_with_no_layers_keeps_the_output_and_the_logits(tmp_path: Path, tiny_model: Path) -> None:
-    """[gpu] Both nodes capped so the host can hold no repeating layer: the worker takes all 18, and what comes back
+    """Both nodes capped so the host can hold no repeating layer: the worker takes all 18, and what comes back
     from it per token is still a hidden state (logits would be 1 MiB), because the output layer stays home."""
     tun = ("--rpc-path", "tunnel")  # either may host; the tunnel counts the bytes
     with two_nodes(tmp_path, tiny_model, ("--max-vram", "0.3", *tun), ("--max-vram", "0.3", *tun)) as (a, b):

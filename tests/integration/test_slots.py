@@ -1,4 +1,4 @@
-"""[team] Many users at once, on real nodes: llama-server's slots, the host's fair and bounded queue in front of them,
+"""Many users at once, on real nodes: llama-server's slots, the host's fair and bounded queue in front of them,
 and the API as clients see it (any model name with one model, X-Api-Key, paths without /v1, CORS preflights of SDKs,
 ``n`` completions).
 
@@ -228,7 +228,7 @@ def _post_as(uid: int, port: int, body: dict[str, object]) -> int:
 @pytest.mark.skipif(os.getuid() != 0, reason="a request as another local user (nobody) needs root")
 def test_one_burst_does_not_starve_another_client(nodes: tuple[NodeProc, NodeProc]) -> None:
     """One slot, a queue of two: our user queues two short requests behind its long one, then asks from another
-    loopback address (127.0.0.2) — the same client ([trust-3] 5: one client from many addresses kept every other
+    loopback address (127.0.0.2) — the same client (one client from many addresses kept every other
     out), so it gets 429, never the burst's place; then user nobody asks: its request pushes out the burst's newest
     (429 to that one) and goes next. (A client is its network, or on loopback its local user: ``gate.client_of``.)"""
     one, _ = nodes

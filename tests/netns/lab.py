@@ -103,7 +103,7 @@ class Lab:
         return self
 
     def _routed_v6(self, lan_if: str) -> None:
-        """[lan] 4: IPv6 as ISPs hand it out, beside the IPv4 NATs: each home has a global address routed to it (no
+        """IPv6 as ISPs hand it out, beside the IPv4 NATs: each home has a global address routed to it (no
         translation), behind its NAT box's stateful firewall (new connections from the wan dropped, as home routers
         do). homeA 2001:db8:a::2 via natA (wan 2001:db8:100::2), homeB 2001:db8:b::2 via natB (2001:db8:200::2);
         the rendezvous stays IPv4-only."""
@@ -123,7 +123,7 @@ class Lab:
             self.n(nat, "ip6tables", "-A", "FORWARD", "-i", "wan", "-m", "conntrack", "--ctstate", "NEW", "-j", "DROP")
 
     def up_v6(self) -> Lab:
-        """[lan] 4: three hosts on one link with IPv6 addresses only (no IPv4 but loopback): v6a fd00:6::1 (on a
+        """Three hosts on one link with IPv6 addresses only (no IPv4 but loopback): v6a fd00:6::1 (on a
         bridge in its namespace), v6b fd00:6::2, v6c fd00:6::3; no duplicate address detection (they work at once)."""
         for name in ("v6a", "v6b", "v6c"):
             sh("ip", "netns", "add", self.ns(name))

@@ -1,4 +1,4 @@
-"""[reach] The NAT lab's cells: two members behind NATs (or one public) connect directly when the network allows,
+"""The NAT lab's cells: two members behind NATs (or one public) connect directly when the network allows,
 through a relay when it does not; and a real split completion crosses both kinds of path.
 
 Every cell: a rendezvous node founds the mesh on the public segment (it relays, being publicly reachable); A and
@@ -125,9 +125,9 @@ CELLS = [
     ("random", "cone", 0.0, 0, {"relayed"}),
     ("random", "random", 0.0, 0, {"relayed"}),
     ("blocked", "cone", 0.0, 0, {"relayed"}),
-    # [lan] 2: A and B on one LAN behind one NAT (one public address): straight over the LAN
+    # A and B on one LAN behind one NAT (one public address): straight over the LAN
     ("cone", "same", 0.0, 0, {"direct"}),
-    # [lan] 4: the same NATs as random/random, and IPv6 routed to both homes behind stateful firewalls: punched
+    # the same NATs as random/random, and IPv6 routed to both homes behind stateful firewalls: punched
     # over IPv6, no relay
     ("random+v6", "random+v6", 0.0, 0, {"direct"}),
 ]
@@ -245,7 +245,7 @@ def test_split_completion_across_nats(
             pa, pb = a.peer(b.id), b.peer(a.id)
             assert pa and pb and pa["pinned_key"] == b.id and pb["pinned_key"] == a.id, (pa, pb)
             assert rdv.id not in (pa["pinned_key"], pb["pinned_key"])
-            # [lan] 5: the relay says what it forwards and its cap per pair (nothing of this split went over it)
+            # the relay says what it forwards and its cap per pair (nothing of this split went over it)
             shown = subprocess.run([sys.executable, "-m", "meshllm.cli", "status", "--state-dir", str(rdv.state)],
                                    capture_output=True, text=True, timeout=30, env={**os.environ, "COLUMNS": "200"})
             assert "relaying for members: 2 pairs lately" in shown.stdout, shown.stdout + shown.stderr
@@ -334,7 +334,7 @@ def _approve(a: Node, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_mesh_found_on_the_lan_is_joined_only_with_approval(lab: Lab, tmp_path: Path, tiny_model: Path) -> None:
-    """[lan] 1: A founds a mesh in homeA with memory for half of the model and announces it on its LAN (mDNS); B on
+    """A founds a mesh in homeA with memory for half of the model and announces it on its LAN (mDNS); B on
     the same LAN (homeA2) finds it with --join-lan and knocks, and so does S (a stranger, also on that LAN), and C
     behind the other NAT (mDNS stays on its LAN: C finds nothing and says so). Approved, B joins and the split
     serves; S, never approved, is in nothing."""
@@ -345,7 +345,7 @@ def test_a_mesh_found_on_the_lan_is_joined_only_with_approval(lab: Lab, tmp_path
         a = Node(lab, "homeA", tmp_path, "a", *half, "--name", "desk-a")
         nodes.append(a)
         wait(lambda: "waiting for more peers" in a.log.read_text(), 30, "A to wait for memory", nodes)
-        # [trust-3] 2: a neighbour on the same LAN (the NAT box's LAN side, 192.168.1.1) announces A's mesh under its
+        # a neighbour on the same LAN (the NAT box's LAN side, 192.168.1.1) announces A's mesh under its
         # own key and relays every knock it gets to A, to replay one once A approves
         loot = tmp_path / "neighbour.json"
         a_addrs = json.loads((a.state / "node.json").read_text())["addrs"]
@@ -394,7 +394,7 @@ def test_a_mesh_found_on_the_lan_is_joined_only_with_approval(lab: Lab, tmp_path
 def test_a_split_over_three_lan_machines_sends_activations_worker_to_worker(
     lab: Lab, tmp_path: Path, tiny_model: Path
 ) -> None:
-    """[pipeline] 2 with real addresses: host A (homeA, 192.168.1.2) and workers B (homeA2, .3) and C (natA, .1) on
+    """With real addresses: host A (homeA, 192.168.1.2) and workers B (homeA2, .3) and C (natA, .1) on
     one LAN. A's llama-server links its two workers; the second takes the key only from the first's address. A, a
     member that is not that worker, is refused at the second's peer listener even with TLS 1.3 and a key of its
     own; the split answers throughout."""
@@ -441,7 +441,7 @@ def test_a_split_over_three_lan_machines_sends_activations_worker_to_worker(
 def test_a_split_over_an_ipv6_only_link_connects_and_serves_directly(
     lab: Lab, tmp_path: Path, tiny_model: Path
 ) -> None:
-    """[lan] 4: A (fd00:6::1), B (::2) and C (::3) share a link with no IPv4 on it. A's token names its IPv6
+    """A (fd00:6::1), B (::2) and C (::3) share a link with no IPv4 on it. A's token names its IPv6
     address; B and C join with it over QUIC on IPv6; A's llama-server reaches both rpc-servers over TCP + TLS on
     IPv6 and links them worker to worker (patch 0012 on 0005 and 0011): the split answers at every node, and the
     key rows name the host and the predecessor by their IPv6 addresses."""

@@ -1,4 +1,4 @@
-"""[datapath] A direct RPC path that breaks mid-run falls back to the tunnel without losing the mesh: a firewall
+"""A direct RPC path that breaks mid-run falls back to the tunnel without losing the mesh: a firewall
 rule (root: iptables on loopback) starts rejecting the worker's TLS port under a serving split, the host's
 llama-server dies and cannot reconnect, and the next start goes through the QUIC tunnel with the same answer."""
 

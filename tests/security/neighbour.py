@@ -1,4 +1,4 @@
-"""[trust-3] 2: the attacker of the knock-relay attack, as a program of its own (the NAT lab runs it in a namespace of
+"""The attacker of the knock-relay attack, as a program of its own (the NAT lab runs it in a namespace of
 the LAN, ``test_knock_relay.py`` in a thread): a node with no token that announces the founder's mesh under its own
 key (real mDNS), answers every knock "waiting" — or "refused" (``--refuse``) — and relays each knock, as it came, to
 the founder; it records the founder's answers and any token one carried.

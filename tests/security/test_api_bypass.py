@@ -1,4 +1,4 @@
-"""[trust-2] 6: --max-tokens and the API's endpoints, performed against the real API in front of a real llama-server.
+"""--max-tokens and the API's endpoints, performed against the real API in front of a real llama-server.
 Each way around the cap the audit found (a body sent as text/plain or with no Content-Type, llama-server's own
 n_predict, /v1/messages, /v1/responses, a dot segment to llama-server's /completion) and each way to llama-server's
 own endpoints (/slots, /props) is tried; and a client that goes away stops the generation it asked for."""

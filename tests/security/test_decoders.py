@@ -1,4 +1,4 @@
-"""[trust] Fuzzing every decoder that takes bytes from the network (or a file the user was handed), with hypothesis.
+"""Fuzzing every decoder that takes bytes from the network (or a file the user was handed), with hypothesis.
 
 Inputs are of two kinds: arbitrary values in every field of every message type the wire knows, and valid objects —
 signed records, admission chains, revocations, tombstones, GGUF headers — with one part replaced. The property is

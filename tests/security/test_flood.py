@@ -1,4 +1,4 @@
-"""[trust] A flood of 10 Mbit/s at a real node while the mesh serves: its memory stays bounded and the split keeps
+"""A flood of 10 Mbit/s at a real node while the mesh serves: its memory stays bounded and the split keeps
 answering the same text (audit finding 6; deliverable 4: "under a 10 Mbit/s flood of random datagrams RSS stays
 bounded (measure it) and the mesh keeps serving")."""
 

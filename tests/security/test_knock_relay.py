@@ -1,4 +1,4 @@
-"""[trust-3] 2 and 6, performed against real nodes with real mDNS on this machine: a neighbour with no token announces
+"""And 6, performed against real nodes with real mDNS on this machine: a neighbour with no token announces
 the founder's mesh under its own key, answers a real node's knocks "waiting" and relays each of them to the founder;
 once the founder approves that node, it replays the node's knock and would take the approval's token and join with
 it. Before: the knock named no recipient and the approval was an ordinary token — the neighbour took it and joined

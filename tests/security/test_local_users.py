@@ -1,4 +1,4 @@
-"""[trust] Other users of the same machine: the host's loopback tunnel listeners (llama-server's way to the workers'
+"""Other users of the same machine: the host's loopback tunnel listeners (llama-server's way to the workers'
 rpc-servers), a worker's rpc-server (the tunnels' far end) and the web console (it hands out the invite token) serve
 our own user only. Acting as another user needs root (CI runs as root)."""
 
@@ -70,7 +70,7 @@ def test_a_tunnel_listener_takes_clients_of_our_own_user_only() -> None:
 
 
 def test_the_console_and_its_token_serve_our_own_user_only(tmp_path: Path) -> None:
-    """The console's /token would give any local user a host-scoped way into the mesh, and its /approve ([lan])
+    """The console's /token would give any local user a host-scoped way into the mesh, and its /approve
     would let any node in."""
     from meshllm.machine.state import save_token
     from meshllm.serve.report.console import Console
@@ -115,7 +115,7 @@ def test_a_workers_rpc_server_takes_loopback_clients_of_our_own_user_only(
 def test_a_refused_local_client_does_not_block_the_tls_listener(
     patched_bins: Binaries, tmp_path: Path, children: list[Child]
 ) -> None:
-    """[trust-2] 10: after refusing another user's plain client, the server waited for the next plain client and
+    """After refusing another user's plain client, the server waited for the next plain client and
     took no TLS client meanwhile (patch 0006 accepted in a loop of its own). Patch 0008: one loop for both."""
     from tests.integration.test_rpc_direct import _s_client
 
@@ -134,7 +134,7 @@ def test_a_refused_local_client_does_not_block_the_tls_listener(
 
 def test_llama_servers_port_answers_nobody_without_its_key(patched_bins: Binaries, tiny_model: Path,
                                                            tmp_path: Path) -> None:  # fmt: skip
-    """[trust-2] 7: another local user called llama-server's loopback port directly, past `--api-key` and
+    """Another local user called llama-server's loopback port directly, past `--api-key` and
     `--max-tokens`. llama-server now takes a key of its own (from a 0600 file): `nobody` gets 401 for a completion,
     /slots and /props, and cannot read the key; the API (ours) gets through; /health stays open."""
     from meshllm.llama import supervisor

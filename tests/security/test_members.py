@@ -1,4 +1,4 @@
-"""[trust] What a member cannot do, tried with real mesh-llm processes on loopback: take the host's seat without a host
+"""What a member cannot do, tried with real mesh-llm processes on loopback: take the host's seat without a host
 scope, serve layers with a client scope, mint wider or longer-lived tokens than allowed, stay in after the founder
 revoked it, join with a token of a rotated secret, or come back after its admission ended unrenewed."""
 
@@ -26,7 +26,7 @@ def _mint(state: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_scopes_decide_who_hosts_and_who_serves_layers(tmp_path: Path, tiny_model: Path) -> None:
-    """[trust] a worker-scoped member with more memory than the host is not elected (capacity is self-reported:
+    """A worker-scoped member with more memory than the host is not elected (capacity is self-reported:
     2**62 once took the mesh); a client-scoped member with a model and 2 GB serves no layers, even where the plan
     needs them; nobody mints a token wider than itself or longer-lived than 30 days."""
     a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024", "--max-vram", "0.07")
@@ -77,7 +77,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_revoked_member_and_those_it_admitted_are_cut_off_everywhere(tmp_path: Path, tiny_model: Path) -> None:
-    """[trust] `mesh-llm revoke` on an admin's machine (the founder made it admin with `mesh-llm admin`): within
+    """`mesh-llm revoke` on an admin's machine (the founder made it admin with `mesh-llm admin`): within
     seconds every member drops the revoked node and the node it admitted, keeps the revocation in its state dir,
     and refuses both when they dial again. Before it is admin, and against the founder, `revoke` refuses."""
     a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024")
@@ -138,7 +138,7 @@ def test_a_revoked_member_and_those_it_admitted_are_cut_off_everywhere(tmp_path:
 
 
 def test_rotating_the_secret_stops_old_tokens_and_keeps_members(tmp_path: Path, tiny_model: Path) -> None:
-    """[trust] `mesh-llm rotate` on the founder's machine: members get the new secret within seconds (one that was
+    """`mesh-llm rotate` on the founder's machine: members get the new secret within seconds (one that was
     away gets it when it comes back), a token minted before admits nobody, a token minted after does."""
     a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024")
     nodes = [a]
@@ -169,7 +169,7 @@ def test_rotating_the_secret_stops_old_tokens_and_keeps_members(tmp_path: Path, 
         back = NodeProc(tmp_path, "d", None, "--join", old)  # d again, same state: its chain, the old secret
         nodes.append(back)
         wait_for(lambda: d.short() in a.peers() and epoch(back) == 1, 30, "d back in, with the new secret")
-        # [trust-2] 10: revoke, then rotate at once (in one tick of the founder's): the revoked node, still
+        # revoke, then rotate at once (in one tick of the founder's): the revoked node, still
         # connected for a moment, must not be handed the new secret (it was, in 1 of 2 runs)
         from meshllm.cli.main import main as cli
 
@@ -191,7 +191,7 @@ def _chain_of(n: NodeProc) -> list[list[object]]:
 def test_an_admission_is_renewed_while_in_good_standing_and_ends_for_a_node_away_too_long(
     tmp_path: Path, tiny_model: Path
 ) -> None:
-    """[trust] audit finding 4: admission was for ever. The founder signs admissions of 6 s here (--admission): a
+    """Audit finding 4: admission was for ever. The founder signs admissions of 6 s here (--admission): a
     member renews at half time and stays; stopped past its end, its chain is refused by the founder and it cannot
     start on its old membership."""
     a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024", "--admission", "6s")
@@ -228,7 +228,7 @@ def test_an_admission_is_renewed_while_in_good_standing_and_ends_for_a_node_away
 
 
 def test_a_member_that_claims_to_host_reaches_no_rpc_server_and_takes_no_seat(tmp_path: Path, tiny_model: Path) -> None:
-    """[trust] audit findings 1 and 2, performed against real nodes: a worker-scoped member gossips a signed record
+    """Audit findings 1 and 2, performed against real nodes: a worker-scoped member gossips a signed record
     that says role host, the mesh's model and 2**62 bytes of memory, then opens an RPC tunnel and asks for the
     direct-path key at the worker that serves the host's layers. Before: the record alone opened the worker's
     rpc-server (and cut the real host's tunnels), and the claimed memory won the election. Now both streams are
@@ -328,14 +328,14 @@ def _answer(port: int, within_s: float = 30) -> str:
 
 
 def test_a_member_that_claims_to_serve_gets_no_request_from_any_node(tmp_path: Path, tiny_model: Path) -> None:
-    """[trust-2] 1, performed against real nodes: a client-scoped member connects to the worker and to a lite client,
+    """1, performed against real nodes: a client-scoped member connects to the worker and to a lite client,
     gossips a signed record saying "host, serving, the mesh's model, 2**62 bytes" and a tombstone for the real
     host's current life (the host refutes it, but its new record then lands behind the claim in every table), and
     keeps its claim fresh (it is connected to the host too: a member may bury only a node it was connected to).
     Before: nodes routed to the first record in table order that said "host, serving", and
     the lite client's and the worker's requests went to the attacker. Now every node routes to the host its own
     election picks among host-scoped members: the attacker is sent no request, and every node answers the same.
-    [trust-2] 6 too: the attacker's own requests to the host over the mesh reach its door, not llama-server: none of
+    Also: the attacker's own requests to the host over the mesh reach its door, not llama-server: none of
     llama-server's own endpoints, and the host's --max-tokens holds."""
     from meshllm.net.conn import STREAM_GOSSIP, STREAM_HTTP, Conn
     from meshllm.net.endpoint import Endpoint
@@ -431,7 +431,7 @@ def test_a_member_that_claims_to_serve_gets_no_request_from_any_node(tmp_path: P
 
 
 def test_a_member_away_during_a_rotation_admits_nobody_with_its_old_secret(tmp_path: Path, tiny_model: Path) -> None:
-    """[trust-2] 10: a member that was away while the founder rotated the secret still held the old one and admitted
+    """A member that was away while the founder rotated the secret still held the old one and admitted
     tokens of it (its own token, re-minted at start, too) for as long as it stayed out of touch. A member connected
     to no other member (the founder aside) now admits nobody by token: it cannot know the mesh's current secret."""
     from meshllm.cli.main import main as cli
@@ -462,7 +462,7 @@ def test_a_member_away_during_a_rotation_admits_nobody_with_its_old_secret(tmp_p
 
 
 def test_a_member_holds_no_more_than_its_share_of_the_hosts_door(tmp_path: Path, tiny_model: Path) -> None:
-    """[trust-3] 5: the host's door (where peers' requests enter) had no per-peer bound. A client-scoped member opens
+    """The host's door (where peers' requests enter) had no per-peer bound. A client-scoped member opens
     70 request streams to the host, each with half a request head: 64 are bridged to the door (its share), the rest
     are reset at once; keys it minted for itself would count as it (``tok.accountable``: unit-tested)."""
     from meshllm.net.conn import STREAM_HTTP

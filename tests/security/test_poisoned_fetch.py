@@ -1,4 +1,4 @@
-"""[trust-3] 1, performed against real nodes: a client-scoped member holds a copy of the mesh's model altered outside
+"""1, performed against real nodes: a client-scoped member holds a copy of the mesh's model altered outside
 the bytes the model fingerprint samples (so its record names the model's fingerprint) and serves it with a manifest
 it signs honestly for its own bytes. Its node id sorts before the founder's. Before: every whole holder was a source
 whatever its scope, the manifest most sources signed was believed and a tie went to the lowest node id — the liar's

@@ -1,4 +1,4 @@
-"""[trust-2] 4: revocation evaded through renewal, performed against the real cores (MeshCore, the table, the listener's
+"""Revocation evaded through renewal, performed against the real cores (MeshCore, the table, the listener's
 admission check). A member signs admissions for keys of its own offline, has the founder renew them (a renewal used
 to replace the chain with the founder's, after which no chain named the member), mints a token with one of them and
 joins a fresh key with it at the founder; or mints a token itself that another member checks. Revoking the member
@@ -85,7 +85,7 @@ def test_a_revoked_member_cannot_launder_keys_through_renewals_or_tokens() -> No
 
 
 def test_a_member_that_mints_identities_cannot_lock_an_honest_member_out() -> None:
-    """[trust-2] 5: a member fills the 1024-node table with identities it signed offline (some of them admitting more
+    """A member fills the 1024-node table with identities it signed offline (some of them admitting more
     of their own), buries an honest member's life, and the honest refutation used to be dropped as "a new node's
     record" (new joiners too). Now the members admitted through any one member are bounded (MAX_THROUGH) and a
     table takes back a node it knew: the honest member and a new joiner end up in the table."""

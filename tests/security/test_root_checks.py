@@ -1,4 +1,4 @@
-"""[trust-2] 11: the checks at the root of membership and of the node's secrets, each tried with the input it exists
+"""The checks at the root of membership and of the node's secrets, each tried with the input it exists
 to refuse. An audit removed them one at a time and the whole suite still passed; each test here fails when its check
 is taken out (each was tried so)."""
 

@@ -1,4 +1,4 @@
-"""[trust] Fuzzing the C++ we added to llama.cpp: the patched rpc-server's own commands (SET_TENSOR_GGUF, GGUF_STATUS
+"""Fuzzing the C++ we added to llama.cpp: the patched rpc-server's own commands (SET_TENSOR_GGUF, GGUF_STATUS
 and the capabilities in HELLO), driven by hypothesis against the real binary with the real tiny model.
 
 Each example is one command with arbitrary fields (tensor name bytes, type, shape, strides, data pointer inside,

@@ -1,4 +1,4 @@
-"""[trust-2] 8: slow clients exhaust the API before the key is checked, performed against a real node with
+"""Slow clients exhaust the API before the key is checked, performed against a real node with
 --listen-all under a 1,024-file limit (as the audit found it). 1,100 connections from one address each send half a
 request head and stop. Before: they took every file descriptor, a client with the key was kept out for 80 s and the
 node grew 208 MB. Now one address holds at most 64 connections, a head must arrive within 10 s (the connection is
@@ -97,7 +97,7 @@ def _open(s: socket.socket) -> bool:
 
 
 def test_many_addresses_of_one_client_keep_no_client_with_the_key_out(tmp_path: Path, tiny_model: Path) -> None:
-    """[trust-3] 3: a stranger with 13 addresses held 64 half-sent requests on each, 832 > the gate's 768, and a client
+    """A stranger with 13 addresses held 64 half-sent requests on each, 832 > the gate's 768, and a client
     with the key got 0 of 29 requests through in 60 s. Here the 13 addresses are 127.0.0.2-14 (one local user: one
     client, as the /64 of one IPv6 host would be — ``gate.client_of``, unit-tested); the node is at 1,024 files as
     before. Now they share one client's 64, and a newcomer closes the oldest connection that never presented the key:

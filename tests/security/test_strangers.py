@@ -1,4 +1,4 @@
-"""[trust] What a stranger on the network can do to a node before it authenticates, on loopback with the real QUIC
+"""What a stranger on the network can do to a node before it authenticates, on loopback with the real QUIC
 endpoint: junk datagrams, a flood of real Initials (bounded pending handshakes and RSS, a member's connection keeps
 answering), streams and bytes parked before authentication, and an address that once closed a node's only socket."""
 
@@ -26,7 +26,7 @@ from tests.integration.test_endpoint import _pair, _until
 
 
 def test_a_bad_address_cannot_close_the_socket() -> None:
-    """[trust] asyncio closes a UDP transport for good on a send error that is not an OSError; a peer that gossips
+    """Asyncio closes a UDP transport for good on a send error that is not an OSError; a peer that gossips
     127.0.0.1:70000 once took every node's only socket down. Now such sends are dropped and the socket lives."""
 
     async def main() -> None:
@@ -96,7 +96,7 @@ def test_junk_datagrams_make_no_connection_and_leave_the_socket_working() -> Non
 
 
 def test_a_peer_that_never_authenticates_cannot_park_megabytes() -> None:
-    """[trust] QUIC (aioquic, qh3) grants credit as data arrives: a key that never authenticated once queued 98 MB."""
+    """QUIC (aioquic, qh3) grants credit as data arrives: a key that never authenticated once queued 98 MB."""
 
     async def main() -> None:
         a, b, accepted, addr = await _pair()
@@ -117,7 +117,7 @@ def test_a_peer_that_never_authenticates_cannot_park_megabytes() -> None:
 
 
 def test_a_flood_of_initials_holds_at_most_max_pending_handshakes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """[trust] each Initial with a new connection id used to hold a connection for 10 s: a flood grew RSS by
+    """Each Initial with a new connection id used to hold a connection for 10 s: a flood grew RSS by
     hundreds of MB. Now at most MAX_PENDING wait; the rest are dropped, a member's connection keeps answering all
     through the flood, and new peers get in again after."""
     monkeypatch.setattr(endpoint, "ACCEPT_TIMEOUT_S", 1.0)

@@ -1,4 +1,4 @@
-"""[trust-2] 3: a stranger stalls a split, performed against real nodes. The worker's rpc-server did the TLS
+"""A stranger stalls a split, performed against real nodes. The worker's rpc-server did the TLS
 handshake inside its one accept loop with a limit per recv(): a client sending one byte every 2 s held the loop for
 ever, and at the next llama-server start (a crash, a re-plan) the split could not load — the host answered 503 for as
 long as the stranger trickled, the tunnel fallback hung too. Now handshakes run beside the accept loop, each with a

@@ -1,4 +1,4 @@
-"""[trust] Web pages in the user's browser cannot drive the API or the console: a page of another site (it sends
+"""Web pages in the user's browser cannot drive the API or the console: a page of another site (it sends
 Origin) and a page that rebinds its DNS name to 127.0.0.1 (it sends its own Host) are refused before anything runs;
 a page of a local app gets CORS headers of ours, never llama-server's (which echo any Origin, with credentials); the
 console's chat takes JSON only and caps what it passes on. A real node, its real llama-server, real HTTP."""

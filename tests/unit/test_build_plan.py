@@ -145,7 +145,7 @@ def _tar_of(tmp_path: Path, names: dict[str, bytes]) -> Path:
 def test_the_source_extracts_with_and_without_tarfiles_data_filter(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, has_filter: bool
 ) -> None:
-    """[first-run-2] 1: Debian 12's Python 3.11.2 has no ``extractall(filter=)`` (a TypeError stopped the first
+    """Debian 12's Python 3.11.2 has no ``extractall(filter=)`` (a TypeError stopped the first
     build); there the members are written by hand, and a name that leaves the tree is refused either way."""
     import tarfile
 
@@ -169,7 +169,7 @@ def test_the_source_extracts_with_and_without_tarfiles_data_filter(
 def test_a_cuda_toolkit_off_path_is_found_and_a_gpu_without_one_is_said(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """[first-run-2] 2: NVIDIA's installers leave /usr/local/cuda/bin off PATH and the build went CPU without a word.
+    """NVIDIA's installers leave /usr/local/cuda/bin off PATH and the build went CPU without a word.
     The toolkit is looked for where toolkits live; a GPU with none is one line that names the next step. (The GPU
     itself is the boundary we cannot reach here: ``gpu_visible`` is stubbed; the device run shows the real one.)"""
     home = tmp_path / "cuda-12.4"
@@ -199,7 +199,7 @@ def test_a_cuda_toolkit_off_path_is_found_and_a_gpu_without_one_is_said(
 
 
 def test_the_vulkan_flavour_names_its_packages_when_they_are_missing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """[first-run-2] 3: --backend vulkan (AMD and Intel GPUs without ROCm): its cmake flag, and one line naming the
+    """--backend vulkan (AMD and Intel GPUs without ROCm): its cmake flag, and one line naming the
     packages when its headers or shader compiler are missing."""
     assert "-DGGML_VULKAN=ON" in b.backend_flags("vulkan") and "vulkan" in b.BACKENDS
     real_which = b.shutil.which

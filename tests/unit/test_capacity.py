@@ -1,4 +1,4 @@
-"""[gpu] What a node offers: the free memory of the accelerator llama.cpp sees, less a margin; RAM on a CPU node;
+"""What a node offers: the free memory of the accelerator llama.cpp sees, less a margin; RAM on a CPU node;
 --max-vram caps both."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def test_a_nearly_full_gpu_offers_nothing_rather_than_less_than_zero() -> None:
 
 
 def test_llama_threads_follow_the_cpus_this_process_may_use() -> None:
-    """[fleet] a node pinned to one CPU (taskset, a cpuset) runs llama.cpp with one thread, not one per CPU of the
+    """A node pinned to one CPU (taskset, a cpuset) runs llama.cpp with one thread, not one per CPU of the
     machine (two threads on one CPU wait for each other)."""
     import os
     import subprocess
@@ -72,7 +72,7 @@ def test_llama_threads_follow_the_cpus_this_process_may_use() -> None:
 
 
 def test_a_node_offers_ram_beside_its_accelerator_for_routed_experts() -> None:
-    """[big] 1: a GPU node offers three quarters of its RAM besides its VRAM (--max-ram caps it); a CPU node's RAM is
+    """A GPU node offers three quarters of its RAM besides its VRAM (--max-ram caps it); a CPU node's RAM is
     its capacity, capped by --max-vram: RAM beside that only as much as --max-ram says (so a capped CPU node in a
     test or on a shared machine keeps to its cap), within what the capacity leaves."""
     gpu = offer(parse_devices(TWO_GPUS), 256 * GB, max_gb=None)

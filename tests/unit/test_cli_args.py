@@ -1,5 +1,5 @@
 """Every option is checked when the command line is parsed: a bad value is one line naming the option, exit 2,
-and no input prints a traceback ([first-run])."""
+and no input prints a traceback."""
 
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ BAD = [
     (["bundle", "--python", "2.7"], "--python"),
     (["bundle", "-j", "-1"], "-j"),
     (["download", ""], "name"),
-    (["--port", "9437", "status"], "--port comes before the subcommand 'status'"),  # [face-2] 9: was ignored
-    # [trust-3] 6: each numeric bound just past its edge (the mutation audit found them untested)
+    (["--port", "9437", "status"], "--port comes before the subcommand 'status'"),  # was ignored
+    # each numeric bound just past its edge (the mutation audit found them untested)
     (["--model", "m.gguf", "--port", "0"], "--port"),
     (["--model", "m.gguf", "--port", "65536"], "--port"),
     (["--model", "m.gguf", "--rpc-port", "65535"], "--rpc-port"),
@@ -112,7 +112,7 @@ def test_good_values_parse() -> None:
          "[2001:db8::1]:7000", "--max-vram", "0.5", "--token-ttl", "12h", "--console"]
     )  # fmt: skip
     assert (a.port, a.bind_port, a.bind_host, a.max_vram, a.token_ttl, a.console) == (65535, 0, "::", 0.5, 43200, 3131)
-    # [big]: --max-ram 0 offers no RAM (the model stays on accelerators); --max-vram 0 is still refused above
+    # --max-ram 0 offers no RAM (the model stays on accelerators); --max-vram 0 is still refused above
     assert build_parser().parse_args(["--model", "m.gguf", "--max-ram", "0"]).max_ram == 0.0
 
 
@@ -135,7 +135,7 @@ def test_a_bad_token_is_the_users_error_only_at_the_users_boundary() -> None:
 
 
 def test_every_command_and_option_explains_itself() -> None:
-    """[face] item 10: subcommands with a description, every option with help, --model naming all its forms."""
+    """Item 10: subcommands with a description, every option with help, --model naming all its forms."""
     import argparse
 
     from meshllm.cli.main import build_parser
@@ -195,7 +195,7 @@ def test_serving_options_reach_llama_servers_command_line(tmp_path: object) -> N
 
 
 def test_a_model_without_a_template_gets_one_that_suits_it() -> None:
-    """[face-2] 1: an instruction-tuned GGUF without a template gets its architecture's built-in one; a base model
+    """An instruction-tuned GGUF without a template gets its architecture's built-in one; a base model
     (no fine-tune named) or an architecture without a built-in gets the plain transcript; a GGUF's own wins."""
     from meshllm.llama.chat import BASE_MODEL, ChatDefault, chat_default
 
@@ -207,7 +207,7 @@ def test_a_model_without_a_template_gets_one_that_suits_it() -> None:
 
 
 def test_durations_read_as_people_say_them() -> None:
-    """[face-2] 9: `token --ttl 30m` said "valid 0 h"."""
+    """`token --ttl 30m` said "valid 0 h"."""
     from meshllm.serve.report.narration import duration
 
     assert [duration(x) for x in (45, 1800, 5400, 43200, 86400, 129600, 30 * 86400)] == [
@@ -224,7 +224,7 @@ def test_a_node_may_be_named_like_a_subcommand() -> None:
 
 
 def test_relay_rate_reads_megabytes_per_second() -> None:
-    """[lan] 5: --relay-rate MB/s (0: no cap); anything else is one line naming the option."""
+    """--relay-rate MB/s (0: no cap); anything else is one line naming the option."""
     import pytest
 
     from meshllm.cli.main import build_parser
@@ -239,7 +239,7 @@ def test_relay_rate_reads_megabytes_per_second() -> None:
 
 
 def test_an_unknown_option_is_named_with_the_one_it_may_be_a_typo_of() -> None:
-    """[face-3] 4: `--modle gemma3-270m` was reported as "invalid choice: 'gemma3-270m'" (argparse read the model's
+    """`--modle gemma3-270m` was reported as "invalid choice: 'gemma3-270m'" (argparse read the model's
     name as a subcommand)."""
     from meshllm.cli.main import build_parser, unknown_option
 

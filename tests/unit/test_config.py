@@ -1,4 +1,4 @@
-"""[first-run-2] 4: the config file — every flag of the node as a TOML key, per-model tables, flags win, and a bad key
+"""The config file — every flag of the node as a TOML key, per-model tables, flags win, and a bad key
 or value is one line naming the file."""
 
 from __future__ import annotations

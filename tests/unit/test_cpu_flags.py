@@ -1,4 +1,4 @@
-"""CPU instruction flags of a build ([first-run]): never AMX, never -march=native on x86, a safer level to fall
+"""CPU instruction flags of a build: never AMX, never -march=native on x86, a safer level to fall
 back to, and the one-line diagnosis of a llama-server that dies."""
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ def test_highest_capacity_wins_ties_to_highest_id() -> None:
 
 
 def test_only_a_host_scoped_member_is_elected() -> None:
-    """[trust] a member claiming any capacity (2**62 took the mesh once) is no candidate without the host scope."""
+    """A member claiming any capacity (2**62 took the mesh once) is no candidate without the host scope."""
     from meshllm.proto.token import Scope
 
     huge = 2**62
@@ -106,7 +106,7 @@ def test_far_nodes_only_when_near_ones_do_not_suffice() -> None:
 
 
 def test_a_node_serving_a_replica_is_taken_only_after_the_idle_ones() -> None:
-    """[fleet] 3: a host that lost its worker takes a standby node before one that serves a replica of the model
+    """A host that lost its worker takes a standby node before one that serves a replica of the model
     (taking that ends the replica and every answer it streams); when the idle ones do not suffice, it takes it."""
     host_cap = host_fixed_bytes(SHAPE, CTX) + 4 * SHAPE.layer_cost(0, CTX)
     others = [Slot(B, _fits(8)), Slot(C, _fits(6))]
@@ -154,7 +154,7 @@ def test_the_token_embedding_goes_to_the_first_worker_where_it_has_room() -> Non
     assert isinstance(small, Plan) and not small.embd_first
     none = plan(SHAPE, Slot(A, GB), [Trusted(B, GB, rtt_ms=1), Trusted(C, GB, rtt_ms=2)], CTX, split=[0, 1, 3])
     assert isinstance(none, Plan) and not none.embd_first  # the first node named takes no layer: not layer 0 either
-    # [trust-3] 5: a first worker not trusted with prompts (below host scope) gets embedding rows, never token ids
+    # a first worker not trusted with prompts (below host scope) gets embedding rows, never token ids
     wary = plan(SHAPE, Slot(A, host_cap), [Slot(B, _fits(6) + SHAPE.embd_bytes, rtt_ms=1)], CTX)
     assert isinstance(wary, Plan) and not wary.embd_first
     wary_split = plan(SHAPE, Slot(A, GB), [Slot(B, GB, rtt_ms=1), Slot(C, GB, rtt_ms=2, prompts=True)], CTX,
@@ -200,7 +200,7 @@ def test_plan_debounce_first_at_once_and_urgent_when_broken() -> None:
 
 
 def test_a_plan_the_host_already_runs_or_one_that_ends_a_wait_is_adopted_at_once() -> None:
-    """[fleet] 3, [pipeline] 4: a worker the host's running plan names follows it without its own debounce (the
+    """A worker the host's running plan names follows it without its own debounce (the
     host's llama-server waits for its key); a node that served nothing while it waited for memory takes the first
     plan that runs. Otherwise a change waits (a join burst would cost reloads)."""
     from meshllm.proto.planner import adopt_at_once
@@ -243,7 +243,7 @@ def test_serving_host_is_a_connected_peer_announcing_the_model() -> None:
 
 
 def test_requests_go_to_the_elected_host_never_to_a_self_claim() -> None:
-    """[trust-2] 1: a client- or worker-scoped member that gossips "host, serving" (with any capacity, listed first in
+    """A client- or worker-scoped member that gossips "host, serving" (with any capacity, listed first in
     the table) gets no request: a node routes to the host its own election picks among host-scoped records, and
     with the real host gone it routes nowhere rather than to the claimant; the claimant's model adds no name."""
     import time
@@ -278,7 +278,7 @@ def test_requests_go_to_the_elected_host_never_to_a_self_claim() -> None:
     core.table.merge_record(rec(liar_c, tok.Scope.CLIENT, 2**62, ModelFacts("cd" * 32, 1, 1, "mine"), seq=2), now)
     assert core.table.entries[crypto.node_id(liar_c)].record.model.source == "mine"  # type: ignore[union-attr]
     assert core.serving_host("mine", now) is None and "mine" not in core.served_models(now)
-    # [trust-2] 10: the reason every node gives for a host that cannot serve is the elected host's own, never a
+    # the reason every node gives for a host that cannot serve is the elected host's own, never a
     # claimant's text
     liar = crypto.node_id(liar_w)
     core.table.merge_record(PeerRecord(liar, 1, 3, role="host", state="serving", model=facts, capacity=2**62,
@@ -333,7 +333,7 @@ def test_slots_for_takes_the_nodes_with_the_model_and_the_hosts_rtts() -> None:
     ]
     assert slots_for(recs, ids[0], "aa") == (Slot(ids[0], 10), [Slot(ids[1], 5, 3.5), Slot(ids[4], 7, 0.0)])
     assert slots_for(recs[1:], ids[0], "aa") is None  # the host's own record missing
-    # [trust-3] 5: a host-scoped worker is trusted with prompts (it may take the token embedding), a worker-scoped not
+    # a host-scoped worker is trusted with prompts (it may take the token embedding), a worker-scoped not
     trusted = PeerRecord(ids[1], 1, 2, role=Role.WORKER, capacity=5, model=same, chain=chain(Scope.HOST))
     got = slots_for([host, trusted, recs[4]], ids[0], "aa")
     assert got is not None and [s.prompts for s in got[1]] == [True, False]
@@ -374,7 +374,7 @@ def test_each_device_pays_its_compute_buffer() -> None:
 
 
 def test_equal_workers_keep_the_layers_they_hold_across_replans() -> None:
-    """[trust-3] 2: two equal workers swapped ranges 3-5 times on a busy machine and each fetched both. What each holds
+    """Two equal workers swapped ranges 3-5 times on a busy machine and each fetched both. What each holds
     is an input: the same workers are ordered by the layers they hold, so a re-plan moves none of them."""
     host_cap = host_fixed_bytes(SHAPE, CTX) + 4 * SHAPE.layer_cost(0, CTX)
     lo, hi = sorted([B, C])
@@ -403,7 +403,7 @@ MOE = ModelShape(
 
 
 def test_a_host_short_of_accelerator_memory_keeps_the_fewest_layers_experts_in_ram() -> None:
-    """[big] 2: pooled accelerator memory first (no spill while it holds the model); short of it, the host keeps the
+    """Pooled accelerator memory first (no spill while it holds the model); short of it, the host keeps the
     routed experts of as few layers as needed in its RAM (--n-cpu-moe as tensor overrides); RAM too short: waiting."""
     whole = host_fixed_bytes(MOE, CTX) + sum(MOE.layer_cost(i, CTX) for i in range(10))
     fits = plan(MOE, Slot(A, whole, ram=GB), [], CTX)
@@ -432,7 +432,7 @@ def test_a_host_short_of_accelerator_memory_keeps_the_fewest_layers_experts_in_r
        ram_mb=st.integers(0, 2000), moe=st.booleans(), ctx=st.sampled_from([512, 4096]))  # fmt: skip
 @settings(max_examples=200, deadline=None)
 def test_a_plan_never_exceeds_a_nodes_cap(host_mb: int, workers: list[int], ram_mb: int, moe: bool, ctx: int) -> None:
-    """[face-3] 3: a node capped at 0.4 GB became host with 0.45 GB planned. Whatever the memory, a plan puts on each
+    """A node capped at 0.4 GB became host with 0.45 GB planned. Whatever the memory, a plan puts on each
     node at most what it offers (its RAM for experts apart), or the mesh waits."""
     shape = MOE if moe else SHAPE
     host = Slot(A, host_mb * MiB, ram=ram_mb * MiB)
@@ -446,7 +446,7 @@ def test_a_plan_never_exceeds_a_nodes_cap(host_mb: int, workers: list[int], ram_
 
 
 def test_a_spilling_plan_keeps_its_workers_ranges_and_covers_each_layer_once() -> None:
-    """[big] with [trust-3] 2: two equal workers that hold their layers in the other order, and a host that spills:
+    """With two equal workers that hold their layers in the other order, and a host that spills:
     the workers are reordered within their own range (not the range a plan without spill would have given them),
     every layer is placed once."""
     host_cap = host_fixed_bytes(MOE, CTX) + 3 * MOE.layer_cost(0, CTX)  # short: the host must spill
@@ -460,7 +460,7 @@ def test_a_spilling_plan_keeps_its_workers_ranges_and_covers_each_layer_once() -
 
 
 def test_a_host_short_of_ram_lets_its_workers_keep_experts_in_theirs() -> None:
-    """[big] 2: a worker with an accelerator serves its CPU too (its rpc-server's last device, an entry 0 in the
+    """A worker with an accelerator serves its CPU too (its rpc-server's last device, an entry 0 in the
     split) and keeps the routed experts of its first layers there: the fewest expert bytes in RAM over the mesh, the
     host's RAM where that costs no more; a worker with no RAM offered serves no CPU device."""
     per = MOE.compute_bytes(CTX, output=False)
@@ -497,7 +497,7 @@ def test_a_forced_split_keeps_a_workers_cpu_device_entry() -> None:
 
 
 def test_layers_whole_in_the_hosts_ram_come_first_and_the_devices_split_the_rest() -> None:
-    """[big] 2: whole layers in RAM are llama.cpp's --n-gpu-layers: its CPU takes layers [0, ram_layers) ahead of
+    """Whole layers in RAM are llama.cpp's --n-gpu-layers: its CPU takes layers [0, ram_layers) ahead of
     every device; the split spreads the offloaded units only, so each offloaded layer lands where the plan says."""
     host_cap = host_fixed_bytes(SHAPE, CTX, gpu=True) + 4 * SHAPE.layer_cost(0, CTX)
     p = plan(SHAPE, Slot(A, host_cap, ram=GB, gpu=True), [Slot(B, _fits(3), ram=GB, gpu=True)], CTX)
@@ -521,7 +521,7 @@ def test_layers_whole_in_the_hosts_ram_come_first_and_the_devices_split_the_rest
 def test_ram_is_used_only_where_accelerators_are_short_and_every_layer_once(
     host_mb: int, workers: list[tuple[int, int, bool]], ram_mb: int, moe: bool, ctx: int
 ) -> None:
-    """[big] 2: with RAM offered, a plan is the plan without RAM wherever that one places the model; otherwise every
+    """With RAM offered, a plan is the plan without RAM wherever that one places the model; otherwise every
     layer is placed once, no node's accelerator or RAM holds more than it offers, and the split covers the units."""
     shape = MOE if moe else SHAPE
     host = Slot(A, host_mb * MiB, ram=ram_mb * MiB, gpu=True)
@@ -551,7 +551,7 @@ def test_ram_is_used_only_where_accelerators_are_short_and_every_layer_once(
 def test_the_fewest_expert_bytes_in_ram_by_brute_force(
     n: int, host: tuple[int, int], workers: list[tuple[int, int]], experts: list[int]
 ) -> None:
-    """[big] 2: the plan keeps no more expert bytes in RAM than the best of every way to cut the layers into
+    """The plan keeps no more expert bytes in RAM than the best of every way to cut the layers into
     contiguous ranges (each node spilling the first of its range), found by trying them all on a small model."""
     from itertools import combinations_with_replacement
 
@@ -586,7 +586,7 @@ def test_the_fewest_expert_bytes_in_ram_by_brute_force(
 
 
 def test_accelerators_host_and_their_ram_comes_before_cpu_nodes() -> None:
-    """[big] c: a GPU node and a CPU node with far more (RAM) capacity: the GPU node hosts (the plan keeps the
+    """C: a GPU node and a CPU node with far more (RAM) capacity: the GPU node hosts (the plan keeps the
     per-token work on accelerators), and keeps experts in its own RAM rather than handing whole layers to the CPU
     node; the CPU node takes layers only where the GPU's memory and RAM are short. Between nodes of one kind, the
     capacity rule holds (and a sitting CPU host yields to a GPU node at once)."""

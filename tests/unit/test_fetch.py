@@ -1,4 +1,4 @@
-"""[fetch] The pure core of fetching a model from peers: signed manifests, which promise to believe, which chunk to ask
+"""The pure core of fetching a model from peers: signed manifests, which promise to believe, which chunk to ask
 of whom, and a lying source caught at its first bad chunk."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def test_decoding_a_manifest_never_raises(raw: bytes) -> None:
 
 
 def test_only_host_scoped_holders_decide_what_is_believed_and_no_vote_or_id_breaks_a_tie() -> None:
-    """[trust-3] 1: a member below host scope carries bytes and decides nothing; the host's manifest wins; vouchers
+    """A member below host scope carries bytes and decides nothing; the host's manifest wins; vouchers
     that disagree (no host among them) stop the fetch; how many keys sign a lie, or how they sort, changes nothing."""
     bad = bytearray(DATA)
     bad[5] ^= 1
@@ -96,7 +96,7 @@ def test_vouchers_are_host_scoped_members_holding_the_whole_file() -> None:
 
 
 def test_a_fingerprint_names_a_file_only_as_64_hex_digits() -> None:
-    """[trust-3] 4: a fingerprint is used as a file name; a record or manifest with anything else is refused."""
+    """A fingerprint is used as a file name; a record or manifest with anything else is refused."""
     from meshllm.proto.gossip import is_fingerprint
 
     assert is_fingerprint(FP) and is_fingerprint("0123456789abcdef" * 4)

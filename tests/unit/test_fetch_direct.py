@@ -1,4 +1,4 @@
-"""[fetch] The direct path's guards, on real loopback sockets: only a ticket the source issued over the mesh opens it,
+"""The direct path's guards, on real loopback sockets: only a ticket the source issued over the mesh opens it,
 a ticket ends, and the fetcher talks only to the certificate the member named."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""[fleet] The models a mesh serves, grouped from the live records: each with its nodes and its own host."""
+"""The models a mesh serves, grouped from the live records: each with its nodes and its own host."""
 
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ def test_a_replica_is_never_the_sitting_host_and_is_routed_to_only_beside_the_el
 
 
 def test_a_dropped_model_has_no_host_until_the_founder_or_an_admin_serves_it_again() -> None:
-    """[fleet] 2: `mesh-llm drop NAME` / `serve NAME` — signed words, the newest per model counts; a dropped model is
+    """`mesh-llm drop NAME` / `serve NAME` — signed words, the newest per model counts; a dropped model is
     listed nowhere, elects no host (ours neither) and routes nowhere; a word by a non-admin, a forged one, or one for
     another mesh is refused; an admin's stops counting once the admin is revoked."""
     import dataclasses
@@ -224,7 +224,7 @@ def test_a_node_serving_nothing_takes_up_the_model_asked_for_first_that_nobody_s
 
 
 def test_the_nodes_a_host_leaves_out_that_hold_the_model_only_together_form_a_second_split() -> None:
-    """[fleet] 3 "as two splits": whole copies outside the elected host's plan, neither lite nor client-scoped nor
+    """"As two splits": whole copies outside the elected host's plan, neither lite nor client-scoped nor
     able to hold it alone (those serve whole replicas); hosted by the host-scoped one with the most memory."""
     from meshllm.proto.fleet import left_out, split_replica_host
 
@@ -265,7 +265,7 @@ def test_the_nodes_serving_a_replica_are_its_host_and_its_plan() -> None:
 
 
 def test_a_node_its_model_does_not_use_moves_to_a_model_that_waits_for_memory() -> None:
-    """[fleet] 2 demand: a --model auto node that serves a replica of x (or stands by) goes to y while y's host waits
+    """Demand: a --model auto node that serves a replica of x (or stands by) goes to y while y's host waits
     for memory; never from a model whose plan uses it or that waits itself (no bouncing between waiting models)."""
     from meshllm.proto.fleet import ModelGroup, move_to
 
@@ -283,7 +283,7 @@ def test_a_node_its_model_does_not_use_moves_to_a_model_that_waits_for_memory() 
 
 
 def test_a_node_whose_election_settles_answers_a_sitting_host_that_plans_it() -> None:
-    """[pipeline] 4: a worker joining a mesh whose host already sits and plans it serves its layers for that host
+    """A worker joining a mesh whose host already sits and plans it serves its layers for that host
     while its own election settles (before: it refused the host's key requests for those 2 s, on every new split).
     Not a host that does not sit, a replica, one whose plan leaves it out, nor once the election has settled."""
     from meshllm.proto.election import DEBOUNCE_S
@@ -304,7 +304,7 @@ def test_a_node_whose_election_settles_answers_a_sitting_host_that_plans_it() ->
 
 
 def test_the_mesh_elects_a_gpu_node_over_a_cpu_node_with_more_memory() -> None:
-    """[big] c: the election every node runs over gossiped records reads a node's device: a GPU node beats a CPU
+    """C: the election every node runs over gossiped records reads a node's device: a GPU node beats a CPU
     node whose RAM is the larger figure."""
     m = _members(2)
     core, now = m.core, m.now

@@ -1,7 +1,7 @@
 
 
 def test_an_embedding_model_is_an_encoder_or_one_that_pools() -> None:
-    """[face-3] 5: what runs llama-server in its embedding mode: an encoder's architecture, or a pooling type of
+    """What runs llama-server in its embedding mode: an encoder's architecture, or a pooling type of
     mean, CLS or last under the model's own architecture; not a reranker's (rank), not none, not another arch's key."""
     from meshllm.llama.gguf import is_embedding_model
 

@@ -93,7 +93,7 @@ def test_a_clean_leave_buries_and_travels() -> None:
     t.merge_record(rec(k, c, seq=1), T)
     res = t.merge_record(rec(k, c, seq=2, left=True), T)
     assert crypto.node_id(k) not in t.entries and res.new_raw
-    # [face] not in the graveyard either: a node that left is not redialled ("connected to X" after "X left")
+    # not in the graveyard either: a node that left is not redialled ("connected to X" after "X left")
     assert crypto.node_id(k) not in t.graveyard
     t2 = Table(crypto.node_id(crypto.new_key()), MESH)
     t2.merge_push(t.push_all(), T)
@@ -128,7 +128,7 @@ def test_rtts_and_links_are_keyed_by_node_id_and_other_keys_are_dropped() -> Non
 
 
 def test_forged_tombstones_bury_nobody() -> None:
-    """[trust] audit finding 5: a tombstone signed by any key was taken and forwarded, and one for a life far ahead
+    """Audit finding 5: a tombstone signed by any key was taken and forwarded, and one for a life far ahead
     kept its node out for good. Now: the signer must be a known member, and only a life seen may be buried."""
     me = crypto.new_key()
     t = Table(crypto.node_id(me), MESH)
@@ -156,7 +156,7 @@ def test_forged_tombstones_bury_nobody() -> None:
         GossipPush(tombstones=[Tombstone(crypto.node_id(me), 2**62, signer, T).signed(signer_key).to_wire()]), T
     )
     assert not res.refuted and res.dropped == ["tombstone for a life of ours not being lived"]
-    # [trust-2] 5: a member may bury only a node it was connected to, as the node's own record says (ours: we say)
+    # a member may bury only a node it was connected to, as the node's own record says (ours: we say)
     assert push(Tombstone(victim, 1, signer, T).signed(signer_key)) == [
         "tombstone by a member the node was not connected to"] and victim in t.entries  # fmt: skip
     res = t.merge_push(GossipPush(tombstones=[Tombstone(crypto.node_id(me), 1, signer, T).signed(signer_key)
@@ -187,7 +187,7 @@ def test_a_multi_device_nodes_shares_travel_and_bad_ones_are_dropped() -> None:
 
 
 def test_the_peer_table_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    """[trust] a member minted 2000 identities of its own and every node accepted (and dialled) them all."""
+    """A member minted 2000 identities of its own and every node accepted (and dialled) them all."""
     import meshllm.proto.gossip as g
 
     cap = 5
@@ -202,7 +202,7 @@ def test_the_peer_table_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_revocation_cuts_the_member_and_everyone_it_admitted_for_good() -> None:
-    """[trust] membership could not be revoked: now the founder's signed word drops a member and its descendants
+    """Membership could not be revoked: now the founder's signed word drops a member and its descendants
     from every table, their records and chains are refused from then on, and the word travels in gossip."""
     me = crypto.new_key()
     t = Table(crypto.node_id(me), MESH)
@@ -235,7 +235,7 @@ def test_a_revocation_cuts_the_member_and_everyone_it_admitted_for_good() -> Non
 
 
 def test_an_admin_the_founder_named_revokes_members_but_not_the_founder_or_other_admins() -> None:
-    """[trust] revocation "signed by the founder or a node it made admin": the founder's grant travels in gossip
+    """Revocation "signed by the founder or a node it made admin": the founder's grant travels in gossip
     before the admin's revocations; an admin's word counts only while it stands."""
     t = Table(crypto.node_id(crypto.new_key()), MESH)
     (a, ca), (b, cb), (e, ce) = member(), member(), member()
@@ -267,7 +267,7 @@ def test_an_admin_the_founder_named_revokes_members_but_not_the_founder_or_other
     t.merge_record(rec(c, cc), T)
     late = tok.revoke(a, MESH, crypto.node_id(c), T, admins={na})
     assert t.merge_push(GossipPush(revocations=[late.to_wire()]), T).dropped and crypto.node_id(c) in t.entries
-    # [trust-2] 10: and what it revoked falls with it — a node that took a revocation by the admin before hearing
+    # and what it revoked falls with it — a node that took a revocation by the admin before hearing
     # of the admin's own (one signed after it and backdated, say) keeps none of them
     assert nb not in t.revoked and set(t.revoked) == {na}
     assert t.merge_record(rec(b, cb, seq=2), T).changed == [nb]  # b is a member again
@@ -281,7 +281,7 @@ def test_an_admin_the_founder_named_revokes_members_but_not_the_founder_or_other
 
 
 def test_a_departed_nodes_old_record_does_not_come_back_after_its_tombstone_is_forgotten() -> None:
-    """[trust] low finding: once the tombstone of a node that left was forgotten (10 min), its last record replayed
+    """Low finding: once the tombstone of a node that left was forgotten (10 min), its last record replayed
     by anyone was taken as alive again. Records carry their signing time now; one older than MAX_RECORD_AGE_S is
     stale (a record of unknown time, from a core never told the wall clock, is not judged)."""
     from meshllm.proto.gossip import MAX_RECORD_AGE_S, TOMBSTONE_TTL_S
@@ -295,14 +295,14 @@ def test_a_departed_nodes_old_record_does_not_come_back_after_its_tombstone_is_f
     res = t.merge_record(rec(k, ch, seq=2, at=int(T)), later)
     assert not res.changed and "stale" in res.dropped[0]
     assert t.merge_record(rec(k, ch, seq=3, at=int(later - MAX_RECORD_AGE_S + 30)), later).changed  # clocks apart
-    # [trust-2] 10: a record signed far in the future would never go stale (a ghost, once its node is gone)
+    # a record signed far in the future would never go stale (a ghost, once its node is gone)
     res = t.merge_record(rec(k, ch, seq=4, at=int(later + tok.CLOCK_SKEW_S + 60)), later)
     assert not res.changed and "in the future" in res.dropped[0]
     assert t.merge_record(rec(k, ch, seq=5, at=int(later + tok.CLOCK_SKEW_S - 60)), later).changed  # clocks apart
 
 
 def test_addresses_from_peers_are_ip_literals_never_names() -> None:
-    """[trust-2] 9: a host name in a gossiped address was resolved on the event loop (a slow resolver held every
+    """A host name in a gossiped address was resolved on the event loop (a slow resolver held every
     node's loop for 8 s): records, tokens and every address a peer sends must be IP literals; the CLI resolves the
     user's own names once, at start."""
     import argparse
@@ -342,7 +342,7 @@ def test_a_hosts_slots_travel_and_bad_ones_are_dropped() -> None:
 
 
 def test_a_hosts_layers_and_rate_travel_and_bad_ones_are_dropped() -> None:
-    """[face-2] 5, 7: the layers of the plan the host runs (a lite client plans nothing: it showed a serving worker as
+    """The layers of the plan the host runs (a lite client plans nothing: it showed a serving worker as
     "standby") and its generation rate now."""
     t = Table(crypto.node_id(FOUNDER), MESH)
     k, c = member()
@@ -358,7 +358,7 @@ def test_a_hosts_layers_and_rate_travel_and_bad_ones_are_dropped() -> None:
 
 
 def test_a_member_that_left_is_still_one_for_its_tokens_until_revoked_or_ended() -> None:
-    """[face-2] 2: a token names several members so that it works while its issuer is away; the member a joiner
+    """A token names several members so that it works while its issuer is away; the member a joiner
     reaches checks the issuer's scope, which it knew only while the issuer was in its table."""
     t = Table(crypto.node_id(FOUNDER), MESH)
     t.wall = T
@@ -376,7 +376,7 @@ def test_a_member_that_left_is_still_one_for_its_tokens_until_revoked_or_ended()
 
 
 def test_a_partial_copy_says_which_layers_it_holds_and_is_never_elected_host() -> None:
-    """[fetch] 2: a worker that fetched only its layers names them in its record ("held"; absent: the whole file); a
+    """A worker that fetched only its layers names them in its record ("held"; absent: the whole file); a
     bad list drops the record; the election passes over a partial copy however much memory it offers (a host needs
     the whole file)."""
     from meshllm.proto.gossip import ModelFacts, Role
@@ -401,7 +401,7 @@ def test_a_partial_copy_says_which_layers_it_holds_and_is_never_elected_host() -
 
 
 def test_a_replica_says_so_in_its_record() -> None:
-    """[fleet] 3: a host beside the elected one says it is a replica ("rep"; absent: not one)."""
+    """A host beside the elected one says it is a replica ("rep"; absent: not one)."""
     t = Table(crypto.node_id(FOUNDER), MESH)
     k, c = member()
     n = crypto.node_id(k)
@@ -411,7 +411,7 @@ def test_a_replica_says_so_in_its_record() -> None:
 
 
 def test_a_record_whose_model_fingerprint_is_not_64_hex_digits_is_dropped() -> None:
-    """[trust-3] 4: a member's record named its model ``../../x`` and a joining node wrote ``<any path>.part``."""
+    """A member's record named its model ``../../x`` and a joining node wrote ``<any path>.part``."""
     from meshllm.proto.gossip import ModelFacts
 
     t = Table(crypto.node_id(FOUNDER), MESH)
@@ -424,7 +424,7 @@ def test_a_record_whose_model_fingerprint_is_not_64_hex_digits_is_dropped() -> N
 
 
 def test_a_connected_peer_that_falls_silent_is_buried_after_direct_dead_s_not_dead_after_s() -> None:
-    """[trust-3] 6 (the mutation audit left it untested): a node we are connected to that says nothing for
+    """(the mutation audit left it untested): a node we are connected to that says nothing for
     DIRECT_DEAD_S (6 s) is buried by us at once — a member that did not hear it for DEAD_AFTER_S (10 s) is slower."""
     from meshllm.proto.meshcore import DIRECT_DEAD_S, MeshCore
 
@@ -444,7 +444,7 @@ def test_a_connected_peer_that_falls_silent_is_buried_after_direct_dead_s_not_de
 
 
 def test_the_ram_a_node_offers_travels_and_a_bad_one_is_dropped() -> None:
-    """[big] 1: the RAM beside a node's capacity is in its record (absent: 0, an older node's)."""
+    """The RAM beside a node's capacity is in its record (absent: 0, an older node's)."""
     t = Table(crypto.node_id(FOUNDER), MESH)
     k, c = member()
     n = crypto.node_id(k)

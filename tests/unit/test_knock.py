@@ -1,4 +1,4 @@
-"""[lan] The doorbell: a knock is listed until approved, then answered with the token made for that node only."""
+"""The doorbell: a knock is listed until approved, then answered with the token made for that node only."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def test_a_refused_node_is_told_so_and_forgotten_even_if_approved() -> None:
 
 
 def test_a_knock_relayed_by_a_node_that_announced_the_mesh_as_its_own_is_refused() -> None:
-    """[trust-3] 2: a neighbour announced the mesh with its own key, answered a real node's knocks "waiting" and relayed
+    """A neighbour announced the mesh with its own key, answered a real node's knocks "waiting" and relayed
     them to the founder; after `approve` it replayed one and took the token. A knock names the node it was sent to
     (the key its connection pinned): the founder refuses one addressed to anyone else, whatever it relays."""
     bell = Doorbell(MESH, ME, {})
@@ -102,7 +102,7 @@ def test_a_knock_relayed_by_a_node_that_announced_the_mesh_as_its_own_is_refused
 
 
 def test_an_approval_token_admits_only_the_node_that_knocked() -> None:
-    """[trust-3] 2: the approval was an ordinary token that named no node; now it names the knocking key."""
+    """The approval was an ordinary token that named no node; now it names the knocking key."""
     from meshllm.proto.auth import AuthChallenge, AuthHello, check_proof, make_proof
 
     chain = tok.found(FOUNDER, NOW)
@@ -130,7 +130,7 @@ def test_an_approval_token_admits_only_the_node_that_knocked() -> None:
 
 
 def test_a_refusal_ends_the_knocking_only_from_the_founder_or_an_admin() -> None:
-    """[trust-3] 6: a fake announcement answering "refused" ended anyone's --join-lan."""
+    """A fake announcement answering "refused" ended anyone's --join-lan."""
     no = KnockAnswer(REFUSED, reason="go away")
     stranger, admin = crypto.node_id(crypto.new_key()), crypto.node_id(crypto.new_key())
     assert knock.refusal_is_final(no, MESH, ME)  # the founder: its key is the mesh's id
@@ -145,7 +145,7 @@ def test_a_refusal_ends_the_knocking_only_from_the_founder_or_an_admin() -> None
 
 
 def test_a_flood_from_one_address_never_evicts_another_machines_knock_and_approve_finds_the_evicted() -> None:
-    """[trust-3] 6: 128 knocks a second of fresh keys kept a real knock listed 11.7 % of the time. A source holds at
+    """128 knocks a second of fresh keys kept a real knock listed 11.7 % of the time. A source holds at
     most PER_SOURCE places; what was evicted anyway (MAX_WAITING sources) is remembered for `approve`."""
     bell = Doorbell(MESH, ME, {})
     real = crypto.new_key()

@@ -92,7 +92,7 @@ NEUTRAL = {"meshllm.errors"}  # the leaf of our own, importing nothing of meshll
 
 
 def test_the_protocol_cores_import_only_themselves_the_standard_library_and_pure_libraries() -> None:
-    """[house-2] 4: ``proto/`` takes ``now`` and does no I/O, so it imports no asyncio shell, no llama.cpp, no
+    """``proto/`` takes ``now`` and does no I/O, so it imports no asyncio shell, no llama.cpp, no
     aiohttp or psutil — read from the source of every module there, lazy imports too."""
     for p in sorted((SRC / "proto").rglob("*.py")):
         for node in ast.walk(ast.parse(p.read_text())):
@@ -108,7 +108,7 @@ def test_the_protocol_cores_import_only_themselves_the_standard_library_and_pure
         assert not imports()[leaf], f"{leaf} must import nothing of meshllm"
 
 
-SERVE = {  # [house-2] 1: what each package of serve/ may import of the others (its docstring says the same)
+SERVE = {  # what each package of serve/ may import of the others (its docstring says the same)
     "http": set(),
     "fetch": {"options"},
     "split": {"fetch", "http", "options"},

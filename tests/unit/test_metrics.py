@@ -1,4 +1,4 @@
-"""[face] /metrics text: each family once, exact counters (serve/http/metrics.py)."""
+"""/metrics text: each family once, exact counters (serve/http/metrics.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_families_stay_together_and_counters_stay_exact() -> None:
 
 
 def test_load_progress_is_read_from_the_current_run_of_the_log(tmp_path: Path) -> None:
-    """[face] load progress: llama-server (patch 0007) prints a line per step; only the current run counts."""
+    """Load progress: llama-server (patch 0007) prints a line per step; only the current run counts."""
     from meshllm.llama.supervisor import load_progress
 
     log = tmp_path / "llama-server.log"

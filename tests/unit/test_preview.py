@@ -1,4 +1,4 @@
-"""[big] 3: `mesh-llm plan MODEL` — the host the election would pick, each node's layers and memory, the slots; or
+"""`mesh-llm plan MODEL` — the host the election would pick, each node's layers and memory, the slots; or
 what the mesh lacks. From a node's status (pure), without loading anything."""
 
 from __future__ import annotations
@@ -41,6 +41,6 @@ def test_a_mesh_short_of_memory_says_how_much() -> None:
     lines = describe("m.gguf", SHAPE, 1_300_000_000, size(SHAPE, host, others, 1, 1024), labels, "the mesh")
     assert lines[1].startswith("  would not load: waiting for more peers — need ") and "have 0.7 GB" in lines[1]
     tiny = mesh_slots({"node": "01" * 32, "peers": [_peer(1, 0.3), _peer(2, 2.0, "worker")]})
-    assert tiny is not None  # [face-3] 3: a host that cannot hold the output says so, never a plan over its cap
+    assert tiny is not None  # a host that cannot hold the output says so, never a plan over its cap
     lines = describe("m.gguf", SHAPE, 1_300_000_000, size(SHAPE, tiny[0], tiny[1], 1, 1024), tiny[2], "the mesh")
     assert "the host's 0.30 GB is less than the output layer" in lines[1], lines

@@ -33,7 +33,7 @@ def test_relay_is_never_an_open_reflector() -> None:
 
 
 def test_a_spoofed_members_source_without_its_token_is_dropped() -> None:
-    """[trust-2] 10: a third party that sends from a member's address (a spoofed UDP source) does not know the
+    """A third party that sends from a member's address (a spoofed UDP source) does not know the
     token of the member's connection to the relay: nothing is forwarded."""
     for token in (TB, b"\0" * 8, b"tokenAAB"):
         assert reach.relay_forward(reach.relay_packet(RELAY, B, token, QUIC), AT_A, MEMBERS, ADDR_OF) is None
@@ -100,7 +100,7 @@ def test_probes_with_a_wrong_nonce_or_from_strangers_are_ignored() -> None:
 
 
 def test_a_forged_ack_cannot_move_a_path() -> None:
-    """[trust] the rendezvous knows the nonce: unsigned, it could forge B's ack from an address of its own."""
+    """The rendezvous knows the nonce: unsigned, it could forge B's ack from an address of its own."""
     a = Puncher(KA)
     nonce = a.start(B, [AT_B], now=0.0, dialler=True).nonce
     nothing = reach.Heard()
@@ -141,7 +141,7 @@ def test_observe_keeps_the_two_newest_reflexive_addresses_and_spots_no_nat() -> 
     assert r3 == ["198.51.100.2:5111", "198.51.100.2:6222"]
     assert reach.observe(r, own, "192.168.1.2:4000", local, 4000) == (r, True)  # a LAN member: no NAT between us
     assert reach.advertised(r3, own, 16) == ["198.51.100.2:6222", "198.51.100.2:5111", *own]
-    # [lan] 4: IPv6 is not translated, and a home router's firewall may stand in front of our own address: no relay
+    # IPv6 is not translated, and a home router's firewall may stand in front of our own address: no relay
     v6 = "[2001:db8::2]:4000"
     assert reach.observe(r, [*own, v6], v6, {*local, "2001:db8::2"}, 4000) == (r, False)
     assert reach.observe(r, own, "[2001:db8::99]:4000", local, 4000) == (r, False)  # nor a reflexive address
@@ -164,7 +164,7 @@ def test_rendezvous_vouches_for_the_sender_and_tells_it_where_the_target_is() ->
 
 
 def test_a_punch_request_points_our_probes_at_one_address_of_the_askers_choice_at_most() -> None:
-    """[trust] a member once made a node send 400 probes to 8 addresses of its choice."""
+    """A member once made a node send 400 probes to 8 addresses of its choice."""
     record = ("198.51.100.2:4000", "10.0.0.2:4000")
     claimed = ["203.0.113.9:1", "192.0.2.1:2", "10.0.0.2:4000", "192.0.2.3:3", "198.51.100.2:4000"]
     assert reach.punch_targets(claimed, record) == ["203.0.113.9:1", "10.0.0.2:4000", "198.51.100.2:4000"]
@@ -172,7 +172,7 @@ def test_a_punch_request_points_our_probes_at_one_address_of_the_askers_choice_a
 
 
 def test_a_relay_s_budget_per_pair_refills_at_its_rate() -> None:
-    """[lan] 5: a token bucket per (sender, destination): a quarter second's worth at once (at least 64 KiB), then
+    """A token bucket per (sender, destination): a quarter second's worth at once (at least 64 KiB), then
     ``rate`` bytes/s; pairs apart; rate 0: no cap; quiet pairs forgotten."""
     from meshllm.proto.reach import PAIR_IDLE_S, PairBudget
 

@@ -1,4 +1,4 @@
-"""[fleet] 4: the request that continues a streamed answer cut mid-way."""
+"""The request that continues a streamed answer cut mid-way."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_a_chat_replay_leaves_out_its_second_opening() -> None:
 
 
 def test_an_answer_is_replayed_up_to_the_bound_and_continued_after_one_prefill_beyond() -> None:
-    """[face-3] 2: up to REPLAY_MAX_TOKENS sent, the answer again from its start (the uninterrupted text); beyond,
+    """Up to REPLAY_MAX_TOKENS sent, the answer again from its start (the uninterrupted text); beyond,
     one prefill of the prompt and the text (benchmarks/resume_seam.py: a prefill does not keep that text)."""
     from meshllm.proto.resume import REPLAY_MAX_TOKENS, replays
 

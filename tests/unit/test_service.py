@@ -1,4 +1,4 @@
-"""[first-run-2] 4: the service unit — this mesh-llm with the node's flags, restarted on failure, started at boot;
+"""The service unit — this mesh-llm with the node's flags, restarted on failure, started at boot;
 never a token or a key on its command line; checked by systemd-analyze where systemd is installed."""
 
 from __future__ import annotations

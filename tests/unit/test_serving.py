@@ -1,4 +1,4 @@
-"""The serving core ([house]): where a request goes, which llama-server a plan wants, who may open RPC, which of
+"""The serving core: where a request goes, which llama-server a plan wants, who may open RPC, which of
 two connections survives. Pure functions, each with its negative cases."""
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def test_every_node_keeps_the_hosts_plan_first() -> None:
 
 
 def test_a_lite_client_gives_the_hosts_own_reason() -> None:
-    """[face] a lite client said "no host elected yet" (before: "the model server failed: ServerDisconnectedError")
+    """A lite client said "no host elected yet" (before: "the model server failed: ServerDisconnectedError")
     where the host knew it was waiting for more peers; the host's record says why, and every node says the same."""
     why = "the host 0a0a0a0a is waiting for more peers — need 0.6 GB, have 0.3 GB"
     assert route(None, host=None, host_says=why) == s.Busy(why)
@@ -232,7 +232,7 @@ def test_a_lite_client_gives_the_hosts_own_reason() -> None:
 
 
 def test_a_split_waits_for_workers_still_fetching_their_layers() -> None:
-    """[fetch] 2: a worker with a partial copy that lacks a layer the plan gives it holds the split back (or the
+    """A worker with a partial copy that lacks a layer the plan gives it holds the split back (or the
     host would push those weights over the network); one holding them, or the whole file, does not."""
     up = {"listeners": frozenset({W1, W2}), "connected": frozenset({W1, W2})}
     assert want(SPLIT, lacking=frozenset({W2, STRANGER}), **up) == s.NeedLayers((W2,))
@@ -263,7 +263,7 @@ def test_the_host_waits_for_a_worker_s_layers_a_bounded_time() -> None:
 
 
 def test_tunnel_peer_entries_name_each_forwarder_on_loopback_or_nothing() -> None:
-    """[pipeline] 2 over the mesh: a worker's entry is the port on its predecessor's machine that leads to it; the
+    """Over the mesh: a worker's entry is the port on its predecessor's machine that leads to it; the
     first worker's says only its address (127.0.0.1: where its own connections come from at its successor)."""
     a, b, c = (bytes([i]) * 32 for i in (1, 2, 3))
     eps = {a: "127.0.0.1:5001", b: "127.0.0.1:5002", c: "127.0.0.1:5003"}
@@ -315,7 +315,7 @@ def test_peer_links_and_the_embedding_are_read_from_llama_servers_log() -> None:
 
 
 def test_ram_flags_put_each_nodes_experts_in_its_own_ram_and_whole_layers_on_the_hosts_cpu() -> None:
-    """[big] 2: the host's spilled experts in its CPU buffers; a GPU worker's in its rpc-server's CPU device (the one
+    """The host's spilled experts in its CPU buffers; a GPU worker's in its rpc-server's CPU device (the one
     after its accelerators, named by the endpoint given to --rpc); a CPU worker's nowhere else (its one device is
     RAM); the host's whole layers in RAM as --n-gpu-layers (the units the split spreads)."""
     p = Plan(ME, (Assignment(W1, 2, 3, 1, (5, 5), (2, 3), 9, cpu_last=True), Assignment(W2, 5, 2, 1, (), (5,), 9),
@@ -340,7 +340,7 @@ def test_a_gpu_node_offering_ram_serves_its_cpu_after_its_accelerators() -> None
 
 
 def test_a_request_naming_no_model_is_for_the_nodes_own_else_the_meshs_only_one() -> None:
-    """[face-3] 1: this node's own model first, then the one model served; with several and none of our own: None
+    """This node's own model first, then the one model served; with several and none of our own: None
     (the API answers 400 listing them)."""
     from meshllm.proto.serving import default_model
 

@@ -183,8 +183,8 @@ def test_unknown_trained_context_stays_at_the_base() -> None:
 
 
 def test_the_default_context_on_two_80gb_gpus_for_an_8b_model_is_at_least_32k() -> None:
-    """[team]'s goal, on the planner: Llama-3-8B's shape (Q4_K_M, 4.9 GB; GQA 8 KV heads of 128: 4 KiB of f16 K+V per
-    token and layer; trained for 131072) on a mesh of two 80 GB GPUs gets 8 slots of at least 32k tokens."""
+    """Many clients at once, on the planner: Llama-3-8B's shape (Q4_K_M, 4.9 GB; GQA 8 KV heads of 128: 4 KiB of f16
+    K+V per token and layer; trained for 131072) on a mesh of two 80 GB GPUs gets 8 slots of at least 32k tokens."""
     shape = ModelShape(
         n_layer=32, layer_bytes=(137 * MiB,) * 32, embd_bytes=282 * MiB, output_bytes=411 * MiB, other_bytes=MiB,
         kv_bytes_per_token_layer=2 * 8 * (128 + 128), n_embd=4096, n_vocab=128256, n_ctx_train=131072,
@@ -205,7 +205,7 @@ def test_the_memory_of_sources_is_bounded(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_the_source_running_fewest_slots_goes_first_even_if_served_more_lately() -> None:
-    """[trust-3] 6 (the mutation audit left it untested): the first rule of the rank is the slots a source runs now;
+    """(the mutation audit left it untested): the first rule of the rank is the slots a source runs now;
     the time it was last served only breaks ties. a runs two slots and was served before b; b runs none: b next."""
     s = sl.Slots(total=3, queue_max=64)
     a1, a2 = s.arrive("a", 1, 1.0), s.arrive("a", 1, 2.0)

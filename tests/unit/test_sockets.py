@@ -1,4 +1,4 @@
-"""[lan] 4: one socket for both IP families, and the address forms on it; [pipeline] 3: runs of datagrams that
+"""One socket for both IP families, and the address forms on it; runs of datagrams that
 one segmented (GSO) send carries."""
 
 from __future__ import annotations

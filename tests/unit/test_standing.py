@@ -1,4 +1,4 @@
-"""[face-2] 5, 7: one vocabulary for where a node stands, computed in one pure place from the records every node holds
+"""One vocabulary for where a node stands, computed in one pure place from the records every node holds
 (so the host, a worker and a lite client say the same), and mesh-wide figures that keep their history."""
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def test_a_tally_forgets_sources_one_by_one_beyond_its_bound_but_not_their_count
 
 
 def test_a_node_goes_by_one_word_the_elected_one_host_before_its_record_says_so() -> None:
-    """[face-3] 4: the label the console and `mesh-llm status` show comes from the election like the state line: an
+    """The label the console and `mesh-llm status` show comes from the election like the state line: an
     elected node still recording itself a worker reads "host" (beside "elected: taking over as the host")."""
     assert s.label(Role.WORKER, False, True, s.State.LOADING) == "host"
     assert s.label(Role.HOST, False, True, s.State.SERVING) == "host"

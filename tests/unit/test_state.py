@@ -1,4 +1,4 @@
-"""The state dir ([house]): one module names its files; each is written atomically with its mode from the start,
+"""The state dir: one module names its files; each is written atomically with its mode from the start,
 and secrets that others can read are refused on load."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def test_missing_or_damaged_addresses_are_one_line(tmp_path: Path) -> None:
 
 
 def test_a_planted_file_or_link_is_never_written_through_and_an_open_dir_is_closed(tmp_path: Path) -> None:
-    """[trust] low findings: a file planted at the temporary name left `token` world-writable; a 0777 state dir was
+    """Low findings: a file planted at the temporary name left `token` world-writable; a 0777 state dir was
     kept as is."""
     import os
 
@@ -85,7 +85,7 @@ def test_a_shared_folder_is_refused_not_closed(tmp_path: Path) -> None:
 
 
 def test_serve_and_drop_sign_words_in_the_founders_state_dir(tmp_path: Path, capsys: object) -> None:
-    """[fleet] 2: `mesh-llm drop NAME` / `serve NAME` on the founder's state dir: each a signed word kept in
+    """`mesh-llm drop NAME` / `serve NAME` on the founder's state dir: each a signed word kept in
     `directives`, the newer one at least a second later than the last about that model (same second: it still
     counts), a word the running node kept from an admin revoked since left out rather than a traceback; a member
     that is neither founder nor admin gets one line."""
@@ -123,7 +123,7 @@ def test_serve_and_drop_sign_words_in_the_founders_state_dir(tmp_path: Path, cap
 
 @pytest.mark.parametrize("name", ["revoked", "admins", "directives"])
 def test_the_signed_words_files_must_be_private(tmp_path: Path, name: str) -> None:
-    """[trust-3] 6 (the mutation audit left it untested): ``revoked``, ``admins`` and ``directives`` are read only
+    """(the mutation audit left it untested): ``revoked``, ``admins`` and ``directives`` are read only
     when no one else may read or write them; one with another mode is a clear error, not trusted."""
     from meshllm.machine.state import load_directives, load_signed
 

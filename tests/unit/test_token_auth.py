@@ -176,7 +176,7 @@ def test_refusals(mesh: dict[str, object]) -> None:
 
 
 def test_scopes_narrow_along_the_chain_and_bound_what_a_token_admits(mesh: dict[str, object]) -> None:
-    """[trust] scopes: a token admits its holder with the token's scope; nobody admits or mints wider than itself."""
+    """Scopes: a token admits its holder with the token's scope; nobody admits or mints wider than itself."""
     key, chain, mid = mesh["key"], mesh["chain"], mesh["mesh_id"]
     assert tok.chain_scope(chain) == tok.Scope.HOST  # type: ignore[arg-type]
     # a worker token from the founder: the joiner's chain says worker
@@ -209,7 +209,7 @@ def test_scopes_narrow_along_the_chain_and_bound_what_a_token_admits(mesh: dict[
 
 
 def test_token_lifetimes_are_capped(mesh: dict[str, object]) -> None:
-    """[trust] a 100-year token was accepted once: no token lives past MAX_TTL_S, even one made by hand."""
+    """A 100-year token was accepted once: no token lives past MAX_TTL_S, even one made by hand."""
     with pytest.raises(ValueError, match="at most 30 days"):
         tok.mint(mesh["key"], mesh["mesh_id"], mesh["secret"], [], NOW, 100 * 365 * 86400)  # type: ignore[arg-type]
     t = tok.mint(mesh["key"], mesh["mesh_id"], mesh["secret"], [], NOW, tok.MAX_TTL_S)  # type: ignore[arg-type]
@@ -244,7 +244,7 @@ def test_a_revoked_node_is_refused_with_its_chain_a_token_or_a_chain_it_signed(m
 
 
 def test_a_rotated_secret_refuses_old_tokens_and_keeps_members(mesh: dict[str, object]) -> None:
-    """[trust] `mesh-llm rotate`: only the founder signs a new secret; tokens of the old one admit nobody; a member
+    """`mesh-llm rotate`: only the founder signs a new secret; tokens of the old one admit nobody; a member
     that missed the rotation still gets in with the old secret (and then learns the new one)."""
     from meshllm.proto.auth import make_rekey, rekey_refused
 
@@ -270,7 +270,7 @@ def test_a_rotated_secret_refuses_old_tokens_and_keeps_members(mesh: dict[str, o
 
 
 def test_an_admission_ends_unless_renewed(mesh: dict[str, object]) -> None:
-    """[trust] audit finding 4: a node admitted with a 1-second token still authenticated years later. An admission
+    """Audit finding 4: a node admitted with a 1-second token still authenticated years later. An admission
     now holds for its span, a chain no longer than its shortest link, and nobody signs past their own end."""
     key, chain, mid = mesh["key"], mesh["chain"], mesh["mesh_id"]
     a, b, s = crypto.new_key(), crypto.new_key(), crypto.new_key()
@@ -319,7 +319,7 @@ def test_renewal_is_for_members_in_good_standing(mesh: dict[str, object]) -> Non
         tok.renew(key, chain, nb, cb, mid, set(), NOW + 100)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="ends sooner"):  # a cannot make b's admission last beyond its own
         tok.renew(a, ca, nb, renewed, mid, set(), NOW + 115)
-    # [trust-2] 4: not before half time, and who admitted b first stays on record: revoking a still cuts b
+    # not before half time, and who admitted b first stays on record: revoking a still cuts b
     with pytest.raises(ValueError, match="less than half"):
         tok.renew(key, chain, nb, cb, mid, set(), NOW + 39)  # type: ignore[arg-type]  (half is 50; a tenth of slack)
     assert renewed[-1][7] == (na,) and tok.lineage(renewed) == [na, nb]
@@ -372,7 +372,7 @@ def test_members_renew_through_the_core_and_one_left_unrenewed_is_dropped(mesh: 
 
 
 def test_a_node_cut_off_with_the_member_that_admitted_it_knows_it_is_out(mesh: dict[str, object]) -> None:
-    """[trust] a revoked node (or one admitted through it) kept dialling for ever: a refusal now names the signed
+    """A revoked node (or one admitted through it) kept dialling for ever: a refusal now names the signed
     revocation (the dialler checks it itself), and a core that takes it says it is out, once."""
     from meshllm.proto.meshcore import EventKind, MeshCore
 
@@ -394,7 +394,7 @@ def test_a_node_cut_off_with_the_member_that_admitted_it_knows_it_is_out(mesh: d
 
 
 def test_a_token_names_other_members_and_their_list_is_signed(mesh: dict[str, object]) -> None:
-    """[face-2] 2: a token carried one issuer's addresses; when that member was away (a restart, a laptop shut), a
+    """A token carried one issuer's addresses; when that member was away (a restart, a laptop shut), a
     joiner had no one to ask. It now names up to MAX_ALSO others, each with its addresses, under the signature."""
     others = [(bytes([i]) * 32, [f"10.0.0.{i}:4000", "bad address", f"[fd00::{i}]:4000"]) for i in range(1, 7)]
     me = crypto.node_id(mesh["key"])  # type: ignore[arg-type]
@@ -433,7 +433,7 @@ def test_the_founders_token_is_checked_by_a_member_that_never_saw_the_founder(me
 
 
 def test_a_member_in_touch_with_no_other_member_admits_nobody_by_token(mesh: dict[str, object]) -> None:
-    """[trust-3] 6 (tested only through child processes before): a member away during a rotation may hold a
+    """(tested only through child processes before): a member away during a rotation may hold a
     replaced secret; connected to no other member it cannot know, so it admits no token — a member's chain still
     proves itself."""
     a = crypto.new_key()
@@ -445,7 +445,7 @@ def test_a_member_in_touch_with_no_other_member_admits_nobody_by_token(mesh: dic
 
 
 def test_a_members_minted_keys_count_as_that_member() -> None:
-    """[trust-3] 5: a member with sybils kept the host's queue full. At a host's door a request counts as the first
+    """A member with sybils kept the host's queue full. At a host's door a request counts as the first
     node of its sender's lineage that is neither the founder nor an admin: keys a member mints are that member."""
     founder, m, admin, s1, s2, x = (crypto.new_key() for _ in range(6))
     fid, mid_, aid, s1id, s2id, xid = (crypto.node_id(k) for k in (founder, m, admin, s1, s2, x))
@@ -462,7 +462,7 @@ def test_a_members_minted_keys_count_as_that_member() -> None:
 
 
 def test_a_token_names_only_members_that_may_admit_its_scope() -> None:
-    """[trust-3] 6: a host token named a client-scoped member among its others to dial, and that member refused it."""
+    """A host token named a client-scoped member among its others to dial, and that member refused it."""
     from meshllm.proto.gossip import PeerRecord, Role
     from meshllm.proto.meshcore import token_alternates
 

@@ -1,4 +1,4 @@
-"""[trust] What a web page in the browser may ask of the API and the console (serve/http/webguard.py)."""
+"""What a web page in the browser may ask of the API and the console (serve/http/webguard.py)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_the_upstreams_cors_headers_never_pass() -> None:
 
 
 def test_max_tokens_capped_where_configured() -> None:
-    """[trust] a request for 10**9 tokens was passed on; --max-tokens caps what any request asks (and one that does
+    """A request for 10**9 tokens was passed on; --max-tokens caps what any request asks (and one that does
     not say), under every name llama-server takes."""
     from meshllm.serve.http.api import cap_tokens
 
@@ -41,7 +41,7 @@ def test_max_tokens_capped_where_configured() -> None:
 
 
 def test_each_generating_endpoint_is_capped_by_the_field_it_honours() -> None:
-    """[trust-2] 6: /v1/messages reads max_tokens only (n_predict there is ignored: it generated 4096); /v1/responses
+    """/v1/messages reads max_tokens only (n_predict there is ignored: it generated 4096); /v1/responses
     reads max_output_tokens and passes every other field through (n_predict there went uncapped)."""
     from meshllm.serve.http.api import ENDPOINTS, cap_tokens
 
@@ -69,7 +69,7 @@ def test_dot_segments_are_found_plain_and_encoded() -> None:
 
 
 def test_connection_limits_per_client_and_in_all() -> None:
-    """[trust-2] 8: the gate's bookkeeping (serve/http/gate.py); [trust-3] 3: a full share or a full gate closes the
+    """The gate's bookkeeping (serve/http/gate.py); a full share or a full gate closes the
     oldest connection that never got past the key, and one that did is never closed for a newcomer."""
     from meshllm.serve.http.gate import ConnLimits
 
@@ -93,7 +93,7 @@ def test_connection_limits_per_client_and_in_all() -> None:
 
 
 def test_a_client_is_its_network_or_its_local_user() -> None:
-    """[trust-3] 3 and 5: thirteen addresses of one /64 held the gate; one client from many addresses the queue."""
+    """Thirteen addresses of one /64 held the gate; one client from many addresses the queue."""
     from meshllm.serve.http.gate import client_of
 
     assert client_of("2001:db8:1:2::1") == client_of("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
@@ -130,7 +130,7 @@ def test_a_preflight_may_ask_for_well_formed_headers_only() -> None:
 
 
 def test_a_request_that_does_not_say_gets_the_default() -> None:
-    """[face-2] 1: a chat without max_tokens ran 22 minutes (a base model never stops): it gets DEFAULT_TOKENS."""
+    """A chat without max_tokens ran 22 minutes (a base model never stops): it gets DEFAULT_TOKENS."""
     from meshllm.serve.http.api import DEFAULT_TOKENS, ENDPOINTS, default_tokens
 
     chat, resp = ENDPOINTS["/v1/chat/completions"], ENDPOINTS["/v1/responses"]
@@ -142,7 +142,7 @@ def test_a_request_that_does_not_say_gets_the_default() -> None:
 
 
 def test_a_chat_to_a_base_model_stops_at_the_next_turn() -> None:
-    """[face-2] 1: a base model's transcript turns are added to the stops a chat names itself, in each endpoint's
+    """A base model's transcript turns are added to the stops a chat names itself, in each endpoint's
     field; completions and counts are left alone."""
     from meshllm.serve.http.api import with_stops
 
@@ -159,7 +159,7 @@ def test_a_chat_to_a_base_model_stops_at_the_next_turn() -> None:
 
 
 def test_cors_echoes_only_an_origin_the_guard_lets_in() -> None:
-    """[trust-3] 6 (the mutation audit left the echo untested): a stream's CORS headers name the loopback origin that
+    """(the mutation audit left the echo untested): a stream's CORS headers name the loopback origin that
     asked, never a foreign one, and nothing without an Origin."""
     from aiohttp.test_utils import make_mocked_request
 

@@ -106,7 +106,7 @@ def _parse_with_config(parser: argparse.ArgumentParser, argv: list[str]) -> argp
 
 
 def unknown_option(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
-    """[face-3] 4: the first ``--word`` no parser here knows, with the nearest one it may be a typo of (argparse
+    """The first ``--word`` no parser here knows, with the nearest one it may be a typo of (argparse
     itself would read `--modle gemma3-270m` as a subcommand named gemma3-270m); None when every one is known."""
     import difflib
 

@@ -359,7 +359,7 @@ def backend_flags(backend: str, portable: bool = False) -> tuple[str, ...]:
                 *where)  # fmt: skip
     if backend == "metal":
         return ("-DGGML_METAL=ON",)
-    if backend == "vulkan":  # [first-run-2] 3: AMD and Intel GPUs without ROCm (any Vulkan driver)
+    if backend == "vulkan":  # AMD and Intel GPUs without ROCm (any Vulkan driver)
         return ("-DGGML_VULKAN=ON", "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF")
     if backend == "cpu":
         return ("-DGGML_CUDA=OFF", "-DGGML_METAL=OFF")

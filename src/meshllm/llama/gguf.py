@@ -239,7 +239,7 @@ POOLING_EMBEDDINGS = (1, 2, 3)  # llama.cpp's pooling types mean, cls, last (4, 
 
 
 def is_embedding_model(metadata: dict[str, object]) -> bool:
-    """[face-3] 5: a model that makes embeddings, not text: an encoder architecture, or a pooling type in its
+    """A model that makes embeddings, not text: an encoder architecture, or a pooling type in its
     metadata (``{arch}.pooling_type``: what llama.cpp pools a sequence's vectors with, e.g. Qwen3-Embedding's last)."""
     arch = metadata.get("general.architecture")
     if not isinstance(arch, str):

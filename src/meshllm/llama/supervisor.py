@@ -46,7 +46,7 @@ log = logging.getLogger("meshllm.supervisor")
 BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 CRASH_WINDOW_S = 60.0
 MAX_CRASHES = 5
-EMBD_BATCH_MAX = 8192  # [face-3] 5: an embedding model's longest input (one batch: its compute buffer grows with it)
+EMBD_BATCH_MAX = 8192  # an embedding model's longest input (one batch: its compute buffer grows with it)
 
 
 class ChildState(StrEnum):
@@ -192,8 +192,8 @@ class ServerConfig:
     tls_keys: Path | None = None  # the keys of the rpc endpoints reached directly (TLS), one file per generation
     peers: tuple[str, ...] = ()  # "ENDPOINT=IP:PORT": workers' listeners for their predecessor (patch 0011)
     embd_first: bool = False  # the token embedding on the first RPC server, with layer 0 (patch 0013)
-    n_gpu_layers: int | None = None  # [big] fewer than every unit: the first layers on this process's CPU
-    embeddings: bool = False  # [face-3] 5: an embedding model: llama-server's embedding mode (/v1/embeddings)
+    n_gpu_layers: int | None = None  # fewer than every unit: the first layers on this process's CPU
+    embeddings: bool = False  # an embedding model: llama-server's embedding mode (/v1/embeddings)
 
 
 class LocalServer(Supervised):

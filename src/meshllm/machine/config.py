@@ -1,4 +1,4 @@
-"""[first-run-2] 4: a config file for the node — every flag of ``mesh-llm`` (the node's command) as a TOML key, and
+"""A config file for the node — every flag of ``mesh-llm`` (the node's command) as a TOML key, and
 per-model serving options; flags on the command line override it.
 
     # ~/.config/mesh-llm/config.toml  (or --config FILE, or $MESH_LLM_CONFIG)

@@ -1,4 +1,4 @@
-"""[first-run-2] 4: ``mesh-llm doctor`` — what this machine has for a node, one line per check and, where one fails,
+"""``mesh-llm doctor`` — what this machine has for a node, one line per check and, where one fails,
 its fix: Python, the build tools, llama.cpp's build, the GPU and its toolkit, the API port, the state dir, disk for
 models, and — where a node runs on the state dir — which members it reaches and how (direct UDP or a relay)."""
 

@@ -1,4 +1,4 @@
-"""[first-run-2] 4: the nodes that live on this machine — which run (``mesh-llm ps``), stopping one (``mesh-llm stop``)
+"""The nodes that live on this machine — which run (``mesh-llm ps``), stopping one (``mesh-llm stop``)
 and reading what it said (``mesh-llm logs [-f]``).
 
 A running node registers itself in ``runtime_dir()/nodes/<pid>.json`` (its pid, state dir, API URL, model; 0600)

@@ -1,4 +1,4 @@
-"""[first-run-2] 4: a node as a service — ``mesh-llm service install [NODE FLAGS]`` writes a systemd user unit that
+"""A node as a service — ``mesh-llm service install [NODE FLAGS]`` writes a systemd user unit that
 runs this very mesh-llm with those flags, restarts it when it fails and starts it at boot (with lingering on);
 ``mesh-llm service remove`` takes it away. Tokens never go into a unit (it is readable, and ``systemctl`` shows its
 command line): ``--join-file``, ``$MESH_LLM_JOIN`` in a 0600 environment file, or the config file carry them.

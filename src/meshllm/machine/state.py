@@ -14,9 +14,9 @@ one that names them; everything is written atomically (a temporary file, then re
     status.json        the node's view of the mesh (as /mesh/status)            0600
     rpc-server.keys    worker: the TLS identity + key its rpc-server accepts     0600, rewritten per host/plan
     rpc-client.keys    host: endpoint, identity, key per directly reached worker  0600, rewritten per start
-    knocks             [lan] nodes that asked to join and wait for approval     0600
-    approvals          [lan] `mesh-llm approve`: a token per approved node      0600
-    refusals           [lan] `mesh-llm refuse`: nodes whose knocks are refused  0600
+    knocks             LAN: nodes that asked to join and wait for approval      0600
+    approvals          LAN: `mesh-llm approve`: a token per approved node       0600
+    refusals           LAN: `mesh-llm refuse`: nodes whose knocks are refused   0600
     llama-server.log,  the children's output                                    (theirs)
     rpc-server.log
 
@@ -323,7 +323,7 @@ def save_rekey(state: Path, mesh_id: bytes, epoch: int, secret: bytes, by: bytes
 
 
 def save_knocks(state: Path, rows: list[dict[str, object]]) -> None:
-    """[lan] The knocks the running node lists (node hex, name, address, first heard: wall seconds)."""
+    """The knocks the running node lists (node hex, name, address, first heard: wall seconds)."""
     write_private(state / "knocks", json.dumps(rows).encode())
 
 
@@ -336,7 +336,7 @@ def load_knocks(state: Path) -> list[dict[str, object]]:
 
 
 def save_refusals(state: Path, nodes: set[bytes]) -> None:
-    """[lan] The nodes `mesh-llm refuse` named: their knocks are answered "refused"."""
+    """The nodes `mesh-llm refuse` named: their knocks are answered "refused"."""
     write_private(state / "refusals", json.dumps(sorted(n.hex() for n in nodes)).encode())
 
 
@@ -349,7 +349,7 @@ def load_refusals(state: Path) -> set[bytes]:
 
 
 def save_approvals(state: Path, approvals: dict[bytes, str]) -> None:
-    """[lan] Tokens `mesh-llm approve` made, per node id, that the running node hands to each at its next knock."""
+    """Tokens `mesh-llm approve` made, per node id, that the running node hands to each at its next knock."""
     write_private(state / "approvals", json.dumps({n.hex(): t for n, t in approvals.items()}).encode())
 
 

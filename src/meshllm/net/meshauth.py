@@ -275,7 +275,7 @@ class Admitting:
         except (TimeoutError, ConnectionError, RemoteProtocolError) as e:
             if isinstance(e, RemoteProtocolError) or str(e):
                 self._refused(conn, None, f"auth did not complete: {e}")
-            else:  # [face-3] 4: the other side went away mid-auth (two nodes dialling each other keep one): no refusal
+            else:  # the other side went away mid-auth (two nodes dialling each other keep one): no refusal
                 log.debug("auth from %s ended: %s", host_port(*conn.addr), type(e).__name__)
             conn.close("auth failed")
             return
@@ -284,7 +284,7 @@ class Admitting:
         self._spawn(self._serve_streams(conn))
 
     async def _answer_knock(self, conn: Conn, st: Stream) -> None:
-        """[lan] A node with no token asks to join (``proto/knock.py``): one answer, then the connection closes;
+        """A node with no token asks to join (``proto/knock.py``): one answer, then the connection closes;
         it never becomes authenticated. No doorbell here (not announcing): refused."""
         try:
             ask = await _read_frame(st, FrameDecoder(AUTH_MAX_FRAME), AUTH_TIMEOUT_S)
@@ -300,7 +300,7 @@ class Admitting:
             conn.close("knock answered")
 
     async def knock(self, node: NodeId, addrs: list[str], ask: KnockAsk) -> KnockAnswer:
-        """[lan] Ask ``node`` (a member announcing its mesh on the LAN) to let us join: its answer."""
+        """Ask ``node`` (a member announcing its mesh on the LAN) to let us join: its answer."""
         conn = await self.dial_any(node, addrs)
         try:
             st = conn.open_stream(STREAM_KNOCK)

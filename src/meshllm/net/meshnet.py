@@ -91,7 +91,7 @@ class MeshNet(Admitting):
     ) -> None:
         """``relay_rate``: when this node relays, the most it forwards per pair of members, bytes/s (0: no cap)."""
         self.key = key
-        self.on_knock: Callable[[KnockAsk, str], KnockAnswer] | None = None  # [lan] our doorbell (serve/life/lan.py)
+        self.on_knock: Callable[[KnockAsk, str], KnockAnswer] | None = None  # our doorbell (serve/life/lan.py)
         self.admit_s = admit_s  # how long the admissions we sign hold (--admission)
         self.me = crypto.node_id(key)
         self.m = membership

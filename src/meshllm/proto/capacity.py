@@ -51,7 +51,7 @@ class Offer:
     device: str  # what gossip, status and the console show: "cpu", "cuda: NVIDIA H100 80GB HBM3", "cuda: 2× ..."
     use: str | None  # the llama.cpp devices our rpc-server serves, comma-separated (None: its default, the CPU)
     shares: tuple[int, ...] = ()  # per device, in llama.cpp's order, when there are several (they sum to capacity)
-    ram: int = 0  # [big] RAM offered beside capacity, for routed experts
+    ram: int = 0  # RAM offered beside capacity, for routed experts
 
     @property
     def first_device(self) -> str | None:
@@ -60,7 +60,7 @@ class Offer:
     @property
     def served(self) -> str | None:
         """The devices our rpc-server serves: ``use``, and the CPU after them where we offer RAM beside
-        accelerators ([big] 2: a host may keep our layers' routed experts there)."""
+        accelerators (a host may keep our layers' routed experts there)."""
         return f"{self.use},CPU" if self.use and serves_cpu(True, self.ram) else self.use
 
 
@@ -79,7 +79,7 @@ def _label(devices: list[Device]) -> str:
 def offer(devices: list[Device], ram_total: int, max_gb: float | None, max_ram_gb: float | None = None) -> Offer:
     """The memory this node offers. With accelerators: every one's free memory less a margin, all of them served
     (the rpc-server serves each as a device of its own; a host runs them in-process); without: RAM_SHARE of the
-    RAM. ``--max-vram`` (``max_gb``) caps the total, each device's share shrinking in proportion. Besides ([big]:
+    RAM. ``--max-vram`` (``max_gb``) caps the total, each device's share shrinking in proportion. Besides (
     routed experts, whole layers where accelerators are short): a GPU node RAM_SHARE of its RAM, capped by
     ``--max-ram``; a CPU node, whose capacity is its RAM already, only what ``--max-ram`` asks for (of what its
     capacity leaves of RAM_SHARE): a CPU node capped with ``--max-vram`` keeps to that cap."""

@@ -2,7 +2,7 @@
 
 Candidates are the non-client nodes serving the same model (same fingerprint) whose admission chain gives them
 the host scope (a worker-scoped member may claim any capacity: it is never elected). A node with an accelerator
-beats one without ([big]: a CPU node offers its RAM, often the larger figure, but the host's device runs the output
+beats one without (a CPU node offers its RAM, often the larger figure, but the host's device runs the output
 and the plan keeps the per-token work on accelerators); then the highest capacity wins, ties to the highest NodeId.
 A sitting host keeps the role unless a challenger of its kind beats its capacity by more than MARGIN (no flapping
 when a node's figure wobbles), or an accelerator's node challenges a CPU host. Every node computes the same answer

@@ -1,4 +1,4 @@
-"""Fetching a model file from the members that have it ([fetch]), pure: what a source promises (a signed manifest
+"""Fetching a model file from the members that have it, pure: what a source promises (a signed manifest
 of chunk hashes), which promise to believe when sources disagree, and which chunk to ask which source for next.
 The shells (``serve/fetch/sharing.py``, ``serve/fetch/pull.py``) move the bytes and keep the clock; nothing here
 does I/O.
@@ -10,7 +10,7 @@ than CHUNK, so a worker that needs only some layers fetches their chunks and not
 the SHA-256 of each tensor's bytes that the model fingerprint samples (its "windows"): a partial copy fetches those
 of the tensors it does not hold, checked one tensor at a time, so its fingerprint is the model's.
 
-Who decides what is true ([trust-3] 1): only host-scoped members that hold the whole file (``vouchers``) — those
+Who decides what is true: only host-scoped members that hold the whole file (``vouchers``) — those
 the mesh lets run the model for everyone. The fetcher asks every source for its manifest and believes the one the
 model's elected host signs; where the host did not answer, the one every voucher that answered signs; members
 that vouch for different bytes (and no host among them) stop the fetch with an error. No vote is counted and no

@@ -1,4 +1,4 @@
-"""The models a mesh serves, as every node sees them ([fleet]), pure: which nodes hold each model and which one
+"""The models a mesh serves, as every node sees them, pure: which nodes hold each model and which one
 hosts it (each model has its own election: ``meshcore.host_of``). ``/v1/models``, ``/mesh/status``, ``mesh-llm
 status`` and the console group the mesh by these."""
 

@@ -52,7 +52,7 @@ HEX = frozenset("0123456789abcdef")
 
 def is_fingerprint(v: object) -> bool:
     """A model fingerprint as llama/gguf.py writes it: 64 lowercase hex digits. A fetch names files on disk after it
-    ([trust-3] 4: a member once made a joiner write ``<any path>.part``), so a record with anything else is refused."""
+    (a member once made a joiner write ``<any path>.part``), so a record with anything else is refused."""
     return isinstance(v, str) and len(v) == 64 and set(v) <= HEX
 
 
@@ -146,8 +146,8 @@ class PeerRecord:
     rate: float = 0.0  # a host: tokens per second its llama-server generates now (running requests counted)
     held: tuple[tuple[int, int], ...] | None = None  # a partial copy of its model: the layers it holds (first,
     # count); None: the whole file. A partial copy is never elected host, nor a source of the model's file
-    ram: int = 0  # [big] bytes of RAM offered beside ``capacity`` for a model's routed experts (--max-ram)
-    replica: bool = False  # a host of its model beside the elected one ([fleet]: a node its plan does not use, which
+    ram: int = 0  # bytes of RAM offered beside ``capacity`` for a model's routed experts (--max-ram)
+    replica: bool = False  # a host of its model beside the elected one (a node its plan does not use, which
     # holds the whole model alone); never the sitting host of an election
 
     @property
@@ -248,7 +248,7 @@ def _rate(d: dict[str, Any]) -> float:
 
 
 def _ram(d: dict[str, Any]) -> int:
-    v = d.get("ram", 0)  # absent from records of versions before [big]
+    v = d.get("ram", 0)  # absent from records of versions that offered no RAM
     if not (_int(v) and 0 <= v < 2**62):
         raise RemoteProtocolError("record field ram has the wrong type")
     return int(v)

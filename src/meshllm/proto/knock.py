@@ -1,10 +1,10 @@
-"""[lan] Asking to join a mesh found on the LAN, without a token: the knock and the doorbell that answers it.
+"""Asking to join a mesh found on the LAN, without a token: the knock and the doorbell that answers it.
 
 A node that found a mesh's announcement (``serve/life/lan.py``: mDNS, which carries nothing secret) dials the announcing
 member and sends a ``KnockAsk`` signed with its node key: which mesh, its name, when, and the node it knocks at
 (``to``: the key its QUIC connection pinned). The member (the founder or an admin: the nodes that announce) refuses
 a knock addressed to another node — a neighbour that announced the mesh as its own and relayed a real node's knocks
-([trust-3] 2) gets nothing from them — and otherwise answers ``waiting`` and lists the knock until someone there
+ gets nothing from them — and otherwise answers ``waiting`` and lists the knock until someone there
 approves it (``mesh-llm approve NODE``: a token of the scope chosen that admits that node's key only, kept for it in
 the state dir); the next knock is answered ``approved`` with that token, over the same encrypted QUIC connection, to
 the key that signed the knock only. A knock never authenticates the connection: it sees nothing of the mesh but the

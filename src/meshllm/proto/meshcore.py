@@ -338,7 +338,7 @@ class MeshCore:
         return None
 
     def hosts_for(self, model: str | None, now: float) -> list[PeerRecord]:
-        """Every peer a request for ``model`` (any when None) may go to ([fleet]): the host our election picks and
+        """Every peer a request for ``model`` (any when None) may go to: the host our election picks and
         the replicas beside it — host-scoped records marked ``replica``, holding the whole model, that the elected
         host's plan does not use — each once it says it serves and we are connected to it; this node left out. The
         elected host first; the first model (by fingerprint) that has any."""
@@ -404,7 +404,7 @@ class MeshCore:
     def sitting_host_for_me(self, now: float) -> NodeId | None:
         """While our election settles (None yet): the host it picks now, when that one already sits — it runs a plan
         that names us (not a replica's). Its key requests need not wait out our debounce: every new split's host
-        waited those 2 s for its worker's key ([pipeline] 4). Our election's own pick, from our table; None else."""
+        waited those 2 s for its worker's key. Our election's own pick, from our table; None else."""
         fp = self.record.model.fingerprint if self.record.model else None
         if fp is None or self._election.current is not None:
             return None
@@ -416,7 +416,7 @@ class MeshCore:
 
     def elected_for(self, fp: str, now: float) -> NodeId | None:
         """The host our election picks for the model ``fp`` now (not debounced; any model, ours or not): whose
-        manifest a fetch of that model believes ([trust-3] 1)."""
+        manifest a fetch of that model believes."""
         return self._elect(self.alive(now), fp)
 
     def elected_host(self, now: float) -> NodeId | None:
@@ -433,7 +433,7 @@ class MeshCore:
 
 def token_alternates(recs: list[PeerRecord], me: NodeId, scope: Scope) -> list[tuple[NodeId, list[str]]]:
     """The members an invite token of ``scope`` names for a joiner to dial when its issuer does not answer: those
-    with addresses that may admit it — scoped at least as wide ([trust-3] 6: a token named a client-scoped member,
+    with addresses that may admit it — scoped at least as wide (a token named a client-scoped member,
     which refuses a host token) — the host first, then the biggest."""
     ok = [r for r in recs if r.node != me and r.addrs and r.role != Role.CLIENT and r.scope >= scope]
     return [(r.node, list(r.addrs)) for r in sorted(ok, key=lambda r: (r.role != Role.HOST, -r.capacity, r.node))]

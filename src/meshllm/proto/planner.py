@@ -41,7 +41,7 @@ class ModelShape:
     n_embd: int
     n_vocab: int
     n_ctx_train: int = 0  # the context the model was trained for (0: not known)
-    expert_bytes: tuple[int, ...] = ()  # [big] each layer's routed experts (ffn_*_exps), part of layer_bytes; () none
+    expert_bytes: tuple[int, ...] = ()  # each layer's routed experts (ffn_*_exps), part of layer_bytes; () none
 
     def experts(self, i: int) -> int:
         return self.expert_bytes[i] if i < len(self.expert_bytes) else 0
@@ -68,14 +68,14 @@ class Slot:
     rtt_ms: float = 0.0  # to the host
     name: str = ""
     shares: tuple[int, ...] = ()  # a node with several devices: each one's part of ``capacity``, in device order
-    # trusted with the prompts in clear ([trust-3] 5): host-scoped, as the mesh trusts any node it may elect host.
+    # trusted with the prompts in clear: host-scoped, as the mesh trusts any node it may elect host.
     # Only such a first worker takes the token embedding (it then receives token ids, not embedding rows)
     prompts: bool = False
-    # a partial copy's first layer held ([trust-3] 2: None for a whole file or nothing held): workers that hold layers
+    # a partial copy's first layer held (None for a whole file or nothing held): workers that hold layers
     # keep them across re-plans (equal workers once swapped ranges 3-5 times and each fetched both)
     held_from: int | None = None
-    ram: int = 0  # [big] bytes of RAM offered beside ``capacity`` (``--max-ram``): routed experts, whole layers
-    gpu: bool = False  # [big] ``capacity`` is an accelerator's: its RAM is another device (see ``cpu_last``)
+    ram: int = 0  # bytes of RAM offered beside ``capacity`` (``--max-ram``): routed experts, whole layers
+    gpu: bool = False  # ``capacity`` is an accelerator's: its RAM is another device (see ``cpu_last``)
 
     @property
     def devices(self) -> int:
@@ -88,7 +88,7 @@ class Slot:
 
 
 def serves_cpu(gpu: bool, ram: int) -> bool:
-    """[big] 2: a node with an accelerator that offers RAM serves its CPU too, as the last device of its rpc-server,
+    """A node with an accelerator that offers RAM serves its CPU too, as the last device of its rpc-server,
     so a host may put that node's routed experts in its RAM (``RPC<n>[endpoint]`` buffers)."""
     return gpu and ram > 0
 
@@ -100,7 +100,7 @@ class Assignment:
     count: int  # number of layers
     bytes: int  # estimated memory on that node (its accelerator's; the whole of it on a CPU node)
     shares: tuple[int, ...] = ()  # the node's devices (see Slot.shares): its layers spread over them in proportion
-    spilled: tuple[int, ...] = ()  # [big] its layers whose routed experts live in its RAM, not in ``bytes``
+    spilled: tuple[int, ...] = ()  # its layers whose routed experts live in its RAM, not in ``bytes``
     ram_bytes: int = 0  # those experts' bytes (the host's: and its whole layers in RAM, ``Plan.ram_layers``)
     cpu_last: bool = False  # the node's rpc-server serves its CPU as its last device (``Slot.cpu_last``)
 
@@ -111,7 +111,7 @@ class Plan:
     assignments: tuple[Assignment, ...]  # llama.cpp device order: workers, then the host last
     standby: tuple[NodeId, ...]
     embd_first: bool = False  # the token embedding on the first worker (counted in its bytes), not the host
-    ram_layers: int = 0  # [big] layers [0, ram_layers) whole in the host's RAM (llama.cpp's --n-gpu-layers)
+    ram_layers: int = 0  # layers [0, ram_layers) whole in the host's RAM (llama.cpp's --n-gpu-layers)
 
     @property
     def n_gpu_layers(self) -> int | None:
@@ -216,7 +216,7 @@ def plan(
         return (s.node not in keep, s.node in busy, int(s.rtt_ms // RTT_BUCKET_MS), -s.capacity, s.node)
 
     if host.gpu and split is None and any(not s.gpu for s in others):
-        # [big] accelerators first, with their nodes' RAM where short; nodes without one only where even that is
+        # accelerators first, with their nodes' RAM where short; nodes without one only where even that is
         # (their capacity is RAM: layers whole on a CPU beside a GPU host keep less of the work on accelerators)
         with_gpus = plan(shape, host, [s for s in others if s.gpu], ctx, max_rtt_ms, None, prefer, busy)
         if isinstance(with_gpus, Plan):
@@ -286,7 +286,7 @@ def _fill(shape: ModelShape, ctx: int, order: list[Slot], end: int, per_device: 
 
 
 def _within_cap(host: Slot, p: Plan) -> Plan | Waiting:
-    """[face-3] 3: caps are caps. The host always holds the output layer and its buffers (the embedding too, unless
+    """Caps are caps. The host always holds the output layer and its buffers (the embedding too, unless
     the first worker takes it): where even that exceeds what it offers, the mesh waits and says so (a node capped at
     0.4 GB once hosted with 0.45 GB planned)."""
     mine = p.assignments[-1]
@@ -307,7 +307,7 @@ Part = tuple[Slot, int, int, tuple[int, ...], int, int]  # (slot, first layer, c
 
 @dataclass(frozen=True)
 class _Spilled:
-    """A placement that uses RAM ([big] 2): each node's ``Part`` (its layers' bytes only, no buffers), workers in
+    """A placement that uses RAM: each node's ``Part`` (its layers' bytes only, no buffers), workers in
     layer order then the host; the host's layers whole in RAM (the first ``ram_layers``, ``ram_layer_bytes``); and
     its cost, (expert bytes in RAM, of them on workers)."""
 
@@ -319,7 +319,7 @@ class _Spilled:
 
 def _spill(shape: ModelShape, ctx: int, host: Slot, host_budget: int, order: list[Slot], per_device: int
            ) -> _Spilled | None:  # fmt: skip
-    """[big] 2: a placement for a mesh whose accelerators are short of the model, or None when its RAM is short too.
+    """A placement for a mesh whose accelerators are short of the model, or None when its RAM is short too.
 
     Pooled accelerator memory first: every node takes contiguous layers, each as many as its accelerator holds with
     the routed experts (``ffn_*_exps``) of its first ones in its own RAM (llama.cpp's ``--n-cpu-moe``, as tensor

@@ -1,4 +1,4 @@
-"""Answers that survive their host ([fleet] 4), pure: the request that continues a streamed answer cut after some
+"""Answers that survive their host, pure: the request that continues a streamed answer cut after some
 text — the same request with that text appended to the prompt (a completion) or as the assistant's reply begun
 (a chat: llama-server continues a final assistant message), and fewer tokens left to generate. Greedy, the
 continuation gives the text the uninterrupted run would have."""

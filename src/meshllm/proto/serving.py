@@ -67,7 +67,7 @@ class LocalServing:
 
 
 def default_model(served: list[str], own: str | None) -> str | None:
-    """[face-3] 1: the model a request that names none is for — this node's own model (``--model``), else the one
+    """The model a request that names none is for — this node's own model (``--model``), else the one
     model the mesh serves; None when this node has none and the mesh serves several (the request must name one: a
     400 that lists them) or none at all."""
     if own is not None:
@@ -261,7 +261,7 @@ def wanted_server(
 
 
 def ram_flags(plan: Plan, me: NodeId, endpoints: Mapping[NodeId, str]) -> tuple[str, ...]:
-    """[big] 2: llama-server's flags that put what ``plan`` keeps in RAM there: the host's (``me``) layers' routed
+    """Llama-server's flags that put what ``plan`` keeps in RAM there: the host's (``me``) layers' routed
     experts in its own CPU buffers, a worker's in its rpc-server's CPU device (the one after its accelerators,
     named ``RPC<index>[<endpoint>]`` by llama.cpp, ``endpoints`` being the addresses given to --rpc; a worker
     without an accelerator has that one device only: nothing to move). --rpc must come before these on the command

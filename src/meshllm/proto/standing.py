@@ -1,6 +1,6 @@
 """Where each node and the mesh stand, in one vocabulary, computed here from the gossip records every node holds:
 so the host, a worker and a lite client say the same thing about the same node, in ``status``, the console, 503s
-and ``/health`` ([face-2] 5). Before, a lite client called a serving worker "standby", a worker called a dead host
+and ``/health``. Before, a lite client called a serving worker "standby", a worker called a dead host
 "loading" while a lite client said "no host elected yet".
 
 The states, for people (the README's "What the states mean" says the same):
@@ -56,7 +56,7 @@ NO_HOST = Standing(State.WAITING, "no host elected yet")
 
 
 def label(role: Role | str, replica: bool, elected: bool, state: State) -> str:
-    """[face-3] 4: the one word a node goes by in ``/mesh/status``, the console and ``mesh-llm status``: client,
+    """The one word a node goes by in ``/mesh/status``, the console and ``mesh-llm status``: client,
     host (the elected one: also while it takes over, its record still saying worker), replica (a host of the model
     beside the elected one), standby (its model's plan does not use it), worker. Before, the console's label came
     from the record's role and the state line from the election, and an elected node read "worker" beside "elected:

@@ -100,7 +100,7 @@ class Token:
     sig: bytes = b""
     # other members to dial when the issuer does not answer (any member checks a token): (node id, addresses)
     also: tuple[tuple[NodeId, tuple[str, ...]], ...] = ()
-    node: NodeId | None = None  # the one node it admits ([trust-3] 3: an approval names the key that knocked)
+    node: NodeId | None = None  # the one node it admits (an approval names the key that knocked)
 
     def _tail(self) -> list[object]:
         """The optional fields, after the scope (in the body) or the signature (on the wire): none for a token
@@ -301,7 +301,7 @@ def lineage(chain: list[Link] | tuple[Link, ...]) -> list[NodeId]:
 
 
 def accountable(chain: list[Link] | tuple[Link, ...], admins: Container[NodeId] = frozenset()) -> NodeId:
-    """Whom a member's requests count as where members share a bound ([trust-3] 5: a host's door): the first node of
+    """Whom a member's requests count as where members share a bound (a host's door): the first node of
     its lineage that is neither the founder nor an admin — itself when the founder or an admin admitted it, the
     member that minted it when that member admitted it (keys a member mints for itself are that member). The
     founder and admins count as themselves."""

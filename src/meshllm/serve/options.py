@@ -43,7 +43,7 @@ class NodeOptions:
     token_ttl_s: float = 86400.0
     admission_s: float = tok.ADMIT_S  # --admission: how long the admissions this node signs hold unless renewed
     max_vram_gb: float | None = None
-    max_ram_gb: float | None = None  # [big] --max-ram: RAM offered for routed experts
+    max_ram_gb: float | None = None  # --max-ram: RAM offered for routed experts
     ctx_size: int | None = None  # each slot's context (None: auto, planner.size)
     parallel: int | None = None  # llama-server's slots (None: auto)
     queue: int | None = None  # --queue: how many requests may wait for a slot (None: proto.slots.default_queue)

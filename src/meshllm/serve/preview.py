@@ -1,4 +1,4 @@
-"""[big] 3: ``mesh-llm plan MODEL`` — what the mesh as it stands would do with a model, without loading it: which node
+"""``mesh-llm plan MODEL`` — what the mesh as it stands would do with a model, without loading it: which node
 would host, each node's layers and memory, the slots and context it would get; or how much memory it lacks.
 
 "The mesh as it stands" is what the node running on the state dir last wrote (``status.json``): its members, their
@@ -50,7 +50,7 @@ def describe(model: str, shape: ModelShape, file_size: int, got: tuple[Plan | Wa
     if isinstance(plan, Waiting):
         return [head, f"  would not load: {plan.message()}"]
     lines = [head]
-    if plan.ram_layers:  # [big] llama.cpp's --n-gpu-layers: the host's CPU runs them, ahead of every device
+    if plan.ram_layers:  # llama.cpp's --n-gpu-layers: the host's CPU runs them, ahead of every device
         span = f"layers 0–{plan.ram_layers - 1}" if plan.ram_layers > 1 else "layer 0"
         lines.append(f"  host   {labels.get(plan.host, plan.host.hex()[:8])}: {span} whole in RAM")
     for i, a in enumerate(plan.assignments):
@@ -62,7 +62,7 @@ def describe(model: str, shape: ModelShape, file_size: int, got: tuple[Plan | Wa
             what += " + output" + ("" if plan.embd_first else " + token embedding")
         elif i == 0 and plan.embd_first:
             what += " + token embedding"
-        if a.spilled:  # [big] routed experts in the node's RAM
+        if a.spilled:  # routed experts in the node's RAM
             what += f" (layers {a.spilled[0]}–{a.spilled[-1]}: attention here, routed experts in RAM)"
         if a.ram_bytes:
             what += f", {a.ram_bytes / GB:.2f} GB in RAM"

@@ -1,4 +1,4 @@
-"""The direct path for fetches ([fetch]): TCP + TLS 1.3 between two members, where the QUIC connection between them
+"""The direct path for fetches: TCP + TLS 1.3 between two members, where the QUIC connection between them
 is direct (not relayed). QUIC streams in Python moved a model at ~60 MB/s on this machine's loopback
 (``benchmarks/fetch.py``); a TLS socket moves it at what the disk, the hashing and the kernel allow.
 

@@ -1,4 +1,4 @@
-"""A node's model when this machine lacks the file ([fetch]): found among the models the mesh serves (by name,
+"""A node's model when this machine lacks the file: found among the models the mesh serves (by name,
 catalog name or fingerprint) and fetched from the members that serve it — the whole file, or only the layers the
 plan gives this worker (``serve/fetch/pull.py``) — else downloaded from the hub."""
 
@@ -47,7 +47,7 @@ def mesh_file_for(net: MeshNet, name: str) -> tuple[str, str, int] | None:
     """The model a member serves under ``name`` (its name as served, a catalog name or alias of it, a hub reference
     ``org/repo/file.gguf`` of the file it serves, or its fingerprint's first 12+ hex digits): (fingerprint, the name
     it is served under, size), or None. Only host-scoped members name models (as ``MeshCore.served_models``): a
-    member below host scope cannot make a name mean its own file ([trust-3] 1)."""
+    member below host scope cannot make a name mean its own file."""
     from meshllm.models import catalog
 
     core_ = net.core
@@ -165,7 +165,7 @@ class LayerKeeper:
     """A partial copy kept to the plan: the layers the plan gives this node, fetched while the split serves on (the
     host waits for them before it loads a plan that needs them), and our record naming the layers held. Layers a
     plan took away are given back (their chunks' disk freed) once the plan has given us the same layers for
-    GIVE_BACK_S ([trust-3] 2: a plan that flapped left each worker holding the whole model)."""
+    GIVE_BACK_S (a plan that flapped left each worker holding the whole model)."""
 
     RETRY_S = 30.0  # after a fetch failed
     GIVE_BACK_S = float(os.environ.get("MESH_LLM_GIVE_BACK_S", "30"))  # the plan's stable time before a give-back

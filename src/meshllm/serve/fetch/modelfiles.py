@@ -27,7 +27,7 @@ class ModelFiles:
     draft: Path | None = None
     chat: ChatDefault | None = None  # the chat template it gets when the GGUF has none (llama/chat.py)
     partial: bool = False  # a partial copy (only some layers): its rpc-server is told the fingerprint we checked
-    embedding: bool = False  # [face-3] 5: an embedding model (llama-server in embedding mode: /v1/embeddings only)
+    embedding: bool = False  # an embedding model (llama-server in embedding mode: /v1/embeddings only)
 
 
 def open_model(

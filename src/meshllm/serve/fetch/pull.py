@@ -1,4 +1,4 @@
-"""Fetching a model file from the members that serve it ([fetch]): the whole file (``fetch_from_peers``), or a
+"""Fetching a model file from the members that serve it: the whole file (``fetch_from_peers``), or a
 worker's partial copy that holds only the layers the plan gives it (``PartialCopy``). ``proto/fetch.py`` decides what
 to ask whom and what to believe; this moves the bytes.
 

@@ -1,4 +1,4 @@
-"""Model files through the mesh ([fetch]), the source's side: a member serves the model files it has to members that
+"""Model files through the mesh, the source's side: a member serves the model files it has to members that
 fetch them (``serve/fetch/pull.py``), named by their fingerprint.
 
 On the wire: a QUIC stream of kind STREAM_FETCH per request, opened only on an authenticated member's connection

@@ -1,7 +1,7 @@
 """The OpenAI-compatible API on :9337 that every node serves.
 
 Requests go to an upstream chosen by the request's ``model`` field: the local llama-server on the host, or (on
-other nodes) a tunnel to the host ([serve] step 2). Responses are streamed through as they come, so SSE arrives
+other nodes) a tunnel to the host. Responses are streamed through as they come, so SSE arrives
 token by token. With no upstream yet the answer is 503 with a JSON body that says why.
 """
 
@@ -179,7 +179,7 @@ ENDPOINTS = {
     # llama-server turns max_output_tokens into max_tokens and passes every other field through: all are honoured
     "/v1/responses": Endpoint(frozenset(TOKEN_FIELDS), "max_output_tokens"),
     "/v1/messages/count_tokens": Endpoint(),
-    "/v1/embeddings": Endpoint(),  # [face-3] 5: an embedding model's (see ``kind_error``)
+    "/v1/embeddings": Endpoint(),  # an embedding model's (see ``kind_error``)
 }
 EMBEDDINGS = "/v1/embeddings"
 
@@ -188,7 +188,7 @@ BARE = ("/chat/completions", "/completions", "/embeddings")  # served as under /
 
 
 def kind_error(path: str, model: str, embedding: bool | None) -> str | None:
-    """[face-3] 5: why ``path`` cannot go to ``model`` — embeddings from a model that makes text, text from an
+    """Why ``path`` cannot go to ``model`` — embeddings from a model that makes text, text from an
     embedding model — or None (also when the model's kind is not known here: its host's door says)."""
     if embedding is None or (path == EMBEDDINGS) == embedding:
         return None
@@ -241,7 +241,7 @@ def default_tokens(req: dict[str, object], ep: Endpoint) -> dict[str, object] | 
     return {**{k: v for k, v in req.items() if k not in ep.honoured}, ep.cap_field: DEFAULT_TOKENS}
 
 
-# where a chat names its stops ([face-3] 5: llama-server's /v1/responses takes "stop" too, though OpenAI's has none)
+# where a chat names its stops (llama-server's /v1/responses takes "stop" too, though OpenAI's has none)
 STOP_FIELDS = {"/v1/chat/completions": "stop", "/v1/messages": "stop_sequences", "/v1/responses": "stop"}
 
 
@@ -272,7 +272,7 @@ _FIELD = re.compile(r"^Field '([\w.]{1,64})'")
 def upstream_error(status: int, body: bytes, retry_after: str | None = None) -> web.Response:
     """llama-server's error (``{"error": {"code": 400, "message": ..., "type": ...}}``) in OpenAI's shape, as the
     API's own errors are: ``code`` a string or null, ``param`` the field at fault (or null), its JSON library's
-    exception names left out of the message; its other fields kept ([face-3] 5: ``n_prompt_tokens`` and ``n_ctx``
+    exception names left out of the message; its other fields kept (``n_prompt_tokens`` and ``n_ctx``
     of a context overflow), and ``retry_after`` (the host's 429 or 503 through a lite client) kept as Retry-After."""
     try:
         err = json.loads(body).get("error")
@@ -330,7 +330,7 @@ def _openai_ids(body: bytes) -> bytes:
 
 
 class _Beat:
-    """[face-3] 2: a client's stream kept alive while its cut answer waits for the mesh and is replayed — an SSE
+    """A client's stream kept alive while its cut answer waits for the mesh and is replayed — an SSE
     comment (which clients skip) once ``KEEPALIVE_S`` passed without a byte; a client or proxy with a read timeout
     does not end the answer that is about to go on."""
 
@@ -366,7 +366,7 @@ class Api:
         API key: the peer is an authenticated member) — the same endpoints and the same --max-tokens as the API,
         so no member reaches llama-server's own endpoints or generates past the cap by skipping its own API."""
         self.router = router
-        self.default_model = default_model  # [face-3] 1: a request naming no model is for this one (None: ask)
+        self.default_model = default_model  # a request naming no model is for this one (None: ask)
         self.door = door
         self.source_of = source_of  # the door: whose request a connection (by its client port) carries
         self.max_tokens = max_tokens  # --max-tokens: the most a completion request may ask for (None: no cap)
@@ -464,7 +464,7 @@ class Api:
         return resp
 
     async def health(self, request: web.Request) -> web.Response:
-        """[face-3] 1: ``?model=NAME`` that model's state; else every model this node serves or routes (its own and
+        """``?model=NAME`` that model's state; else every model this node serves or routes (its own and
         each the mesh serves), "ok" only when every one of them answers, and each one's state under its name."""
         asked = request.query.get("model")
         if asked is not None and asked not in self.models():
@@ -545,7 +545,7 @@ class Api:
             body = json.dumps(capped).encode()
         ctx = self.slot_ctx()
         if ctx and over_context(parsed, ctx) and (fit := cap_tokens(parsed, ctx, ep)) is not None:
-            # [face-3] 4: more than a slot holds (max_tokens 10,000,000 was taken): as many as it holds, and a header
+            # more than a slot holds (max_tokens 10,000,000 was taken): as many as it holds, and a header
             # says so (the door's answer carries it back through every node)
             parsed, body = fit, json.dumps(fit).encode()
             request["capped_to"] = ctx
@@ -597,7 +597,7 @@ class Api:
             return False
         model = parsed.get("model") if isinstance(parsed.get("model"), str) else None
         loop = asyncio.get_running_loop()
-        deadline, cuts = loop.time() + RETRY_WAIT_S, 0  # [face-3] 2: each cut its own wait (see below)
+        deadline, cuts = loop.time() + RETRY_WAIT_S, 0  # each cut its own wait (see below)
         beat = _Beat(resp)
         while cuts < RESUMES:
             text = "".join(sent.text)
@@ -674,7 +674,7 @@ class Api:
     def _source(self, request: web.Request) -> str:
         """Who asks, for the fair share of slots: the member a door connection speaks for, else the client as the
         gate counts it (``gate.client_of``: its network, or the local user on loopback) — one client from many
-        addresses is one ([trust-3] 5)."""
+        addresses is one."""
         peer = request.transport.get_extra_info("peername") if request.transport else None
         if self.source_of is not None and peer:
             return self.source_of(int(peer[1]))

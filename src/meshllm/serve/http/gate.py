@@ -3,7 +3,7 @@ headers within a deadline (slowloris). The API key is checked once the headers a
 never finished a request could hold every file descriptor of the node: 1,100 half-sent requests once kept a client
 with the key out for 80 s and grew the node by 208 MB.
 
-A client is not an address ([trust-3] 3): thirteen addresses of one IPv6 /64 held all 768 connections and a client
+A client is not an address: thirteen addresses of one IPv6 /64 held all 768 connections and a client
 with the key got 0 of 29 requests through. ``client_of`` names a client by its network — an IPv6 /64, an IPv4 /24 —
 and on loopback by the local user that owns the socket. And a full gate does not turn the newcomer away: it closes
 the oldest connection that has not yet sent a request past the key check (``proven``), so a connection that

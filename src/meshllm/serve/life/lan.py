@@ -1,4 +1,4 @@
-"""[lan] A mesh found on the LAN, joined only with approval. The founder (or an admin) announces its mesh with
+"""A mesh found on the LAN, joined only with approval. The founder (or an admin) announces its mesh with
 mDNS/DNS-SD (``zeroconf``): the mesh id, its own node id and short id, its name and its mesh addresses — public
 facts, never a secret. ``mesh-llm --join-lan`` browses for announcements, then knocks at the announcing member
 (``proto/knock.py``) until someone there runs ``mesh-llm approve NODE``: the knock's answer then carries an invite

@@ -51,7 +51,7 @@ def start_checks(o: NodeOptions, state: Path, api_host: str, console: Console) -
     lock = take_lock(state) if state.is_dir() else None
     if port_in_use(o.port, api_host):
         raise UserError(f"port {o.port} is in use: stop what runs there or pass --port N")
-    if o.console_port is not None and port_in_use(o.console_port):  # [face-3] 4: before founding or joining anything
+    if o.console_port is not None and port_in_use(o.console_port):  # before founding or joining anything
         raise UserError(f"--console {o.console_port}: port {o.console_port} is in use: stop what runs there or pass "
                         "another")  # fmt: skip
     for taken in (o.rpc_port, o.rpc_port + 1) if o.rpc_port is not None else ():

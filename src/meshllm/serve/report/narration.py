@@ -66,14 +66,14 @@ def plan_line(p: Plan | Waiting, me: NodeId, elected: NodeId | None = None) -> s
     parts = [f"{name(a.node, me)} layers {a.first}-{a.first + a.count - 1}"
              f"{' + token embedding' if p.embd_first and i == 0 else ''} ({a.bytes / GB:.2f} GB){_spill(a)}"
              for i, a in enumerate(p.assignments) if a.count]  # fmt: skip
-    if p.ram_layers:  # [big] llama.cpp runs them on the host's CPU, ahead of every device
+    if p.ram_layers:  # llama.cpp runs them on the host's CPU, ahead of every device
         parts.insert(0, f"{name(p.host, me)} layers 0-{p.ram_layers - 1} whole in RAM")
     standby = f"; standby: {', '.join(name(n, me) for n in p.standby)}" if p.standby else ""
     return f"[bold]plan:[/] {'; '.join(parts)} + output on host{standby}"
 
 
 def _spill(a: Assignment) -> str:
-    """[big] where a node's layers keep their routed experts in RAM: which, and how much."""
+    """Where a node's layers keep their routed experts in RAM: which, and how much."""
     if not a.spilled:
         return ""
     span = f"{a.spilled[0]}-{a.spilled[-1]}" if len(a.spilled) > 1 else str(a.spilled[0])
@@ -84,7 +84,7 @@ def api_line(api_host: str, port: int, host: PeerRecord | None, me: NodeId) -> s
     """A worker's or lite client's API is up: requests to it go to the host."""
     model = host.model.source if host and host.model else "?"
     via = name(host.node, me) if host else "?"
-    role = "replica" if host is not None and host.replica else "host"  # [fleet] 3: one of its hosts beside the elected
+    role = "replica" if host is not None and host.replica else "host"  # one of its hosts beside the elected
     return f"[bold green]API up:[/] http://{api_host}:{port}/v1 — model {model}, served by {role} {via}"
 
 

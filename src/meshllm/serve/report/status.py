@@ -56,7 +56,7 @@ class Report:
         self.port = port
         self._saved = ""
         self._tokens = standing.Tally(2)  # every host's (generated, prompt): mesh-wide, kept when a host dies
-        self._model_tokens: dict[str, standing.Tally] = {}  # [face-3] 1: the same per model (fingerprint)
+        self._model_tokens: dict[str, standing.Tally] = {}  # the same per model (fingerprint)
         self._firsts = standing.Tally(2)  # every node's (requests, summed ms to the first token)
         if api is not None:  # /v1/models names each model's host and nodes; a request names a dropped model
             api.model_info = self.model_info
@@ -73,7 +73,7 @@ class Report:
         for g in fleet.model_groups(alive.values(), lambda r: core.host_of(r, now)):
             host = g.host
             stand = self.standing(host, now) if host is not None else None
-            # [face-3] 1: each model's own figures, from its hosts (the elected one and its replicas, summed)
+            # each model's own figures, from its hosts (the elected one and its replicas, summed)
             hosts = ([host] if host else []) + [alive[n] for n in g.replicas if n in alive]
             tally = self._model_tokens.get(g.fingerprint)
             generated, prompt = tally.total() if tally else (0, 0)
@@ -141,7 +141,7 @@ class Report:
                 host.slots[3])  # fmt: skip
 
     def _hosts_of(self, host: PeerRecord, now: float) -> list[PeerRecord]:
-        """``host`` and the replicas of its model ([fleet])."""
+        """``host`` and the replicas of its model."""
         core = self.net.core
         assert core is not None
         fp = host.model.fingerprint if host.model else None
@@ -190,10 +190,10 @@ class Report:
             peers.append({
                 "node": r.node.hex(), "short": crypto.short(r.node), "name": r.name,
                 "role": "replica" if r.replica and r.role == Role.HOST else r.role,
-                "label": word,  # [face-3] 4: the word the console and the table show
+                "label": word,  # the word the console and the table show
                 "scope": str(r.scope),
                 "capacity": r.capacity,
-                "ram": r.ram,  # [big] offered beside capacity, for routed experts
+                "ram": r.ram,  # offered beside capacity, for routed experts
                 "device": r.device, "state": str(stand.state), "why": stand.why, "incarnation": r.incarnation,
                 "liveness": core.liveness(r.node, now).value,
                 "model": r.model.fingerprint if r.model else None,
@@ -209,7 +209,7 @@ class Report:
                 "layers": layers_of(v.plan if _same_model(r, v.model) else None, r.node,
                                     r if r.replica else core.host_of(r, now)),  # a replica: its own plan's
                 "planned_bytes": planned_bytes(v.plan, r.node),  # of its capacity, what the plan puts on it
-                "planned_ram_bytes": planned_ram_bytes(v.plan, r.node),  # [big] of its RAM
+                "planned_ram_bytes": planned_ram_bytes(v.plan, r.node),  # of its RAM
             })  # fmt: skip
         p = v.plan
         plan_obj: object = None
@@ -223,15 +223,15 @@ class Report:
                         "count": a.count,
                         "bytes": a.bytes,
                         "devices": len(a.shares) or 1,
-                        "experts_in_ram": list(a.spilled), "ram_bytes": a.ram_bytes,  # [big]
-                        "cpu_device": a.cpu_last,  # [big] its rpc-server serves its CPU too (an entry 0 in the split)
+                        "experts_in_ram": list(a.spilled), "ram_bytes": a.ram_bytes,  # what the plan keeps in RAM
+                        "cpu_device": a.cpu_last,  # its rpc-server serves its CPU too (an entry 0 in the split)
                     }
                     for a in p.assignments
                 ],
                 "standby": [n.hex() for n in p.standby],
                 "tensor_split": list(p.tensor_split),  # what llama-server is given: one entry per device
                 "embd_first": p.embd_first,  # the token embedding on the first worker (patch 0013)
-                "ram_layers": p.ram_layers,  # [big] layers [0, ram_layers) whole in the host's RAM
+                "ram_layers": p.ram_layers,  # layers [0, ram_layers) whole in the host's RAM
                 "n_gpu_layers": p.n_gpu_layers,  # what llama-server is given then (None: every layer offloaded)
             }
         elif isinstance(p, Waiting):
@@ -301,7 +301,7 @@ class Report:
                      mesh.prompt)  # fmt: skip
             x.metric("mesh_llm_mesh_tokens_per_second", "gauge", "tokens per second the serving host generates now",
                      mesh.rate)  # fmt: skip
-        for m in self.models(now):  # [face-3] 1: each model's own figures, under its name
+        for m in self.models(now):  # each model's own figures, under its name
             tk, sl, lb = m["tokens"], m["slots"], {"model": str(m["name"])}
             assert isinstance(tk, dict) and isinstance(sl, dict)
             x.metric("mesh_llm_model_tokens_generated_total", "counter", "tokens this model's hosts generated (its "
@@ -354,7 +354,7 @@ def _fmt(v: float | None) -> float | None:
 
 
 def planned_ram_bytes(plan: Plan | Waiting | None, node: NodeId) -> int | None:
-    """[big] What the plan keeps in ``node``'s RAM (routed experts, the host's whole layers), None when nothing."""
+    """What the plan keeps in ``node``'s RAM (routed experts, the host's whole layers), None when nothing."""
     if isinstance(plan, Plan):
         return next((a.ram_bytes or None for a in plan.assignments if a.node == node), None)
     return None

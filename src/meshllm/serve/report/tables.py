@@ -18,7 +18,7 @@ def print_status(out: Console, st: dict[str, Any], events: int = 0) -> None:
     # a lite client elects no host of its own: the host is whoever says so
     host = st.get("host") or next((p["node"] for p in st["peers"] if p["role"] == "host"), "") or ""
     models = [m for m in st.get("models") or [] if isinstance(m, dict)]
-    if len(models) > 1:  # [fleet] each model has its own host
+    if len(models) > 1:  # each model has its own host
         host = ", ".join(f"{str(m['host'] or 'none')[:8]} ({m['name']})" for m in models)
         out.print(f"node {st['node'][:8]} ({st['role']}) in mesh {st['mesh'][:8]} — hosts {host}", soft_wrap=True)
     else:
@@ -45,13 +45,13 @@ def print_status(out: Console, st: dict[str, Any], events: int = 0) -> None:
         used = p.get("planned_bytes")  # what the plan puts there, of what the node offers
         share = f"{used / 1e9:.1f}/" if used else ""
         mem = f"{share}{p['capacity'] / 1e9:.1f} GB {p.get('device') or ''}".strip() if p["capacity"] else "-"
-        ram_used = f"{p['planned_ram_bytes'] / 1e9:.1f}/" if p.get("planned_ram_bytes") else ""  # [big]
+        ram_used = f"{p['planned_ram_bytes'] / 1e9:.1f}/" if p.get("planned_ram_bytes") else ""
         mem += f"\n+ {ram_used}{p['ram'] / 1e9:.1f} GB RAM" if p.get("ram") and p["capacity"] else ""
         state = p["state"]  # one vocabulary, as every node computes it (proto/standing.py); the reason below
         name = str(p.get("name") or "")[:12]  # a second line under the id: the hostname or --name
         t.add_row(
             p["short"] + (f"\n{name}" if name else ""), p.get("label", p["role"]), state, mem, span or "-",
-            # [face-3] 4: the RTT with the path (a column of its own fell off at 80 columns); "[v6]:port": not markup
+            # the RTT with the path (a column of its own fell off at 80 columns); "[v6]:port": not markup
             Text(p["path"] + (f" · {p['rtt_ms']:.1f} ms" if p.get("rtt_ms") is not None and p["path"] != "self" else "")
                  + (f"\nRPC {p['rpc_path']}" if p.get("rpc_path") else "")),
         )  # fmt: skip
@@ -60,8 +60,8 @@ def print_status(out: Console, st: dict[str, Any], events: int = 0) -> None:
         for m in models:
             nodes = ", ".join(str(n)[:8] for n in m["nodes"])
             reps = ", ".join(str(n)[:8] for n in m.get("replicas") or [])
-            reps = f"; replicas {reps}" if reps else ""  # [fleet] hosts of it beside the elected one
-            tk, sl = m.get("tokens") or {}, m.get("slots") or {}  # [face-3] 1: each model's own figures
+            reps = f"; replicas {reps}" if reps else ""  # hosts of it beside the elected one
+            tk, sl = m.get("tokens") or {}, m.get("slots") or {}  # each model's own figures
             figs = (f"; {tk['generated']} tokens, {tk['rate']:.1f} tok/s now; slots {sl['busy']} of {sl['total']} busy"
                     if tk and sl else "")  # fmt: skip
             out.print(f"  {m['name']}: host {str(m['host'] or 'none')[:8]} {m['state']}{reps}; nodes {nodes}{figs}",
@@ -69,7 +69,7 @@ def print_status(out: Console, st: dict[str, Any], events: int = 0) -> None:
     if st.get("dropped"):
         out.print(f"  dropped by the founder or an admin: {', '.join(map(str, st['dropped']))}", markup=False)
     r = st.get("reach") or {}
-    if r.get("relay_server"):  # [lan] 5: what it forwards for others, and its cap per pair
+    if r.get("relay_server"):  # what it forwards for others, and its cap per pair
         cap = f"at most {r['relay_rate'] / 2**20:g} MB/s per pair" if r.get("relay_rate") else "no cap per pair"
         out.print(f"  relaying for members: {r.get('relay_pairs', 0)} pairs lately, {r['relayed_bytes'] / 1e6:.1f} MB "
                   f"forwarded, {cap} ({r.get('relay_capped', 0)} packets over it dropped)", markup=False)  # fmt: skip
@@ -82,7 +82,7 @@ def print_status(out: Console, st: dict[str, Any], events: int = 0) -> None:
     mt, tt = st.get("mesh_tokens"), st.get("ttft_s")
     if isinstance(mt, dict):
         host = f" (host {mt['host']})" if mt.get("host") else ""
-        every = " (every model's hosts)" if len(models) > 1 else ""  # a sum, said so ([face-3] 1)
+        every = " (every model's hosts)" if len(models) > 1 else ""  # a sum, said so
         out.print(f"mesh{every}: {mt['generated']} tokens generated, {mt['prompt']} prompt tokens{host}; "
                   f"{mt.get('rate', 0):.1f} tok/s now")  # fmt: skip
     fetch = st.get("fetch")

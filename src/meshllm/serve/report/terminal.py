@@ -1,6 +1,6 @@
 """A running node's terminal: every line it prints — its own narration and its loggers' — in one format, the time
 first ("13:40:01 ready: http://…"). Before, rich lines without a time sat beside logging's "2026-11-27 13:40:01,234
-INFO meshllm.hosting: …" lines ([face-2] 9)."""
+INFO meshllm.hosting: …" lines."""
 
 from __future__ import annotations
 

@@ -182,7 +182,7 @@ class Hosting:
         peer, host = conn.peer, self.elected()
         if peer is None or not serving.may_open_rpc(peer, host, self.rpc_up()):
             if peer is None or peer != host:
-                # [face-3] 4: ordinary while an election settles (the host asks before this node agrees): not a warning
+                # ordinary while an election settles (the host asks before this node agrees): not a warning
                 log.info("refused an RPC key to %s: not the elected host", crypto.short(peer) if peer else "?")
             st.reset()
             return
@@ -376,7 +376,7 @@ class Hosting:
         self.door_port = await self.door.start("127.0.0.1", 0)
 
     def slot_ctx(self) -> int | None:
-        """[face-3] 4: the context of each slot of the llama-server we run (None: we run none)."""
+        """The context of each slot of the llama-server we run (None: we run none)."""
         return self.server_cfg.ctx_size if self.server_cfg is not None else None
 
     def chat_stops(self) -> tuple[str, ...]:
@@ -525,7 +525,7 @@ class Hosting:
                     assert self.rpc is not None
                     rpc += (f"127.0.0.1:{self.rpc.port}",)
                 extra = ("--load-mode", "none", "--fit", "off")
-            if isinstance(plan, Plan):  # [big] what the plan keeps in RAM: ours, the workers' (after --rpc)
+            if isinstance(plan, Plan):  # what the plan keeps in RAM: ours, the workers' (after --rpc)
                 workers = w.workers if isinstance(w, serving.Split) else ()
                 extra += serving.ram_flags(plan, me, dict(zip(workers, rpc, strict=False)))
             want = ServerConfig(

@@ -1,4 +1,4 @@
-"""[pipeline] 2: worker to worker over the mesh, for a split whose workers the host reaches only through tunnels
+"""Worker to worker over the mesh, for a split whose workers the host reaches only through tunnels
 (behind NATs, through relays, ``--rpc-path tunnel``). The decisions are in ``proto/serving.py``
 (``tunnel_peer_entries``, ``may_open_peer``); this is the thin shell.
 
