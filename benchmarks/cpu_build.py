@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import header  # benchmarks/common.py: the command line and machine
 
 from meshllm.llama import build as b
+from meshllm.llama import hardware as hw
 from meshllm.llama.processes import Child, ChildFailed, describe_exit, free_port, llama_server_argv, wait_http_ready
 from meshllm.models.tiny import tiny_model_path
 
@@ -58,10 +59,10 @@ def measure(bins: b.Binaries, model: Path, repack: bool, runs: int, tokens: int,
 
 def default_builds() -> dict[str, b.Binaries]:
     out = {}
-    for level in b.CPU_LEVELS:
+    for level in hw.CPU_LEVELS:
         plan = b.plan_build(cpu_level=level)
         if plan.is_built():
-            out[f"{level} ({b.describe_cpu_flags(plan.cmake_flags)})"] = plan.binaries()
+            out[f"{level} ({hw.describe_cpu_flags(plan.cmake_flags)})"] = plan.binaries()
     return out
 
 
@@ -77,7 +78,7 @@ def main() -> None:
         label, _, d = spec.partition("=")
         builds[label] = b.user_binaries(Path(d))
     model = tiny_model_path()
-    amx = {"amx_tile", "amx_int8"} <= b.cpu_flags()
+    amx = {"amx_tile", "amx_int8"} <= hw.cpu_flags()
     print(f"# {platform.machine()}, {os.cpu_count()} cores, AMX {'yes' if amx else 'no'}; tiny model; tok/s,")
     print(f"# median of {args.runs} runs of {args.tokens} greedy tokens (llama-server's decode timing)")
     print(f"| {'build':<70} | repack (default) | --no-repack |")

@@ -80,21 +80,23 @@ def prepare_python(carry: Path, work: Path) -> dict[str, str]:
 def build(carry: Path, work: Path) -> tuple[object, Path]:
     """mesh-llm's own build from the carried tree; then llama-quantize in the same cmake tree."""
     from meshllm.llama import build as b
+    from meshllm.llama import hardware as hw
+    from meshllm.llama import source
     from meshllm.llama.selftest import build_verified
 
     src_root = work / "cache" / "src"
-    tree = src_root / f"llama.cpp-{b.PINNED.build}"
+    tree = src_root / f"llama.cpp-{source.PINNED.build}"
     if not (tree / ".mesh-llm-complete").is_file():
         src_root.mkdir(parents=True, exist_ok=True)
         with tarfile.open(carry / "llama-src.tar.xz") as tar:
             tar.extractall(src_root, filter="data")
         (tree / ".mesh-llm-complete").write_text(json.dumps({"sdist_sha256": SHA}))
     t0 = time.monotonic()
-    if not b.openssl_dev_found() and (carry / "openssl" / "include" / "openssl" / "ssl.h").is_file():
+    if not hw.openssl_dev_found() and (carry / "openssl" / "include" / "openssl" / "ssl.h").is_file():
         os.environ["OPENSSL_ROOT_DIR"] = str(carry / "openssl")  # no libssl-dev here: the carried headers
     plan = b.plan_build()
     done = build_verified(plan, lambda level: b.plan_build(cpu_level=level), say=print).plan
-    print(f"build: {done.backend}, {b.describe_cpu_flags(done.cmake_flags)}, {time.monotonic() - t0:.0f} s")
+    print(f"build: {done.backend}, {hw.describe_cpu_flags(done.cmake_flags)}, {time.monotonic() - t0:.0f} s")
     subprocess.run(["cmake", "--build", str(done.dir / "cmake"), "--target", "llama-quantize", "-j",
                     str(os.cpu_count() or 4)], check=True, capture_output=True)  # fmt: skip
     quantize = next((done.dir / "cmake").rglob("llama-quantize"))

@@ -23,13 +23,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from meshllm.llama.build import PINNED  # noqa: E402
+from meshllm.llama.source import PINNED  # noqa: E402
 from meshllm.paths import cache_dir  # noqa: E402
 
 EXTRACT = """
 import os, sys
 from pathlib import Path
-from meshllm.llama.build import PINNED, fetch_pinned_source
+from meshllm.llama.source import PINNED, fetch_pinned_source
 cache = Path(sys.argv[1])
 tree = fetch_pinned_source(cache, say=lambda line: None)
 assert (tree / "CMakeLists.txt").is_file() and (tree / "tools" / "rpc").is_dir(), tree

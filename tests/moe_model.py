@@ -78,7 +78,7 @@ def write_tiny_moe(vocab_file: Path, out: Path, seed: int = 7) -> Path:
 
 def tiny_moe_path() -> Path:
     """The tiny MoE model in the cache (made once per generator version and vocabulary)."""
-    from meshllm.llama.build import fetch_pinned_source
+    from meshllm.llama.source import fetch_pinned_source
     from meshllm.paths import cache_dir
 
     vocab = fetch_pinned_source(say=lambda line: None) / "models" / "ggml-vocab-llama-spm.gguf"

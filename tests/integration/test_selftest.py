@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from meshllm.llama import build as b
+from meshllm.llama import hardware as hw
 from meshllm.llama import supervisor
 from meshllm.llama.build import Binaries
 from meshllm.llama.rpcwire import hello
@@ -99,7 +100,7 @@ def test_a_build_that_crashes_in_its_self_test_is_not_cached_and_is_retried_with
     said: list[str] = []
     result = build_verified(replan(None), replan, say=said.append, jobs=1)
     native = replan("native")
-    assert result.plan.cpu_level == b.safer_level("native", b.cpu_flags()) != "native"
+    assert result.plan.cpu_level == hw.safer_level("native", hw.cpu_flags()) != "native"
     assert result.built and result.plan.is_built()
     # the crash: reported in one line that says what crashed and doing what, then the retry and its flags
     failed = [m for m in said if m.startswith("self-test failed")]

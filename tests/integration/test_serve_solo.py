@@ -309,7 +309,7 @@ def test_self_draft_runs_on_the_host_and_a_foreign_vocabulary_is_refused(tmp_pat
         assert _get(s.port, "/mesh/status")[1]["draft"] == tiny_model.name
     finally:
         s.stop()
-    from meshllm.llama.build import fetch_pinned_source
+    from meshllm.llama.source import fetch_pinned_source
 
     other = fetch_pinned_source() / "models" / "ggml-vocab-llama-bpe.gguf"  # a vocabulary-only GGUF (Llama 3)
     r = subprocess.run(

@@ -9,6 +9,8 @@ import pytest
 from meshllm.cli.main import main
 from meshllm.errors import BuildError
 from meshllm.llama import build as b
+from meshllm.llama import hardware as hw
+from meshllm.llama import source
 
 
 def _patch_dir(tmp_path: Path, body: bytes = b"diff --git a/x b/x\n") -> Path:
@@ -43,7 +45,7 @@ def test_empty_series_differs_from_stock(tmp_path: Path) -> None:
     d = tmp_path / "empty"
     d.mkdir()
     (d / "series").write_text("# nothing yet\n")
-    assert b.read_series(d) == ()
+    assert source.read_series(d) == ()
     assert (
         b.plan_build(patch_dir=d, backend="cpu", cache=tmp_path).key
         != b.plan_build(stock=True, backend="cpu", cache=tmp_path).key
@@ -55,7 +57,7 @@ def test_series_naming_a_missing_patch_is_an_error(tmp_path: Path) -> None:
     d.mkdir()
     (d / "series").write_text("0001-gone.patch\n")
     with pytest.raises(BuildError, match=r"0001-gone\.patch"):
-        b.read_series(d)
+        source.read_series(d)
 
 
 def test_llama_src_tree_hash_follows_content(tmp_path: Path) -> None:
@@ -72,14 +74,14 @@ def test_llama_src_tree_hash_follows_content(tmp_path: Path) -> None:
 def test_missing_cmake_names_the_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no cmake, no compiler
     with pytest.raises(BuildError, match=r"cmake not found: install the 'cmake' package"):
-        b.check_toolchain("cpu")
+        hw.check_toolchain("cpu")
 
 
 def test_missing_compiler_names_the_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     (tmp_path / "cmake").symlink_to("/bin/true")
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(BuildError, match="no C\\+\\+ compiler found"):
-        b.check_toolchain("cpu")
+        hw.check_toolchain("cpu")
 
 
 def test_cli_bin_dir_without_binaries_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -157,12 +159,12 @@ def test_the_source_extracts_with_and_without_tarfiles_data_filter(
     dest = tmp_path / "out"
     dest.mkdir()
     with tarfile.open(good) as tar:
-        b._extract(tar, tar.getmembers(), dest)
+        source._extract(tar, tar.getmembers(), dest)
     assert (dest / "a" / "b.txt").read_bytes() == b"x"
     assert (dest / "run.sh").stat().st_mode & 0o7777 == 0o755  # no setuid bit, whatever the archive says
     evil = _tar_of(tmp_path, {"../escaped.txt": b"x"})
     with tarfile.open(evil) as tar, pytest.raises((BuildError, tarfile.TarError)):
-        b._extract(tar, tar.getmembers(), dest)
+        source._extract(tar, tar.getmembers(), dest)
     assert not (tmp_path / "escaped.txt").exists()
 
 
@@ -180,39 +182,39 @@ def test_a_cuda_toolkit_off_path_is_found_and_a_gpu_without_one_is_said(
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     for var in ("CUDACXX", "CUDA_HOME", "CUDA_PATH"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(b, "CUDA_HOMES", (str(tmp_path / "none"),))
-    monkeypatch.setattr(b, "CUDA_VERSIONED", tmp_path / "versioned")  # none of this machine's /usr/local/cuda-X.Y
-    assert b.find_nvcc() is None
+    monkeypatch.setattr(hw, "CUDA_HOMES", (str(tmp_path / "none"),))
+    monkeypatch.setattr(hw, "CUDA_VERSIONED", tmp_path / "versioned")  # none of this machine's /usr/local/cuda-X.Y
+    assert hw.find_nvcc() is None
     monkeypatch.setenv("CUDA_HOME", str(home))
-    assert b.find_nvcc() == nvcc
-    monkeypatch.setattr(b, "gpu_visible", lambda: True)
-    assert b.detect_backend() == "cuda"
-    flags = b.backend_flags("cuda")
+    assert hw.find_nvcc() == nvcc
+    monkeypatch.setattr(hw, "gpu_visible", lambda: True)
+    assert hw.detect_backend() == "cuda"
+    flags = hw.backend_flags("cuda")
     assert f"-DCMAKE_CUDA_COMPILER={nvcc}" in flags
     assert str(home / "bin") in b._build_env(tmp_path).get("PATH", "").split(":")[0]
     monkeypatch.delenv("CUDA_HOME")
     said: list[str] = []
-    assert b.detect_backend(said.append) == "cpu"
+    assert hw.detect_backend(said.append) == "cpu"
     assert len(said) == 1 and "no CUDA toolkit" in said[0] and "apt-get install nvidia-cuda-toolkit" in said[0]
     with pytest.raises(BuildError, match="needs the CUDA toolkit"):
-        b.check_toolchain("cuda")
+        hw.check_toolchain("cuda")
 
 
 def test_the_vulkan_flavour_names_its_packages_when_they_are_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     """--backend vulkan (AMD and Intel GPUs without ROCm): its cmake flag, and one line naming the
     packages when its headers or shader compiler are missing."""
-    assert "-DGGML_VULKAN=ON" in b.backend_flags("vulkan") and "vulkan" in b.BACKENDS
+    assert "-DGGML_VULKAN=ON" in hw.backend_flags("vulkan") and "vulkan" in hw.BACKENDS
     real_which = b.shutil.which
-    monkeypatch.setattr(b.shutil, "which", lambda c: None if c == "glslc" else real_which(c))
+    monkeypatch.setattr(hw.shutil, "which", lambda c: None if c == "glslc" else real_which(c))
     with pytest.raises(BuildError, match="apt-get install libvulkan-dev spirv-headers glslc"):
-        b.check_toolchain("vulkan")
+        hw.check_toolchain("vulkan")
     # headers too old for the pinned llama.cpp (Debian 12's 1.3.239: a compile error deep in ggml-vulkan before)
-    monkeypatch.setattr(b.shutil, "which", lambda c: "/usr/bin/" + c)
-    monkeypatch.setattr(b, "SPIRV_CMAKE_DIRS", ("/",))
-    monkeypatch.setattr(b.Path, "is_dir", lambda self: True)
-    monkeypatch.setattr(b.Path, "is_file", lambda self: True)
-    monkeypatch.setattr(b, "_read", lambda p: "#define VK_HEADER_VERSION 239\n")
+    monkeypatch.setattr(hw.shutil, "which", lambda c: "/usr/bin/" + c)
+    monkeypatch.setattr(hw, "SPIRV_CMAKE_DIRS", ("/",))
+    monkeypatch.setattr(hw.Path, "is_dir", lambda self: True)
+    monkeypatch.setattr(hw.Path, "is_file", lambda self: True)
+    monkeypatch.setattr(hw, "_read", lambda p: "#define VK_HEADER_VERSION 239\n")
     with pytest.raises(BuildError, match=r"older than llama\.cpp"):
-        b.check_toolchain("vulkan")
-    monkeypatch.setattr(b, "_read", lambda p: "#define VK_EXT_layer_settings 1\n")
-    b.check_toolchain("vulkan")  # all there: no complaint
+        hw.check_toolchain("vulkan")
+    monkeypatch.setattr(hw, "_read", lambda p: "#define VK_EXT_layer_settings 1\n")
+    hw.check_toolchain("vulkan")  # all there: no complaint

@@ -10,18 +10,19 @@ from pathlib import Path
 import pytest
 
 from meshllm.llama import build as b
+from meshllm.llama import hardware as hw
 from meshllm.llama import processes
 from meshllm.llama.processes import AMX_MARKER, describe_exit, explain_crash, uses_amx
 
 # /proc/cpuinfo flags of the AMX machine where the first command crashed (Sapphire Rapids, trimmed)
-SPR = b.cpu_flags(
+SPR = hw.cpu_flags(
     "flags\t: fpu sse sse2 ssse3 fma cx16 sse4_1 sse4_2 popcnt avx f16c bmi1 avx2 bmi2 avx512f avx512dq "
     "avx512ifma avx512cd "
     "avx512bw avx512vl avx_vnni avx512_bf16 avx512vbmi avx512_vbmi2 avx512_vnni amx_bf16 avx512_fp16 amx_tile "
     "amx_int8"
 )
-HASWELL = b.cpu_flags("flags\t: fpu sse sse2 ssse3 fma sse4_1 sse4_2 popcnt avx f16c bmi1 avx2 bmi2")
-OLD = b.cpu_flags("flags\t: fpu sse sse2 ssse3 sse4_1 sse4_2 popcnt avx")  # Sandy Bridge: no AVX2
+HASWELL = hw.cpu_flags("flags\t: fpu sse sse2 ssse3 fma sse4_1 sse4_2 popcnt avx f16c bmi1 avx2 bmi2")
+OLD = hw.cpu_flags("flags\t: fpu sse sse2 ssse3 sse4_1 sse4_2 popcnt avx")  # Sandy Bridge: no AVX2
 
 
 def on(flags: tuple[str, ...]) -> set[str]:
@@ -29,7 +30,7 @@ def on(flags: tuple[str, ...]) -> set[str]:
 
 
 def test_native_takes_every_extension_of_this_cpu_but_amx() -> None:
-    flags = b.cpu_cmake_flags("native", SPR, machine="x86_64")
+    flags = hw.cpu_cmake_flags("native", SPR, machine="x86_64")
     assert "-DGGML_NATIVE=OFF" in flags  # -march=native would turn the crashing AMX kernels on
     assert on(flags) == {
         "GGML_SSE42", "GGML_AVX", "GGML_F16C", "GGML_FMA", "GGML_BMI2", "GGML_AVX2", "GGML_AVX_VNNI",
@@ -37,31 +38,31 @@ def test_native_takes_every_extension_of_this_cpu_but_amx() -> None:
     }  # fmt: skip
     for amx in ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16"):
         assert f"-D{amx}=OFF" in flags
-    assert on(b.cpu_cmake_flags("native", HASWELL, machine="x86_64")) == set(b.X86_PORTABLE)
+    assert on(hw.cpu_cmake_flags("native", HASWELL, machine="x86_64")) == set(hw.X86_PORTABLE)
 
 
 def test_portable_and_generic_do_not_depend_on_this_cpu() -> None:
-    assert b.cpu_cmake_flags("portable", SPR, "x86_64") == b.cpu_cmake_flags("portable", OLD, "x86_64")
-    assert on(b.cpu_cmake_flags("portable", SPR, "x86_64")) == set(b.X86_PORTABLE)
-    assert on(b.cpu_cmake_flags("generic", SPR, "x86_64")) == set()
+    assert hw.cpu_cmake_flags("portable", SPR, "x86_64") == hw.cpu_cmake_flags("portable", OLD, "x86_64")
+    assert on(hw.cpu_cmake_flags("portable", SPR, "x86_64")) == set(hw.X86_PORTABLE)
+    assert on(hw.cpu_cmake_flags("generic", SPR, "x86_64")) == set()
 
 
 def test_other_architectures_let_the_compiler_choose() -> None:
-    assert b.cpu_cmake_flags("native", frozenset(), machine="aarch64") == ("-DGGML_NATIVE=ON",)
-    assert b.cpu_cmake_flags("portable", frozenset(), machine="aarch64") == ("-DGGML_NATIVE=OFF",)
+    assert hw.cpu_cmake_flags("native", frozenset(), machine="aarch64") == ("-DGGML_NATIVE=ON",)
+    assert hw.cpu_cmake_flags("portable", frozenset(), machine="aarch64") == ("-DGGML_NATIVE=OFF",)
 
 
 def test_safer_levels_end() -> None:
-    assert b.safer_level("native", SPR) == "portable"
-    assert b.safer_level("native", OLD) == "generic"  # a portable build would not run on a CPU without AVX2
-    assert b.safer_level("portable", SPR) == "generic"
-    assert b.safer_level("generic", SPR) is None
+    assert hw.safer_level("native", SPR) == "portable"
+    assert hw.safer_level("native", OLD) == "generic"  # a portable build would not run on a CPU without AVX2
+    assert hw.safer_level("portable", SPR) == "generic"
+    assert hw.safer_level("generic", SPR) is None
 
 
 def test_cpuinfo_parsing() -> None:
     text = "processor\t: 0\nflags\t\t: fpu avx2 amx_int8\nbugs\t\t: spectre_v1\n"
-    assert b.cpu_flags(text) == {"fpu", "avx2", "amx_int8"}
-    assert b.cpu_flags("no flags here\n") == frozenset()
+    assert hw.cpu_flags(text) == {"fpu", "avx2", "amx_int8"}
+    assert hw.cpu_flags("no flags here\n") == frozenset()
 
 
 def test_levels_are_separate_builds(tmp_path: Path) -> None:
@@ -74,7 +75,7 @@ def test_levels_are_separate_builds(tmp_path: Path) -> None:
     assert not any("RPATH" in f for f in native.cmake_flags)
     # the CPU is part of the key: a cache carried to a machine with other extensions builds anew
     assert b.plan_build(cpu_level="native", **{**kw, "cpuinfo_flags": HASWELL}).key != native.key  # type: ignore[arg-type]
-    assert b.describe_cpu_flags(portable.cmake_flags) == "SSE42 AVX F16C FMA BMI2 AVX2"
+    assert hw.describe_cpu_flags(portable.cmake_flags) == "SSE42 AVX F16C FMA BMI2 AVX2"
 
 
 def test_a_level_that_failed_its_self_test_here_is_skipped(tmp_path: Path) -> None:

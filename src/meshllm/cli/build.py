@@ -17,6 +17,7 @@ from meshllm.cli import console
 from meshllm.cli.args import positive_int
 from meshllm.errors import UserError
 from meshllm.llama.build import Binaries, BuildPlan
+from meshllm.llama.hardware import describe_cpu_flags
 
 
 def ensure_binaries(bin_dir: Path | None) -> Binaries:
@@ -37,7 +38,6 @@ def ensure_binaries(bin_dir: Path | None) -> Binaries:
 
 def build_shown(plan: BuildPlan, replan: Callable[[str], BuildPlan], jobs: int | None) -> BuildPlan:
     """Build ``plan`` with a progress bar; it must pass its self-test (retried once with safer CPU flags)."""
-    from meshllm.llama import build as b
     from meshllm.llama.selftest import build_verified
 
     if plan.is_built():
@@ -55,7 +55,7 @@ def build_shown(plan: BuildPlan, replan: Callable[[str], BuildPlan], jobs: int |
     done = result.plan
     console.print(
         f"[green]built[/] {done.flavour} {done.backend} build {done.key} ({done.cpu_level} CPU: "
-        f"{b.describe_cpu_flags(done.cmake_flags)}) in {result.seconds:.0f} s: {done.bin_dir}"
+        f"{describe_cpu_flags(done.cmake_flags)}) in {result.seconds:.0f} s: {done.bin_dir}"
     )
     return done
 

@@ -1,4 +1,5 @@
-"""llama.cpp, as our processes: the pinned source, the patch series and cached builds (``build``, ``selftest``), a
+"""llama.cpp, as our processes: the pinned source and the patch series (``source``), what this machine
+gives a build (``hardware``: CPU flags, GPU backends), cached builds (``build``, ``selftest``), a
 bundle for machines with no compiler (``bundle``), GGUF files (``gguf``), the RPC wire (``rpcwire``), the children we
 start and supervise (``processes``, ``supervisor``) and the chat template a base model gets (``chat``).
 

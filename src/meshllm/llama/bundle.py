@@ -30,6 +30,7 @@ from pathlib import Path
 from meshllm import __version__
 from meshllm.errors import UserError
 from meshllm.llama import build as b
+from meshllm.llama import hardware as hw
 from meshllm.paths import repo_root
 
 DEFAULT_PYTHONS = ("3.11", "3.12", "3.13")
@@ -148,7 +149,7 @@ def make_bundle(
                 f"pip download (Python {v})",
             )
         _run([*pip, "download", "-q", "--only-binary=:all:", "-d", str(wheels), "pip"], "pip download (pip)")
-        needs = sorted(b.X86_PORTABLE_CPU_FLAGS) if b.is_x86() and plan.cpu_level == "portable" else []
+        needs = sorted(hw.X86_PORTABLE_CPU_FLAGS) if hw.is_x86() and plan.cpu_level == "portable" else []
         script = (
             _INSTALL_SH.replace("@MACHINE@", platform.machine())
             .replace("@CPU_FLAGS@", " ".join(needs))
@@ -162,7 +163,7 @@ def make_bundle(
             "build_key": plan.key,
             "backend": plan.backend,
             "cpu_level": plan.cpu_level,
-            "cpu_extensions": b.describe_cpu_flags(plan.cmake_flags),
+            "cpu_extensions": hw.describe_cpu_flags(plan.cmake_flags),
             "machine": platform.machine(),
             "pythons": pythons,
             "libraries": sorted(libs),

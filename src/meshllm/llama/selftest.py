@@ -19,6 +19,7 @@ from pathlib import Path
 
 from meshllm.errors import BuildError, MeshError
 from meshllm.llama import build as b
+from meshllm.llama import hardware as hw
 from meshllm.llama.processes import (
     Child,
     ChildFailed,
@@ -133,13 +134,13 @@ def build_verified(
     try:
         return b.build(plan, jobs=jobs, say=say, progress=progress, verify=verify)
     except b.SelfTestFailed as e:
-        level = b.safer_level(plan.cpu_level, b.cpu_flags())
+        level = hw.safer_level(plan.cpu_level, hw.cpu_flags())
         if level is None:
             raise BuildError(f"{e}; no safer CPU flags left to try (logs: {e.logs})") from None
         safer = replan(level)
         say(
-            f"self-test failed: {e} with CPU flags [{b.describe_cpu_flags(plan.cmake_flags)}]; retrying once with "
-            f"safer ones ({level}: {b.describe_cpu_flags(safer.cmake_flags)})"
+            f"self-test failed: {e} with CPU flags [{hw.describe_cpu_flags(plan.cmake_flags)}]; retrying once with "
+            f"safer ones ({level}: {hw.describe_cpu_flags(safer.cmake_flags)})"
         )
         try:
             return b.build(safer, jobs=jobs, say=say, progress=progress, verify=verify)

@@ -19,8 +19,9 @@ from pathlib import Path
 import aiohttp
 
 from meshllm.delaytcp import DelayProxy
-from meshllm.llama.build import Binaries, cpu_flags
+from meshllm.llama.build import Binaries
 from meshllm.llama.chat import ChatDefault
+from meshllm.llama.hardware import cpu_flags
 from meshllm.llama.processes import (
     ANY_ADDR,
     LOOPBACK,

@@ -54,7 +54,7 @@ def llama_build() -> Check:
 
 
 def gpu() -> Check:
-    from meshllm.llama import build as b
+    from meshllm.llama import hardware as b
 
     if not b.gpu_visible():
         return Check(OK, "GPU: none visible (nvidia-smi, /dev/nvidia*): the node runs on the CPU and RAM")

@@ -17,7 +17,8 @@ import psutil
 from rich.console import Console
 
 from meshllm.errors import UserError
-from meshllm.llama.build import Binaries, gpu_visible
+from meshllm.llama.build import Binaries
+from meshllm.llama.hardware import gpu_visible
 from meshllm.llama.processes import Tuning, device_listing
 from meshllm.proto import token as tok
 from meshllm.proto.capacity import Offer, offer, parse_devices
