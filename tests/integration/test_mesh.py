@@ -20,6 +20,7 @@ import pytest
 from meshllm.net.conn import STREAM_AUTH, Conn
 from meshllm.net.endpoint import Endpoint
 from meshllm.net.meshauth import _read_frame
+from meshllm.proto import admission as adm
 from meshllm.proto import crypto
 from meshllm.proto import token as tok
 from meshllm.proto.auth import AuthChallenge, AuthHello, AuthProof, make_proof
@@ -175,7 +176,7 @@ def test_three_nodes_form_a_mesh_from_one_token_and_refuse_intruders(
 
 def test_bad_tokens_fail_at_once_with_one_line(tmp_path: Path, tiny_model: Path) -> None:
     key = crypto.new_key()
-    chain = tok.found(key, time.time())
+    chain = adm.found(key, time.time())
     good = tok.mint(key, chain[0][0], os.urandom(32), ["127.0.0.1:9"], time.time(), 3600)
     cases = {
         "garbage": "hello",

@@ -21,19 +21,20 @@ from hypothesis import strategies as st
 from meshllm.errors import RemoteProtocolError, UserError
 from meshllm.llama.gguf import read_header
 from meshllm.net.endpoint import parse_addr, try_addr
+from meshllm.proto import admission as adm
 from meshllm.proto import crypto, reach, wire
-from meshllm.proto import token as tok
+from meshllm.proto import signed as sgn
 from meshllm.proto.auth import AuthHello, AuthProof, check_proof, rekey_refused
 from meshllm.proto.gossip import GossipPush, PeerRecord, Role, open_record, record_from_wire
 from meshllm.proto.meshcore import MeshCore
 
 NOW = 1_800_000_000.0
 FOUNDER = crypto.new_key()
-CHAIN = tok.found(FOUNDER, NOW)
+CHAIN = adm.found(FOUNDER, NOW)
 MESH = CHAIN[0][0]
 MEMBER = crypto.new_key()
 M_ID = crypto.node_id(MEMBER)
-M_CHAIN = tok.admit(FOUNDER, CHAIN, M_ID, NOW)
+M_CHAIN = adm.admit(FOUNDER, CHAIN, M_ID, NOW)
 SECRET = os.urandom(32)
 
 LEAF = (
@@ -120,26 +121,26 @@ def test_an_admission_chain_with_one_part_replaced_is_refused_cleanly(i: int, j:
     chain: list[list[object]] = [list(link) for link in M_CHAIN]
     chain[i][j] = value
     try:
-        parsed = tok.chain_from_wire(chain)
+        parsed = adm.chain_from_wire(chain)
     except RemoteProtocolError:
         return
-    why = tok.verify_chain(parsed, M_ID, MESH, NOW)
+    why = adm.verify_chain(parsed, M_ID, MESH, NOW)
     if why is None:  # only a change that leaves the signed bytes equal can pass
-        assert tok.chain_to_wire(parsed) == tok.chain_to_wire(M_CHAIN)
-    tok.cut_off(parsed, {M_ID})
-    tok.chain_until(parsed)
+        assert adm.chain_to_wire(parsed) == adm.chain_to_wire(M_CHAIN)
+    adm.cut_off(parsed, {M_ID})
+    adm.chain_until(parsed)
     with pytest.raises(ValueError):
-        tok.renew(FOUNDER, CHAIN, M_ID, parsed, MESH, {M_ID}, NOW)
+        adm.renew(FOUNDER, CHAIN, M_ID, parsed, MESH, {M_ID}, NOW)
 
 
 @FUZZ
 @given(st.lists(VALUES, min_size=5, max_size=5), st.integers(0, 4))
 def test_revocations_and_tombstones_of_any_shape_are_refused_cleanly(values: list[object], keep: int) -> None:
-    good = tok.revoke(FOUNDER, MESH, M_ID, NOW).to_wire()
+    good = sgn.revoke(FOUNDER, MESH, M_ID, NOW).to_wire()
     mixed = [*good[:keep], *values[keep:]]
     for obj in (values, mixed):
         with contextlib.suppress(RemoteProtocolError):
-            tok.revocation_from_wire(obj, MESH)
+            sgn.revocation_from_wire(obj, MESH)
     core = _core()
     res = core.table.merge_push(GossipPush(tombstones=[values, mixed], revocations=[values, mixed]), 1.0)
     assert isinstance(res.dropped, list)

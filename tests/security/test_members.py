@@ -13,9 +13,9 @@ from pathlib import Path
 
 from meshllm.machine.state import load_membership
 from meshllm.proto import crypto
+from meshllm.proto.admission import Link
 from meshllm.proto.auth import make_proof
 from meshllm.proto.planner import GB
-from meshllm.proto.token import Link
 from tests.integration.meshlab import NodeProc, _free_port, split_pair, wait_for
 from tests.integration.test_mesh import _attempt, _handshake_as, _membership
 
@@ -235,6 +235,7 @@ def test_a_member_that_claims_to_host_reaches_no_rpc_server_and_takes_no_seat(tm
     reset, the host stays host, and the split still answers the same text."""
     from meshllm.net.conn import STREAM_GOSSIP, STREAM_RPC, STREAM_RPC_KEY
     from meshllm.net.endpoint import Endpoint
+    from meshllm.proto import admission as adm
     from meshllm.proto import token as tok
     from meshllm.proto.auth import AuthWelcome
     from meshllm.proto.gossip import GossipPush, NodeState, PeerRecord, Role
@@ -264,7 +265,7 @@ def test_a_member_that_claims_to_host_reaches_no_rpc_server_and_takes_no_seat(tm
                 assert isinstance(welcome, AuthWelcome), welcome  # a member now, worker-scoped
                 conn.peer = b_id
                 conn.set_authenticated()
-                chain = tok.chain_from_wire(welcome.chain)
+                chain = adm.chain_from_wire(welcome.chain)
                 claim = PeerRecord(node=crypto.node_id(key), incarnation=1, seq=1, role=Role.HOST, capacity=2**62,
                                    model=facts, state=NodeState.SERVING, chain=tuple(chain))  # fmt: skip
                 g = conn.open_stream(STREAM_GOSSIP)
@@ -340,6 +341,7 @@ def test_a_member_that_claims_to_serve_gets_no_request_from_any_node(tmp_path: P
     from meshllm.net.conn import STREAM_GOSSIP, STREAM_HTTP, Conn
     from meshllm.net.endpoint import Endpoint
     from meshllm.net.tunnel import TunnelListener, TunnelStats
+    from meshllm.proto import admission as adm
     from meshllm.proto import token as tok
     from meshllm.proto.auth import AuthWelcome
     from meshllm.proto.gossip import GossipPush, NodeState, PeerRecord, Role, Tombstone
@@ -382,7 +384,7 @@ def test_a_member_that_claims_to_serve_gets_no_request_from_any_node(tmp_path: P
                     assert isinstance(welcome, AuthWelcome), welcome  # a member now, client-scoped
                     conn.peer = node
                     conn.set_authenticated()
-                    chain = tuple(tok.chain_from_wire(welcome.chain))
+                    chain = tuple(adm.chain_from_wire(welcome.chain))
 
                     async def serve(conn=conn) -> None:  # count every request stream sent to us
                         while (s := await conn.accept()) is not None:
@@ -464,7 +466,7 @@ def test_a_member_away_during_a_rotation_admits_nobody_with_its_old_secret(tmp_p
 def test_a_member_holds_no_more_than_its_share_of_the_hosts_door(tmp_path: Path, tiny_model: Path) -> None:
     """The host's door (where peers' requests enter) had no per-peer bound. A client-scoped member opens
     70 request streams to the host, each with half a request head: 64 are bridged to the door (its share), the rest
-    are reset at once; keys it minted for itself would count as it (``tok.accountable``: unit-tested)."""
+    are reset at once; keys it minted for itself would count as it (``adm.accountable``: unit-tested)."""
     from meshllm.net.conn import STREAM_HTTP
     from meshllm.net.endpoint import Endpoint
     from meshllm.net.tunnel import TunnelListener, TunnelStats

@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 import time
 
+from meshllm.proto import admission as adm
 from meshllm.proto import crypto
+from meshllm.proto import signed as sgn
 from meshllm.proto import token as tok
 from meshllm.proto.auth import AuthChallenge, AuthHello, Verdict, check_proof, make_proof
 from meshllm.proto.gossip import GossipPush, PeerRecord, Renewal, RenewAsk
@@ -19,7 +21,7 @@ NOW = time.time()
 
 
 def _join(f: MeshCore, key: crypto.Ed25519PrivateKey, secret: bytes, *, token: tok.Token | None = None,
-          chain: list[tok.Link] | None = None, now: float = NOW) -> Verdict:  # fmt: skip
+          chain: list[adm.Link] | None = None, now: float = NOW) -> Verdict:  # fmt: skip
     """``key`` dials the founder's core with a token or its chain: the founder's own admission check."""
     hello = AuthHello(dialler=crypto.node_id(key), listener=f.me, mesh_id=f.mesh_id)
     nonce = os.urandom(32)
@@ -29,31 +31,31 @@ def _join(f: MeshCore, key: crypto.Ed25519PrivateKey, secret: bytes, *, token: t
                        now=now)  # fmt: skip
 
 
-def _gossip(f: MeshCore, key: crypto.Ed25519PrivateKey, chain: list[tok.Link], seq: int, now: float) -> None:
+def _gossip(f: MeshCore, key: crypto.Ed25519PrivateKey, chain: list[adm.Link], seq: int, now: float) -> None:
     rec = PeerRecord(crypto.node_id(key), 1, seq, chain=tuple(chain), at=int(NOW))
     f.on_message(crypto.node_id(key), GossipPush(records=[rec.to_wire(key)]), now)
 
 
 def test_a_revoked_member_cannot_launder_keys_through_renewals_or_tokens() -> None:
     founder, m = crypto.new_key(), crypto.new_key()
-    f = MeshCore(key=founder, mesh_id=crypto.mesh_id_for(crypto.node_id(founder)), chain=tok.found(founder, NOW - 60),
+    f = MeshCore(key=founder, mesh_id=crypto.mesh_id_for(crypto.node_id(founder)), chain=adm.found(founder, NOW - 60),
                  incarnation=1, now=0.0, wall=NOW)  # fmt: skip
     secret = os.urandom(tok.SECRET_LEN)
     nm = crypto.node_id(m)
-    chain_m = tok.admit(founder, f.chain, nm, NOW - 30, tok.Scope.WORKER)
+    chain_m = adm.admit(founder, f.chain, nm, NOW - 30, tok.Scope.WORKER)
     _gossip(f, m, chain_m, 1, 0.0)
     # the member signs admissions for keys of its own, offline, that hold 20 s: half over at once
     sybils = [crypto.new_key() for _ in range(3)]
-    laundered: list[tuple[crypto.Ed25519PrivateKey, list[tok.Link]]] = []
+    laundered: list[tuple[crypto.Ed25519PrivateKey, list[adm.Link]]] = []
     for i, s in enumerate(sybils):
         ns = crypto.node_id(s)
-        _gossip(f, s, tok.admit(m, chain_m, ns, NOW - 15, tok.Scope.WORKER, ttl_s=20), 1, 0.1)
+        _gossip(f, s, adm.admit(m, chain_m, ns, NOW - 15, tok.Scope.WORKER, ttl_s=20), 1, 0.1)
         f.tick(1.0 + i, NOW)
         out = f.on_message(ns, RenewAsk(), 1.0 + i)  # the founder renews it
         assert len(out) == 1 and isinstance(out[0][1], Renewal)
-        renewed = tok.chain_from_wire(out[0][1].chain)
+        renewed = adm.chain_from_wire(out[0][1].chain)
         assert len(renewed) == 2 and renewed[-1][2] == f.me  # the member no longer shows in the chain ...
-        assert tok.verify_chain(renewed, ns, f.mesh_id, NOW) is None
+        assert adm.verify_chain(renewed, ns, f.mesh_id, NOW) is None
         _gossip(f, s, renewed, 2, 1.2 + i)
         laundered.append((s, renewed))
     # ... a laundered key mints a token; a fresh key of the member joins with it at the founder
@@ -73,7 +75,7 @@ def test_a_revoked_member_cannot_launder_keys_through_renewals_or_tokens() -> No
     ids = {crypto.node_id(k) for k, _ in laundered}
     assert ids | {nm} <= set(f.table.entries)
 
-    f.revoke([tok.revoke(founder, f.mesh_id, nm, NOW + 1)], 6.0)
+    f.revoke([sgn.revoke(founder, f.mesh_id, nm, NOW + 1)], 6.0)
 
     left = (ids | {nm}) & set(f.table.entries)
     assert not left, f"still members: {sorted(crypto.short(n) for n in left)}"
@@ -92,55 +94,55 @@ def test_a_member_that_mints_identities_cannot_lock_an_honest_member_out() -> No
     from meshllm.proto.gossip import MAX_PEERS, MAX_RECORDS, MAX_THROUGH, Tombstone
 
     founder, honest, m = crypto.new_key(), crypto.new_key(), crypto.new_key()
-    f = MeshCore(key=founder, mesh_id=crypto.mesh_id_for(crypto.node_id(founder)), chain=tok.found(founder, NOW - 60),
+    f = MeshCore(key=founder, mesh_id=crypto.mesh_id_for(crypto.node_id(founder)), chain=adm.found(founder, NOW - 60),
                  incarnation=1, now=0.0, wall=NOW)  # fmt: skip
     nh, nm = crypto.node_id(honest), crypto.node_id(m)
-    chain_h = tok.admit(founder, f.chain, nh, NOW - 30)
-    chain_m = tok.admit(founder, f.chain, nm, NOW - 30, tok.Scope.WORKER)
+    chain_h = adm.admit(founder, f.chain, nh, NOW - 30)
+    chain_m = adm.admit(founder, f.chain, nm, NOW - 30, tok.Scope.WORKER)
     _gossip_life(f, honest, chain_h, 1, 0.0, links={nm: "direct"})  # the member was connected to it: may bury it
     _gossip(f, m, chain_m, 1, 0.0)
     records = []
     by, by_chain = m, chain_m
     for i in range(MAX_PEERS + 100):
         s = crypto.new_key()
-        chain = tok.admit(by, by_chain, crypto.node_id(s), NOW - 20, tok.Scope.WORKER)
+        chain = adm.admit(by, by_chain, crypto.node_id(s), NOW - 20, tok.Scope.WORKER)
         # one in ten admits the next itself: identities admitted down the line count against the member too
         by, by_chain = (s, chain) if i % 10 == 8 else (m, chain_m)
         records.append(PeerRecord(crypto.node_id(s), 1, 1, chain=tuple(chain), at=int(NOW)).to_wire(s))
     for i in range(0, len(records), MAX_RECORDS):
         f.on_message(nm, GossipPush(records=records[i : i + MAX_RECORDS]), 1.0)
-    through_m = [n for n, e in f.table.entries.items() if nm in tok.lineage(e.record.chain)[:-1]]
+    through_m = [n for n, e in f.table.entries.items() if nm in adm.lineage(e.record.chain)[:-1]]
     assert len(through_m) == MAX_THROUGH
     # the member buries the honest member's life; the honest member refutes it (a new life) and is taken back
     f.on_message(nm, GossipPush(tombstones=[Tombstone(nh, 1, nm, NOW).signed(m).to_wire()]), 2.0)
     _gossip_life(f, honest, chain_h, 2, 3.0, links={nm: "direct"})
     joiner = crypto.new_key()
-    _gossip(f, joiner, tok.admit(founder, f.chain, crypto.node_id(joiner), NOW), 1, 3.0)
+    _gossip(f, joiner, adm.admit(founder, f.chain, crypto.node_id(joiner), NOW), 1, 3.0)
     assert nh in f.table.entries and f.table.entries[nh].record.incarnation == 2
     assert crypto.node_id(joiner) in f.table.entries
     # several members together fill the table (each within its share): a life buried then still comes back
     for _ in range(MAX_PEERS // MAX_THROUGH):
         k = crypto.new_key()
-        ck = tok.admit(founder, f.chain, crypto.node_id(k), NOW - 30, tok.Scope.WORKER)
+        ck = adm.admit(founder, f.chain, crypto.node_id(k), NOW - 30, tok.Scope.WORKER)
         _gossip(f, k, ck, 1, 4.0)
         batch = []
         for _ in range(MAX_THROUGH):
             s = crypto.new_key()
-            c = tok.admit(k, ck, crypto.node_id(s), NOW - 20, tok.Scope.WORKER)
+            c = adm.admit(k, ck, crypto.node_id(s), NOW - 20, tok.Scope.WORKER)
             batch.append(PeerRecord(crypto.node_id(s), 1, 1, chain=tuple(c), at=int(NOW)).to_wire(s))
         f.on_message(crypto.node_id(k), GossipPush(records=batch), 4.0)
     assert len(f.table.entries) == MAX_PEERS
     f.on_message(nm, GossipPush(tombstones=[Tombstone(nh, 2, nm, NOW).signed(m).to_wire()]), 5.0)
     assert nh not in f.table.entries
     k = crypto.new_key()  # the slot it left is taken at once
-    ck = tok.admit(founder, f.chain, crypto.node_id(k), NOW - 30, tok.Scope.WORKER)
+    ck = adm.admit(founder, f.chain, crypto.node_id(k), NOW - 30, tok.Scope.WORKER)
     _gossip(f, k, ck, 1, 5.0)
     assert len(f.table.entries) == MAX_PEERS
     _gossip_life(f, honest, chain_h, 3, 6.0)
     assert nh in f.table.entries and f.table.entries[nh].record.incarnation == 3
 
 
-def _gossip_life(f: MeshCore, key: crypto.Ed25519PrivateKey, chain: list[tok.Link], inc: int, now: float,
+def _gossip_life(f: MeshCore, key: crypto.Ed25519PrivateKey, chain: list[adm.Link], inc: int, now: float,
                  links: dict[bytes, str] | None = None) -> None:  # fmt: skip
     rec = PeerRecord(crypto.node_id(key), inc, 1, chain=tuple(chain), at=int(NOW), links=links or {})
     f.on_message(crypto.node_id(key), GossipPush(records=[rec.to_wire(key)]), now)

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from meshllm.errors import RemoteProtocolError, UserError
+from meshllm.proto import admission as adm
 from meshllm.proto import crypto
+from meshllm.proto import signed as sgn
 from meshllm.proto import token as tok
 from meshllm.proto.auth import AuthChallenge, AuthHello, check_proof, make_proof
 from meshllm.proto.gossip import Renewal
@@ -20,23 +22,23 @@ from meshllm.proto.meshcore import MeshCore
 
 NOW = time.time()
 FOUNDER = crypto.new_key()
-CHAIN = tok.found(FOUNDER, NOW - 100)
+CHAIN = adm.found(FOUNDER, NOW - 100)
 MESH = CHAIN[0][0]
 
 
-def _link(key: crypto.Ed25519PrivateKey, node: bytes, at: float, until: float, scope: tok.Scope) -> tok.Link:
-    return tok._link(key, MESH, node, int(at), int(until), scope)
+def _link(key: crypto.Ed25519PrivateKey, node: bytes, at: float, until: float, scope: tok.Scope) -> adm.Link:
+    return adm._link(key, MESH, node, int(at), int(until), scope)
 
 
 def test_a_chain_must_start_at_the_founder() -> None:
     """A stranger's own self-link, written for this mesh's id, is no founder's."""
     s = crypto.new_key()
     ns = crypto.node_id(s)
-    fake_root = [_link(s, ns, NOW, tok.NEVER, tok.Scope.HOST)]
-    assert tok.verify_chain(fake_root, ns, MESH) == "chain does not start at the mesh's founder"
+    fake_root = [_link(s, ns, NOW, adm.NEVER, tok.Scope.HOST)]
+    assert adm.verify_chain(fake_root, ns, MESH) == "chain does not start at the mesh's founder"
     x = crypto.new_key()
     fake = [*fake_root, _link(s, crypto.node_id(x), NOW, NOW + 60, tok.Scope.HOST)]
-    assert tok.verify_chain(fake, crypto.node_id(x), MESH) == "chain does not start at the mesh's founder"
+    assert adm.verify_chain(fake, crypto.node_id(x), MESH) == "chain does not start at the mesh's founder"
 
 
 def test_each_link_is_signed_by_the_member_before_it() -> None:
@@ -44,49 +46,49 @@ def test_each_link_is_signed_by_the_member_before_it() -> None:
     s = crypto.new_key()
     ns = crypto.node_id(s)
     forged = [*CHAIN, _link(s, ns, NOW, NOW + 60, tok.Scope.HOST)]
-    assert tok.verify_chain(forged, ns, MESH) == "link 1 not signed by the previous member"
+    assert adm.verify_chain(forged, ns, MESH) == "link 1 not signed by the previous member"
     m = crypto.new_key()
-    chain_m = tok.admit(FOUNDER, CHAIN, crypto.node_id(m), NOW, tok.Scope.WORKER)
+    chain_m = adm.admit(FOUNDER, CHAIN, crypto.node_id(m), NOW, tok.Scope.WORKER)
     skip = [*chain_m, _link(FOUNDER, ns, NOW, NOW + 60, tok.Scope.WORKER)]  # signed by the founder, not by m
-    assert tok.verify_chain(skip, ns, MESH) == "link 2 not signed by the previous member"
+    assert adm.verify_chain(skip, ns, MESH) == "link 2 not signed by the previous member"
 
 
 def test_admin_grants_are_the_founders_only() -> None:
     m = crypto.new_key()
-    g = tok.Grant(MESH, crypto.node_id(crypto.new_key()), int(NOW), crypto.node_id(m))
-    g = tok.Grant(g.mesh_id, g.node, g.at, g.by, crypto.sign(m, crypto.D_ADMIN, g.body()))
+    g = sgn.Grant(MESH, crypto.node_id(crypto.new_key()), int(NOW), crypto.node_id(m))
+    g = sgn.Grant(g.mesh_id, g.node, g.at, g.by, crypto.sign(m, crypto.D_ADMIN, g.body()))
     with pytest.raises(RemoteProtocolError, match="not made by this mesh's founder"):
-        tok.grant_from_wire(g.to_wire(), MESH)
-    real = tok.grant_admin(FOUNDER, MESH, crypto.node_id(m), NOW)
-    assert tok.grant_from_wire(real.to_wire(), MESH) == real
+        sgn.grant_from_wire(g.to_wire(), MESH)
+    real = sgn.grant_admin(FOUNDER, MESH, crypto.node_id(m), NOW)
+    assert sgn.grant_from_wire(real.to_wire(), MESH) == real
 
 
 def test_an_admission_signed_in_the_future_is_refused() -> None:
     n = crypto.new_key()
-    ahead = tok.admit(FOUNDER, CHAIN, crypto.node_id(n), NOW + 3600)
-    why = tok.verify_chain(ahead, crypto.node_id(n), MESH, NOW)
+    ahead = adm.admit(FOUNDER, CHAIN, crypto.node_id(n), NOW + 3600)
+    why = adm.verify_chain(ahead, crypto.node_id(n), MESH, NOW)
     assert why == "admission signed in the future (a clock far ahead?)"
-    assert tok.verify_chain(ahead, crypto.node_id(n), MESH, NOW + 3600) is None
+    assert adm.verify_chain(ahead, crypto.node_id(n), MESH, NOW + 3600) is None
 
 
 def test_a_renewal_that_does_not_verify_widens_or_ends_sooner_is_not_adopted() -> None:
     w = crypto.new_key()
     nw = crypto.node_id(w)
-    mine = tok.admit(FOUNDER, CHAIN, nw, NOW - 100, tok.Scope.WORKER, ttl_s=1000)
+    mine = adm.admit(FOUNDER, CHAIN, nw, NOW - 100, tok.Scope.WORKER, ttl_s=1000)
     core = MeshCore(key=w, mesh_id=MESH, chain=mine, incarnation=1, now=0.0, wall=NOW)
     core.tick(1.0, NOW)
     other = crypto.new_key()
     bad = [
-        tok.admit(FOUNDER, CHAIN, crypto.node_id(other), NOW, tok.Scope.WORKER),  # another node's
-        [*CHAIN, (*tok._link(FOUNDER, MESH, nw, int(NOW), int(NOW) + 5000, tok.Scope.WORKER)[:6], b"\0" * 64, ())],
-        tok.admit(FOUNDER, CHAIN, nw, NOW, tok.Scope.HOST, ttl_s=5000),  # wider than ours
-        tok.admit(FOUNDER, CHAIN, nw, NOW, tok.Scope.WORKER, ttl_s=100),  # ends sooner than ours
+        adm.admit(FOUNDER, CHAIN, crypto.node_id(other), NOW, tok.Scope.WORKER),  # another node's
+        [*CHAIN, (*adm._link(FOUNDER, MESH, nw, int(NOW), int(NOW) + 5000, tok.Scope.WORKER)[:6], b"\0" * 64, ())],
+        adm.admit(FOUNDER, CHAIN, nw, NOW, tok.Scope.HOST, ttl_s=5000),  # wider than ours
+        adm.admit(FOUNDER, CHAIN, nw, NOW, tok.Scope.WORKER, ttl_s=100),  # ends sooner than ours
     ]
     for chain in bad:
-        core._take_renewal(crypto.node_id(FOUNDER), Renewal(chain=tok.chain_to_wire(chain)), 2.0)  # type: ignore[arg-type]
+        core._take_renewal(crypto.node_id(FOUNDER), Renewal(chain=adm.chain_to_wire(chain)), 2.0)  # type: ignore[arg-type]
         assert core.chain == mine, chain[-1]
-    good = tok.admit(FOUNDER, CHAIN, nw, NOW, tok.Scope.WORKER, ttl_s=5000)
-    core._take_renewal(crypto.node_id(FOUNDER), Renewal(chain=tok.chain_to_wire(good)), 2.0)
+    good = adm.admit(FOUNDER, CHAIN, nw, NOW, tok.Scope.WORKER, ttl_s=5000)
+    core._take_renewal(crypto.node_id(FOUNDER), Renewal(chain=adm.chain_to_wire(good)), 2.0)
     assert core.chain == good
 
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from meshllm.proto import admission as adm
 from meshllm.proto import crypto
-from meshllm.proto import token as tok
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import DEAD_AFTER_S, ModelFacts
 from meshllm.proto.meshcore import MeshCore, Out
@@ -38,12 +38,12 @@ class Sim:
         self.max_delay = max_delay
         # keys from the seeded generator too: a seed reproduces a run exactly (node ids order the mesh's decisions)
         founder = crypto.key_from_bytes(self.rng.randbytes(32))
-        chain = tok.found(founder, T0)
+        chain = adm.found(founder, T0)
         self.mesh_id = chain[0][0]
         self.keys = [founder] + [crypto.key_from_bytes(self.rng.randbytes(32)) for _ in range(n - 1)]
         self.chains = {crypto.node_id(founder): chain}
         for k in self.keys[1:]:
-            self.chains[crypto.node_id(k)] = tok.admit(founder, chain, crypto.node_id(k), T0)
+            self.chains[crypto.node_id(k)] = adm.admit(founder, chain, crypto.node_id(k), T0)
         self.nodes: dict[NodeId, MeshCore] = {}
         self.group: dict[NodeId, int] = {}
         self.links: dict[frozenset[NodeId], int] = {}  # connected pairs -> epoch

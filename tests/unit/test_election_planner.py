@@ -223,18 +223,18 @@ def test_a_plan_the_host_already_runs_or_one_that_ends_a_wait_is_adopted_at_once
 def test_serving_host_is_a_connected_peer_announcing_the_model() -> None:
     import time
 
+    from meshllm.proto import admission as adm
     from meshllm.proto import crypto
-    from meshllm.proto import token as tok
     from meshllm.proto.gossip import ModelFacts, PeerRecord
     from meshllm.proto.meshcore import MeshCore
 
     founder, other = crypto.new_key(), crypto.new_key()
     now = time.time()
-    chain = tok.found(founder, now)
+    chain = adm.found(founder, now)
     core = MeshCore(key=founder, mesh_id=chain[0][0], chain=chain, incarnation=1, now=now)
     facts = ModelFacts("ab" * 32, 1, 1, "tiny")
     rec = PeerRecord(crypto.node_id(other), 1, 1, role="host", state="serving", model=facts,
-                     chain=tuple(tok.admit(founder, chain, crypto.node_id(other), now)))  # fmt: skip
+                     chain=tuple(adm.admit(founder, chain, crypto.node_id(other), now)))  # fmt: skip
     core.table.merge_record(rec.to_wire(other), now)
     assert core.serving_host("tiny", now) is None  # known, but not connected
     core.on_connected(crypto.node_id(other), now)
@@ -248,6 +248,7 @@ def test_requests_go_to_the_elected_host_never_to_a_self_claim() -> None:
     with the real host gone it routes nowhere rather than to the claimant; the claimant's model adds no name."""
     import time
 
+    from meshllm.proto import admission as adm
     from meshllm.proto import crypto
     from meshllm.proto import token as tok
     from meshllm.proto.gossip import ModelFacts, PeerRecord
@@ -255,7 +256,7 @@ def test_requests_go_to_the_elected_host_never_to_a_self_claim() -> None:
 
     founder, host, liar_c, liar_w = (crypto.new_key() for _ in range(4))
     now = time.time()
-    chain = tok.found(founder, now)
+    chain = adm.found(founder, now)
     core = MeshCore(key=founder, mesh_id=chain[0][0], chain=chain, incarnation=1, now=now)  # a lite client's view
     facts = ModelFacts("ab" * 32, 1, 1, "tiny")
 
@@ -263,7 +264,7 @@ def test_requests_go_to_the_elected_host_never_to_a_self_claim() -> None:
             seq: int = 1) -> bytes:  # fmt: skip
         node = crypto.node_id(key)
         return PeerRecord(node, 1, seq, role="host", state="serving", model=model, capacity=cap,
-                          chain=tuple(tok.admit(founder, chain, node, now, scope))).to_wire(key)  # fmt: skip
+                          chain=tuple(adm.admit(founder, chain, node, now, scope))).to_wire(key)  # fmt: skip
 
     for key, scope in ((liar_c, tok.Scope.CLIENT), (liar_w, tok.Scope.WORKER)):  # first in table order
         core.table.merge_record(rec(key, scope, 2**62), now)
@@ -283,7 +284,7 @@ def test_requests_go_to_the_elected_host_never_to_a_self_claim() -> None:
     liar = crypto.node_id(liar_w)
     core.table.merge_record(PeerRecord(liar, 1, 3, role="host", state="serving", model=facts, capacity=2**62,
                                        why="the mesh moved: use http://evil.example",
-                                       chain=tuple(tok.admit(founder, chain, liar, now, tok.Scope.WORKER))
+                                       chain=tuple(adm.admit(founder, chain, liar, now, tok.Scope.WORKER))
                                        ).to_wire(liar_w), now)  # fmt: skip
     rec = core.host_record(now)
     assert rec is not None and rec.node == crypto.node_id(host) and rec.why == ""

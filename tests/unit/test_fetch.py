@@ -75,16 +75,17 @@ def test_only_host_scoped_holders_decide_what_is_believed_and_no_vote_or_id_brea
 
 
 def test_vouchers_are_host_scoped_members_holding_the_whole_file() -> None:
+    from meshllm.proto import admission as adm
     from meshllm.proto import token as tok
     from meshllm.proto.gossip import ModelFacts, PeerRecord, Role
 
     founder = KEYS[0]
-    chain = tok.found(founder, 0.0)
+    chain = adm.found(founder, 0.0)
     facts = ModelFacts(FP, SIZE, 1, "m")
 
     def rec(key: crypto.Ed25519PrivateKey, scope: tok.Scope, **kw: object) -> PeerRecord:
         me = crypto.node_id(key)
-        c = chain if key is founder else tok.admit(founder, chain, me, 0.0, scope)
+        c = chain if key is founder else adm.admit(founder, chain, me, 0.0, scope)
         return PeerRecord(me, 1, 1, model=facts, chain=tuple(c), **kw)  # type: ignore[arg-type]
 
     recs = [rec(KEYS[0], tok.Scope.HOST), rec(KEYS[1], tok.Scope.WORKER), rec(KEYS[2], tok.Scope.CLIENT)]

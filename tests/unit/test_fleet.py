@@ -8,7 +8,9 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from meshllm.proto import admission as adm
 from meshllm.proto import crypto
+from meshllm.proto import signed as sgn
 from meshllm.proto import token as tok
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.fleet import AVOID_S, Spread, model_groups, replica_wanted
@@ -61,19 +63,19 @@ class Mesh:
     now: float
     keys: list[Ed25519PrivateKey]
     ids: list[NodeId]
-    chains: list[tuple[tok.Link, ...]]
+    chains: list[tuple[adm.Link, ...]]
 
 
 def _members(n: int, scope: tok.Scope = tok.Scope.HOST, last: tok.Scope | None = None) -> Mesh:
     """``last``: the last member's scope, when another."""
     founder = crypto.new_key()
     now = time.time()
-    chain = tok.found(founder, now)
+    chain = adm.found(founder, now)
     core = MeshCore(key=founder, mesh_id=chain[0][0], chain=chain, incarnation=1, now=now)
     keys = [crypto.new_key() for _ in range(n)]
     ids = [crypto.node_id(k) for k in keys]
     scopes = [scope] * (n - 1) + [last or scope]
-    chains = [tuple(tok.admit(founder, chain, i, now, s)) for i, s in zip(ids, scopes, strict=True)]
+    chains = [tuple(adm.admit(founder, chain, i, now, s)) for i, s in zip(ids, scopes, strict=True)]
     return Mesh(core, now, keys, ids, chains)
 
 
@@ -179,37 +181,37 @@ def test_a_dropped_model_has_no_host_until_the_founder_or_an_admin_serves_it_aga
         core.table.merge_record(r.to_wire(m.keys[i]), now)
         core.on_connected(m.ids[i], now)
     assert core.served_models(now) == ["x", "y"] and core.serving_host("y", now) == m.ids[1]
-    drop = tok.direct(core.key, mid, "y", False, now)
+    drop = sgn.direct(core.key, mid, "y", False, now)
     core.revoke([], now, None, [drop])  # as `mesh-llm drop y` on the founder's machine
     assert core.served_models(now) == ["x"] and core.hosts_for("y", now) == [] and core.serving_host("y", now) is None
     assert core.hosts_for(None, now)[0].node == m.ids[0]
     assert [e.detail for e in core.events if e.kind == "directive"] == ["drop y"]
     # the newest word counts: an older serve changes nothing, a newer one brings it back
-    older = tok.direct(core.key, mid, "y", True, now - 5)
+    older = sgn.direct(core.key, mid, "y", True, now - 5)
     assert not core.table.merge_push(GossipPush(directives=[older.to_wire()]), now).new_directives
     assert core.table.dropped("y")
-    again = tok.direct(core.key, mid, "y", True, now + 1)
+    again = sgn.direct(core.key, mid, "y", True, now + 1)
     assert core.table.merge_push(GossipPush(directives=[again.to_wire()]), now).new_directives == [again]
     assert core.served_models(now) == ["x", "y"] and core.serving_host("y", now) == m.ids[1]
     # refused: a member that is no admin (signing or shipping it), a forged word, another mesh's
     with pytest.raises(ValueError, match="only the node that founded"):
-        tok.direct(m.keys[0], mid, "x", False, now + 2)
-    by_member = tok.Directive(mid, "x", False, int(now + 2), m.ids[0])
+        sgn.direct(m.keys[0], mid, "x", False, now + 2)
+    by_member = sgn.Directive(mid, "x", False, int(now + 2), m.ids[0])
     by_member = dataclasses.replace(by_member, sig=crypto.sign(m.keys[0], crypto.D_DIRECTIVE, by_member.body()))
-    forged = dataclasses.replace(tok.direct(core.key, mid, "y", True, now + 2), model="x", serve=False)
+    forged = dataclasses.replace(sgn.direct(core.key, mid, "y", True, now + 2), model="x", serve=False)
     foreign_key = crypto.new_key()
-    foreign = tok.direct(foreign_key, tok.found(foreign_key, now)[0][0], "x", False, now + 2)
+    foreign = sgn.direct(foreign_key, adm.found(foreign_key, now)[0][0], "x", False, now + 2)
     res = core.table.merge_push(GossipPush(directives=[by_member.to_wire(), forged.to_wire(), foreign.to_wire()]),
                                 now)  # fmt: skip
     assert len(res.dropped) == 3 and not res.new_directives and not core.table.dropped("x"), res.dropped
     with pytest.raises(RemoteProtocolError, match="malformed"):
-        tok.directive_from_wire([mid, "x", "no", 1, m.ids[0], b""], mid)
+        sgn.directive_from_wire([mid, "x", "no", 1, m.ids[0], b""], mid)
     # an admin's word counts while the admin stands
-    core.revoke([], now, [tok.grant_admin(core.key, mid, m.ids[0], now)])
-    word = tok.direct(m.keys[0], mid, "x", False, now + 3, admins={m.ids[0]})
+    core.revoke([], now, [sgn.grant_admin(core.key, mid, m.ids[0], now)])
+    word = sgn.direct(m.keys[0], mid, "x", False, now + 3, admins={m.ids[0]})
     core.table.merge_push(GossipPush(directives=[word.to_wire()]), now)
     assert core.table.dropped("x") and core.served_models(now) == ["y"]
-    core.revoke([tok.revoke(core.key, mid, m.ids[0], now)], now)
+    core.revoke([sgn.revoke(core.key, mid, m.ids[0], now)], now)
     assert not core.table.dropped("x")
 
 

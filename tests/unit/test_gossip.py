@@ -6,7 +6,9 @@ import dataclasses
 
 import pytest
 
+from meshllm.proto import admission as adm
 from meshllm.proto import crypto
+from meshllm.proto import signed as sgn
 from meshllm.proto import token as tok
 from meshllm.proto.gossip import (
     DEAD_AFTER_S,
@@ -22,16 +24,16 @@ from meshllm.proto.wire import pack, unpack
 
 T = 1_800_000_000.0
 FOUNDER = crypto.new_key()
-CHAIN = tok.found(FOUNDER, T)
+CHAIN = adm.found(FOUNDER, T)
 MESH = CHAIN[0][0]
 
 
-def member() -> tuple[crypto.Ed25519PrivateKey, list[tok.Link]]:
+def member() -> tuple[crypto.Ed25519PrivateKey, list[adm.Link]]:
     k = crypto.new_key()
-    return k, tok.admit(FOUNDER, CHAIN, crypto.node_id(k), T)
+    return k, adm.admit(FOUNDER, CHAIN, crypto.node_id(k), T)
 
 
-def rec(key: crypto.Ed25519PrivateKey, chain: list[tok.Link], inc: int = 1, seq: int = 1, **kw: object) -> bytes:
+def rec(key: crypto.Ed25519PrivateKey, chain: list[adm.Link], inc: int = 1, seq: int = 1, **kw: object) -> bytes:
     r = PeerRecord(node=crypto.node_id(key), incarnation=inc, seq=seq, chain=tuple(chain), **kw)  # type: ignore[arg-type]
     return r.to_wire(key)
 
@@ -65,7 +67,7 @@ def test_forged_and_foreign_records_are_dropped() -> None:
     forged = pack([body.replace(b"starting", b"servingx"), sig])
     assert "bad signature" in t.merge_record(forged, T).dropped[0]
     outsider = crypto.new_key()
-    foreign = rec(outsider, tok.found(outsider, T))
+    foreign = rec(outsider, adm.found(outsider, T))
     assert "non-member" in t.merge_record(foreign, T).dropped[0]
     assert t.merge_record(b"\x93garbage", T).dropped and not t.entries
 
@@ -208,17 +210,17 @@ def test_a_revocation_cuts_the_member_and_everyone_it_admitted_for_good() -> Non
     t = Table(crypto.node_id(me), MESH)
     b, cb = member()
     c = crypto.new_key()
-    cc = tok.admit(b, cb, crypto.node_id(c), T)  # admitted by b
+    cc = adm.admit(b, cb, crypto.node_id(c), T)  # admitted by b
     d, cd = member()  # admitted by the founder
     for k, ch in ((b, cb), (c, cc), (d, cd)):
         t.merge_record(rec(k, ch), T)
     nb, nc, nd = (crypto.node_id(k) for k in (b, c, d))
     # only the founder revokes, and only others; a forged or altered revocation is refused
     with pytest.raises(ValueError, match="only the node that founded"):
-        tok.revoke(d, MESH, nb, T)
+        sgn.revoke(d, MESH, nb, T)
     with pytest.raises(ValueError, match="cannot revoke itself"):
-        tok.revoke(FOUNDER, MESH, crypto.node_id(FOUNDER), T)
-    r = tok.revoke(FOUNDER, MESH, nb, T)
+        sgn.revoke(FOUNDER, MESH, crypto.node_id(FOUNDER), T)
+    r = sgn.revoke(FOUNDER, MESH, nb, T)
     forged = dataclasses.replace(r, by=nd)
     altered = dataclasses.replace(r, node=nd)
     res = t.merge_push(GossipPush(revocations=[forged.to_wire(), altered.to_wire(), [1, 2]]), T)
@@ -243,13 +245,13 @@ def test_an_admin_the_founder_named_revokes_members_but_not_the_founder_or_other
     for k, ch in ((a, ca), (b, cb), (e, ce)):
         t.merge_record(rec(k, ch), T)
     with pytest.raises(ValueError, match="only the node that founded"):
-        tok.grant_admin(a, MESH, nb, T)
-    g, ge = tok.grant_admin(FOUNDER, MESH, na, T), tok.grant_admin(FOUNDER, MESH, ne, T)
-    r = tok.revoke(a, MESH, nb, T, admins={na})
+        sgn.grant_admin(a, MESH, nb, T)
+    g, ge = sgn.grant_admin(FOUNDER, MESH, na, T), sgn.grant_admin(FOUNDER, MESH, ne, T)
+    r = sgn.revoke(a, MESH, nb, T, admins={na})
     # before the grant is known, a's revocation is an outsider's; forged grants are refused
     res = t.merge_push(GossipPush(revocations=[r.to_wire()]), T)
     assert "only the node that founded the mesh, or an admin" in res.dropped[0] and not t.revoked
-    forged = dataclasses.replace(tok.grant_admin(FOUNDER, MESH, na, T), node=nb)
+    forged = dataclasses.replace(sgn.grant_admin(FOUNDER, MESH, na, T), node=nb)
     assert "bad signature" in t.merge_push(GossipPush(admins=[forged.to_wire()]), T).dropped[0]
     res = t.merge_push(GossipPush(admins=[g.to_wire(), ge.to_wire()], revocations=[r.to_wire()]), T)
     assert res.cut == [nb] and set(t.admins) == {na, ne}
@@ -257,15 +259,15 @@ def test_an_admin_the_founder_named_revokes_members_but_not_the_founder_or_other
     # an admin revokes neither the founder nor another admin (made by hand, signed by a: refused where it arrives)
     for victim in (crypto.node_id(FOUNDER), ne):
         with pytest.raises(ValueError, match="cannot revoke the founder or another admin"):
-            tok.revoke(a, MESH, victim, T, admins={na, ne})
-        bad = tok.Revocation(MESH, victim, int(T), na)
+            sgn.revoke(a, MESH, victim, T, admins={na, ne})
+        bad = sgn.Revocation(MESH, victim, int(T), na)
         bad = dataclasses.replace(bad, sig=crypto.sign(a, crypto.D_REVOKE, bad.body()))
         assert "cannot revoke the founder" in t.merge_push(GossipPush(revocations=[bad.to_wire()]), T).dropped[0]
     # the founder revokes the admin: its word counts no more
-    t.merge_push(GossipPush(revocations=[tok.revoke(FOUNDER, MESH, na, T).to_wire()]), T)
+    t.merge_push(GossipPush(revocations=[sgn.revoke(FOUNDER, MESH, na, T).to_wire()]), T)
     c, cc = member()
     t.merge_record(rec(c, cc), T)
-    late = tok.revoke(a, MESH, crypto.node_id(c), T, admins={na})
+    late = sgn.revoke(a, MESH, crypto.node_id(c), T, admins={na})
     assert t.merge_push(GossipPush(revocations=[late.to_wire()]), T).dropped and crypto.node_id(c) in t.entries
     # and what it revoked falls with it — a node that took a revocation by the admin before hearing
     # of the admin's own (one signed after it and backdated, say) keeps none of them
@@ -275,7 +277,7 @@ def test_an_admin_the_founder_named_revokes_members_but_not_the_founder_or_other
     t2.merge_record(rec(c, cc), T)
     t2.merge_push(GossipPush(admins=[g.to_wire()], revocations=[late.to_wire()]), T)
     assert crypto.node_id(c) in t2.revoked and crypto.node_id(c) not in t2.entries
-    res = t2.merge_push(GossipPush(revocations=[tok.revoke(FOUNDER, MESH, na, T).to_wire()]), T)
+    res = t2.merge_push(GossipPush(revocations=[sgn.revoke(FOUNDER, MESH, na, T).to_wire()]), T)
     assert res.voided == [crypto.node_id(c)] and set(t2.revoked) == {na}
     assert t2.merge_record(rec(c, cc, seq=2), T).changed == [crypto.node_id(c)]
 
@@ -367,10 +369,10 @@ def test_a_member_that_left_is_still_one_for_its_tokens_until_revoked_or_ended()
     t.merge_record(rec(k, c), T)
     t.merge_record(rec(k, c, seq=2, left=True), T)
     assert n not in t.entries and t.scope_of(n) == tok.Scope.HOST and t.chain_of(n) == tuple(c)
-    t.wall = tok.chain_until(c) + 1  # its admission ended: no longer
+    t.wall = adm.chain_until(c) + 1  # its admission ended: no longer
     assert t.scope_of(n) is None
     t.wall = T
-    t.add_revocation(tok.revoke(FOUNDER, MESH, n, T))  # revoked: no longer
+    t.add_revocation(sgn.revoke(FOUNDER, MESH, n, T))  # revoked: no longer
     assert t.scope_of(n) is None and t.chain_of(n) is None
     assert t.scope_of(b"\x01" * 32) is None  # never a member
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from meshllm.proto import admission as adm
 from meshllm.proto import crypto, knock
+from meshllm.proto import signed as sgn
 from meshllm.proto import token as tok
 from meshllm.proto.knock import (
     APPROVED,
@@ -105,7 +107,7 @@ def test_an_approval_token_admits_only_the_node_that_knocked() -> None:
     """The approval was an ordinary token that named no node; now it names the knocking key."""
     from meshllm.proto.auth import AuthChallenge, AuthHello, check_proof, make_proof
 
-    chain = tok.found(FOUNDER, NOW)
+    chain = adm.found(FOUNDER, NOW)
     secret = b"s" * tok.SECRET_LEN
     knocker, thief = crypto.new_key(), crypto.new_key()
     t = tok.mint(FOUNDER, MESH, secret, ["10.0.0.1:1"], NOW, 600, tok.Scope.HOST, node=crypto.node_id(knocker))
@@ -135,10 +137,10 @@ def test_a_refusal_ends_the_knocking_only_from_the_founder_or_an_admin() -> None
     stranger, admin = crypto.node_id(crypto.new_key()), crypto.node_id(crypto.new_key())
     assert knock.refusal_is_final(no, MESH, ME)  # the founder: its key is the mesh's id
     assert not knock.refusal_is_final(no, MESH, stranger)
-    grant = tok.grant_admin(FOUNDER, MESH, admin, NOW)
+    grant = sgn.grant_admin(FOUNDER, MESH, admin, NOW)
     assert knock.refusal_is_final(replace(no, grant=grant.to_wire()), MESH, admin)
     assert not knock.refusal_is_final(replace(no, grant=grant.to_wire()), MESH, stranger)  # another's grant
-    own = tok.grant_admin(FOUNDER, MESH, stranger, NOW).to_wire()
+    own = sgn.grant_admin(FOUNDER, MESH, stranger, NOW).to_wire()
     own[-1] = bytes(64)  # a grant it forged
     assert not knock.refusal_is_final(replace(no, grant=own), MESH, stranger)
     assert not knock.refusal_is_final(KnockAnswer(WAITING), MESH, ME)

@@ -93,30 +93,31 @@ def test_serve_and_drop_sign_words_in_the_founders_state_dir(tmp_path: Path, cap
 
     from meshllm.cli.main import main
     from meshllm.machine import state as s
+    from meshllm.proto import admission as adm
     from meshllm.proto import crypto
-    from meshllm.proto import token as tok
+    from meshllm.proto import signed as sgn
 
     sd = tmp_path / "founder"
     sd.mkdir(mode=0o700)
     key = s.load_or_create_key(sd)
-    chain = tok.found(key, time.time())
+    chain = adm.found(key, time.time())
     s.save_membership(sd, s.Membership(chain[0][0], b"\0" * 32, chain))
     mid = chain[0][0]
     stranger = crypto.new_key()  # signs as if an admin: its word is in the file, but no grant makes it one
-    forged = tok.direct(stranger, mid, "z", False, time.time(), admins={crypto.node_id(stranger)})
+    forged = sgn.direct(stranger, mid, "z", False, time.time(), admins={crypto.node_id(stranger)})
     s.save_directives(sd, [forged])
     assert main(["drop", "m", "--state-dir", str(sd)]) == 0
-    dropped = [tok.directive_from_wire(o, mid) for o in s.load_directives(sd)]
+    dropped = [sgn.directive_from_wire(o, mid) for o in s.load_directives(sd)]
     assert [(w.model, w.serve) for w in dropped] == [("m", False)]  # the forged word is left out
     assert main(["serve", "m", "--state-dir", str(sd)]) == 0
-    words = [tok.directive_from_wire(o, mid) for o in s.load_directives(sd)]
+    words = [sgn.directive_from_wire(o, mid) for o in s.load_directives(sd)]
     assert [(w.model, w.serve) for w in words] == [("m", True)] and words[0].by == crypto.node_id(key)
     assert words[0].newer(dropped[0]) and words[0].at > dropped[0].at  # the same second: a drop would win a tie
     assert "serve m: the running node gossips it" in capsys.readouterr().out  # type: ignore[attr-defined]
     member = tmp_path / "member"
     member.mkdir(mode=0o700)
     mk = s.load_or_create_key(member)
-    s.save_membership(member, s.Membership(mid, b"\0" * 32, tok.admit(key, chain, crypto.node_id(mk), time.time())))
+    s.save_membership(member, s.Membership(mid, b"\0" * 32, adm.admit(key, chain, crypto.node_id(mk), time.time())))
     assert main(["drop", "m", "--state-dir", str(member)]) != 0
     assert "only the node that founded the mesh, or an admin" in capsys.readouterr().err  # type: ignore[attr-defined]
 

@@ -11,7 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from meshllm.proto import admission as adm
 from meshllm.proto import crypto
+from meshllm.proto import signed as sgn
 from meshllm.proto import token as tok
 from meshllm.proto.auth import AuthChallenge, AuthHello, check_proof, make_proof
 
@@ -21,7 +23,7 @@ NOW = 1_800_000_000.0
 @pytest.fixture
 def mesh() -> dict[str, object]:
     founder = crypto.new_key()
-    chain = tok.found(founder, NOW)
+    chain = adm.found(founder, NOW)
     return {"key": founder, "chain": chain, "mesh_id": chain[0][0], "secret": os.urandom(32)}
 
 
@@ -80,21 +82,21 @@ def test_parse_gives_a_token_or_a_token_error(text: str) -> None:
 def test_admission_chains(mesh: dict[str, object]) -> None:
     key, chain, mid = mesh["key"], mesh["chain"], mesh["mesh_id"]
     founder = crypto.node_id(key)  # type: ignore[arg-type]
-    assert tok.verify_chain(chain, founder, mid) is None  # type: ignore[arg-type]
+    assert adm.verify_chain(chain, founder, mid) is None  # type: ignore[arg-type]
     a = crypto.new_key()
-    ca = tok.admit(key, chain, crypto.node_id(a), NOW)  # type: ignore[arg-type]
+    ca = adm.admit(key, chain, crypto.node_id(a), NOW)  # type: ignore[arg-type]
     b = crypto.new_key()
-    cb = tok.admit(a, ca, crypto.node_id(b), NOW)
-    assert tok.verify_chain(cb, crypto.node_id(b), mid) is None  # type: ignore[arg-type]
-    assert tok.verify_chain(cb, crypto.node_id(a), mid) == "chain admits another node"  # type: ignore[arg-type]
-    assert "another mesh" in (tok.verify_chain(cb, crypto.node_id(b), b"y" * 16) or "")
+    cb = adm.admit(a, ca, crypto.node_id(b), NOW)
+    assert adm.verify_chain(cb, crypto.node_id(b), mid) is None  # type: ignore[arg-type]
+    assert adm.verify_chain(cb, crypto.node_id(a), mid) == "chain admits another node"  # type: ignore[arg-type]
+    assert "another mesh" in (adm.verify_chain(cb, crypto.node_id(b), b"y" * 16) or "")
     # an outsider cannot start its own chain in this mesh, nor sign a link it was not given
     outsider = crypto.new_key()
-    fake = tok.admit(outsider, tok.found(outsider, NOW), crypto.node_id(b), NOW)
-    assert tok.verify_chain(fake, crypto.node_id(b), mid) is not None  # type: ignore[arg-type]
+    fake = adm.admit(outsider, adm.found(outsider, NOW), crypto.node_id(b), NOW)
+    assert adm.verify_chain(fake, crypto.node_id(b), mid) is not None  # type: ignore[arg-type]
     forged = [*chain, (mid, crypto.node_id(b), founder, int(NOW), int(NOW) + 60, 2, b"\0" * 64, ())]  # type: ignore[misc]
-    assert "bad signature" in (tok.verify_chain(forged, crypto.node_id(b), mid) or "")  # type: ignore[arg-type]
-    assert tok.verify_chain(tok.chain_from_wire(tok.chain_to_wire(cb)), crypto.node_id(b), mid) is None  # type: ignore[arg-type]
+    assert "bad signature" in (adm.verify_chain(forged, crypto.node_id(b), mid) or "")  # type: ignore[arg-type]
+    assert adm.verify_chain(adm.chain_from_wire(adm.chain_to_wire(cb)), crypto.node_id(b), mid) is None  # type: ignore[arg-type]
 
 
 def _handshake(
@@ -103,12 +105,12 @@ def _handshake(
     *,
     secret: bytes | None = None,
     token: tok.Token | None = None,
-    chain: list[tok.Link] | None = None,
+    chain: list[adm.Link] | None = None,
     now: float = NOW,
     nonce: bytes | None = None,
     proof_nonce: bytes | None = None,
     members: dict[bytes, tok.Scope] | None = None,
-    listener_chain: list[tok.Link] | None = None,
+    listener_chain: list[adm.Link] | None = None,
     listener_key: crypto.Ed25519PrivateKey | None = None,
     revoked: set[bytes] | None = None,
     previous: list[bytes] | None = None,
@@ -134,7 +136,7 @@ def _handshake(
     )  # fmt: skip
     if v.ok:
         assert v.chain is not None
-        assert tok.verify_chain(v.chain, crypto.node_id(dialler), mesh["mesh_id"]) is None  # type: ignore[arg-type]
+        assert adm.verify_chain(v.chain, crypto.node_id(dialler), mesh["mesh_id"]) is None  # type: ignore[arg-type]
     return v.ok, v.reason
 
 
@@ -145,7 +147,7 @@ def test_joiner_with_a_valid_token_is_admitted(mesh: dict[str, object]) -> None:
 
 def test_member_with_its_chain_is_accepted(mesh: dict[str, object]) -> None:
     a = crypto.new_key()
-    ca = tok.admit(mesh["key"], mesh["chain"], crypto.node_id(a), NOW)  # type: ignore[arg-type]
+    ca = adm.admit(mesh["key"], mesh["chain"], crypto.node_id(a), NOW)  # type: ignore[arg-type]
     assert _handshake(mesh, a, chain=ca)[0]
     b = crypto.new_key()
     assert _handshake(mesh, b, chain=ca)[1].startswith("not a member")  # someone else's chain
@@ -178,26 +180,26 @@ def test_refusals(mesh: dict[str, object]) -> None:
 def test_scopes_narrow_along_the_chain_and_bound_what_a_token_admits(mesh: dict[str, object]) -> None:
     """Scopes: a token admits its holder with the token's scope; nobody admits or mints wider than itself."""
     key, chain, mid = mesh["key"], mesh["chain"], mesh["mesh_id"]
-    assert tok.chain_scope(chain) == tok.Scope.HOST  # type: ignore[arg-type]
+    assert adm.chain_scope(chain) == tok.Scope.HOST  # type: ignore[arg-type]
     # a worker token from the founder: the joiner's chain says worker
     w = crypto.new_key()
     t = tok.mint(key, mid, mesh["secret"], [], NOW, 3600, tok.Scope.WORKER)  # type: ignore[arg-type]
     assert tok.parse(t.encode()).scope == tok.Scope.WORKER and "scope worker" in t.redacted()
     ok, why = _handshake(mesh, w, token=t)
     assert ok and why == "joined with a worker token"
-    cw = tok.admit(key, chain, crypto.node_id(w), NOW, tok.Scope.WORKER)  # type: ignore[arg-type]
-    assert tok.chain_scope(cw) == tok.Scope.WORKER
+    cw = adm.admit(key, chain, crypto.node_id(w), NOW, tok.Scope.WORKER)  # type: ignore[arg-type]
+    assert adm.chain_scope(cw) == tok.Scope.WORKER
     # the worker cannot admit a host: admit() refuses, and a link it forges anyway breaks the chain
     h = crypto.new_key()
     with pytest.raises(ValueError, match="cannot admit"):
-        tok.admit(w, cw, crypto.node_id(h), NOW, tok.Scope.HOST)
-    wider = [*cw, tok._link(w, mid, crypto.node_id(h), int(NOW), int(NOW) + 60, tok.Scope.HOST)]  # type: ignore[arg-type]
-    assert "wider than its signer's" in (tok.verify_chain(wider, crypto.node_id(h), mid) or "")  # type: ignore[arg-type]
-    narrower = [*cw, tok._link(w, mid, crypto.node_id(h), int(NOW), int(NOW) + 60, tok.Scope.CLIENT)]  # type: ignore[arg-type]
-    assert tok.verify_chain(narrower, crypto.node_id(h), mid) is None  # type: ignore[arg-type]
+        adm.admit(w, cw, crypto.node_id(h), NOW, tok.Scope.HOST)
+    wider = [*cw, adm._link(w, mid, crypto.node_id(h), int(NOW), int(NOW) + 60, tok.Scope.HOST)]  # type: ignore[arg-type]
+    assert "wider than its signer's" in (adm.verify_chain(wider, crypto.node_id(h), mid) or "")  # type: ignore[arg-type]
+    narrower = [*cw, adm._link(w, mid, crypto.node_id(h), int(NOW), int(NOW) + 60, tok.Scope.CLIENT)]  # type: ignore[arg-type]
+    assert adm.verify_chain(narrower, crypto.node_id(h), mid) is None  # type: ignore[arg-type]
     # a link's scope altered after signing
     m0, n0, b0, at0, u0, _, sig0, via0 = cw[-1]
-    assert "bad signature" in (tok.verify_chain([*chain, (m0, n0, b0, at0, u0, 2, sig0, via0)], n0, mid) or "")  # type: ignore[arg-type, list-item]
+    assert "bad signature" in (adm.verify_chain([*chain, (m0, n0, b0, at0, u0, 2, sig0, via0)], n0, mid) or "")  # type: ignore[arg-type, list-item]
     # a host token minted by the worker (its own key, the real secret): refused by the founder
     host_t = tok.mint(w, mid, mesh["secret"], [], NOW, 3600, tok.Scope.HOST)  # type: ignore[arg-type]
     why = _handshake(mesh, h, token=host_t, members={crypto.node_id(w): tok.Scope.WORKER})[1]
@@ -234,8 +236,8 @@ def test_a_token_of_the_old_layout_says_so() -> None:
 def test_a_revoked_node_is_refused_with_its_chain_a_token_or_a_chain_it_signed(mesh: dict[str, object]) -> None:
     key, chain = mesh["key"], mesh["chain"]
     b, c = crypto.new_key(), crypto.new_key()
-    cb = tok.admit(key, chain, crypto.node_id(b), NOW)  # type: ignore[arg-type]
-    cc = tok.admit(b, cb, crypto.node_id(c), NOW)
+    cb = adm.admit(key, chain, crypto.node_id(b), NOW)  # type: ignore[arg-type]
+    cc = adm.admit(b, cb, crypto.node_id(c), NOW)
     revoked = {crypto.node_id(b)}
     assert _handshake(mesh, b, chain=cb)[0] and _handshake(mesh, c, chain=cc)[0]
     assert "revoked" in _handshake(mesh, b, chain=cb, revoked=revoked)[1]
@@ -261,7 +263,7 @@ def test_a_rotated_secret_refuses_old_tokens_and_keeps_members(mesh: dict[str, o
     assert "secret" in _handshake(rotated, crypto.new_key(), token=old_token)[1]
     fresh = tok.mint(key, mid, r.secret, [], NOW, 3600)  # type: ignore[arg-type]
     assert _handshake(rotated, crypto.new_key(), token=fresh)[0]
-    cm = tok.admit(key, mesh["chain"], crypto.node_id(member), NOW)  # type: ignore[arg-type]
+    cm = adm.admit(key, mesh["chain"], crypto.node_id(member), NOW)  # type: ignore[arg-type]
     # the member proves with the old secret: refused unless the listener keeps it among the previous ones
     assert "secret proof invalid" in _handshake(rotated, member, chain=cm, secret=old)[1]  # type: ignore[arg-type]
     assert _handshake(rotated, member, chain=cm, secret=old, previous=[old])[0]  # type: ignore[list-item]
@@ -275,29 +277,29 @@ def test_an_admission_ends_unless_renewed(mesh: dict[str, object]) -> None:
     key, chain, mid = mesh["key"], mesh["chain"], mesh["mesh_id"]
     a, b, s = crypto.new_key(), crypto.new_key(), crypto.new_key()
     na, nb = crypto.node_id(a), crypto.node_id(b)
-    ca = tok.admit(key, chain, na, NOW, ttl_s=100)  # type: ignore[arg-type]
-    assert tok.verify_chain(ca, na, mid, NOW + 99) is None  # type: ignore[arg-type]
-    assert "admission expired" in (tok.verify_chain(ca, na, mid, NOW + 100) or "")  # type: ignore[arg-type]
+    ca = adm.admit(key, chain, na, NOW, ttl_s=100)  # type: ignore[arg-type]
+    assert adm.verify_chain(ca, na, mid, NOW + 99) is None  # type: ignore[arg-type]
+    assert "admission expired" in (adm.verify_chain(ca, na, mid, NOW + 100) or "")  # type: ignore[arg-type]
     assert _handshake(mesh, a, chain=ca, now=NOW + 50)[0]
     ok, why = _handshake(mesh, a, chain=ca, now=NOW + 101)
     assert not ok and "admission expired" in why
-    assert not tok.needs_renewal(ca, NOW + 49) and tok.needs_renewal(ca, NOW + 50)
-    assert not tok.needs_renewal(chain, NOW + 10**9)  # type: ignore[arg-type]  # the founder's own never ends
+    assert not adm.needs_renewal(ca, NOW + 49) and adm.needs_renewal(ca, NOW + 50)
+    assert not adm.needs_renewal(chain, NOW + 10**9)  # type: ignore[arg-type]  # the founder's own never ends
     # b admitted by a for 1000 s holds only as long as a does
-    cb = tok.admit(a, ca, nb, NOW + 10, ttl_s=1000)
-    assert tok.chain_until(cb) == NOW + 100
+    cb = adm.admit(a, ca, nb, NOW + 10, ttl_s=1000)
+    assert adm.chain_until(cb) == NOW + 100
     assert not _handshake(mesh, b, chain=cb, now=NOW + 150)[0]
     # a, out since NOW + 100, signs a link dated back into its span: it ends with a's
-    backdated = [*ca, tok._link(a, mid, crypto.node_id(s), int(NOW + 99), int(NOW + 99 + tok.MAX_ADMIT_S),  # type: ignore[arg-type]
+    backdated = [*ca, adm._link(a, mid, crypto.node_id(s), int(NOW + 99), int(NOW + 99 + tok.MAX_ADMIT_S),  # type: ignore[arg-type]
                                 tok.Scope.HOST)]  # fmt: skip
-    assert "admission expired" in (tok.verify_chain(backdated, crypto.node_id(s), mid, NOW + 200) or "")  # type: ignore[arg-type]
+    assert "admission expired" in (adm.verify_chain(backdated, crypto.node_id(s), mid, NOW + 200) or "")  # type: ignore[arg-type]
     # a link signed after its signer's end, or one longer than the cap, is refused whatever the time
-    late = [*ca, tok._link(a, mid, crypto.node_id(s), int(NOW + 150), int(NOW + 160), tok.Scope.HOST)]  # type: ignore[arg-type]
-    assert "not in force" in (tok.verify_chain(late, crypto.node_id(s), mid) or "")  # type: ignore[arg-type]
-    long = [*chain, tok._link(key, mid, na, int(NOW), int(NOW + tok.MAX_ADMIT_S + 1), tok.Scope.HOST)]  # type: ignore[arg-type, list-item]
-    assert "holds longer" in (tok.verify_chain(long, na, mid) or "")  # type: ignore[arg-type]
+    late = [*ca, adm._link(a, mid, crypto.node_id(s), int(NOW + 150), int(NOW + 160), tok.Scope.HOST)]  # type: ignore[arg-type]
+    assert "not in force" in (adm.verify_chain(late, crypto.node_id(s), mid) or "")  # type: ignore[arg-type]
+    long = [*chain, adm._link(key, mid, na, int(NOW), int(NOW + tok.MAX_ADMIT_S + 1), tok.Scope.HOST)]  # type: ignore[arg-type, list-item]
+    assert "holds longer" in (adm.verify_chain(long, na, mid) or "")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="at most"):
-        tok.admit(key, chain, na, NOW, ttl_s=tok.MAX_ADMIT_S + 1)  # type: ignore[arg-type]
+        adm.admit(key, chain, na, NOW, ttl_s=tok.MAX_ADMIT_S + 1)  # type: ignore[arg-type]
     # a joiner admitted by a member whose own admission ended is refused by that member
     ok, why = _handshake(mesh, s, token=tok.mint(a, mid, mesh["secret"], [], NOW + 101, 60), listener_key=a,  # type: ignore[arg-type]
                          listener_chain=ca, members={crypto.node_id(key): tok.Scope.HOST}, now=NOW + 101)  # type: ignore[arg-type]  # fmt: skip
@@ -308,28 +310,28 @@ def test_renewal_is_for_members_in_good_standing(mesh: dict[str, object]) -> Non
     key, chain, mid = mesh["key"], mesh["chain"], mesh["mesh_id"]
     a, b = crypto.new_key(), crypto.new_key()
     na, nb = crypto.node_id(a), crypto.node_id(b)
-    ca = tok.admit(key, chain, na, NOW, ttl_s=100)  # type: ignore[arg-type]
-    cb = tok.admit(a, ca, nb, NOW, ttl_s=100, scope=tok.Scope.WORKER)
-    renewed = tok.renew(key, chain, nb, cb, mid, set(), NOW + 60, ttl_s=100)  # type: ignore[arg-type]
-    assert tok.chain_until(renewed) == NOW + 160 and len(renewed) == 2  # the founder's renewal: a shorter chain
-    assert tok.chain_scope(renewed) == tok.Scope.WORKER  # the scope it had, never wider
+    ca = adm.admit(key, chain, na, NOW, ttl_s=100)  # type: ignore[arg-type]
+    cb = adm.admit(a, ca, nb, NOW, ttl_s=100, scope=tok.Scope.WORKER)
+    renewed = adm.renew(key, chain, nb, cb, mid, set(), NOW + 60, ttl_s=100)  # type: ignore[arg-type]
+    assert adm.chain_until(renewed) == NOW + 160 and len(renewed) == 2  # the founder's renewal: a shorter chain
+    assert adm.chain_scope(renewed) == tok.Scope.WORKER  # the scope it had, never wider
     with pytest.raises(ValueError, match="revoked"):
-        tok.renew(key, chain, nb, cb, mid, {na}, NOW + 60)  # type: ignore[arg-type]
+        adm.renew(key, chain, nb, cb, mid, {na}, NOW + 60)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="admission expired"):
-        tok.renew(key, chain, nb, cb, mid, set(), NOW + 100)  # type: ignore[arg-type]
+        adm.renew(key, chain, nb, cb, mid, set(), NOW + 100)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="ends sooner"):  # a cannot make b's admission last beyond its own
-        tok.renew(a, ca, nb, renewed, mid, set(), NOW + 115)
+        adm.renew(a, ca, nb, renewed, mid, set(), NOW + 115)
     # not before half time, and who admitted b first stays on record: revoking a still cuts b
     with pytest.raises(ValueError, match="less than half"):
-        tok.renew(key, chain, nb, cb, mid, set(), NOW + 39)  # type: ignore[arg-type]  (half is 50; a tenth of slack)
-    assert renewed[-1][7] == (na,) and tok.lineage(renewed) == [na, nb]
-    assert tok.cut_off(renewed, {na}) == na and tok.cut_off(renewed, set()) is None
-    assert tok.verify_chain(tok.chain_from_wire(tok.chain_to_wire(renewed)), nb, mid) is None  # type: ignore[arg-type]
+        adm.renew(key, chain, nb, cb, mid, set(), NOW + 39)  # type: ignore[arg-type]  (half is 50; a tenth of slack)
+    assert renewed[-1][7] == (na,) and adm.lineage(renewed) == [na, nb]
+    assert adm.cut_off(renewed, {na}) == na and adm.cut_off(renewed, set()) is None
+    assert adm.verify_chain(adm.chain_from_wire(adm.chain_to_wire(renewed)), nb, mid) is None  # type: ignore[arg-type]
     stripped = [*renewed[:-1], (*renewed[-1][:7], ())]  # the provenance cut out of the founder's signed link
-    assert "bad signature" in (tok.verify_chain(stripped, nb, mid) or "")  # type: ignore[arg-type]
-    again = tok.renew(key, chain, nb, renewed, mid, set(), NOW + 110, ttl_s=100)  # type: ignore[arg-type]
+    assert "bad signature" in (adm.verify_chain(stripped, nb, mid) or "")  # type: ignore[arg-type]
+    again = adm.renew(key, chain, nb, renewed, mid, set(), NOW + 110, ttl_s=100)  # type: ignore[arg-type]
     assert again[-1][7] == (na,)  # kept through every later renewal
-    assert tok.better_renewer(chain) > tok.better_renewer(ca)  # type: ignore[arg-type]
+    assert adm.better_renewer(chain) > adm.better_renewer(ca)  # type: ignore[arg-type]
 
 
 def test_members_renew_through_the_core_and_one_left_unrenewed_is_dropped(mesh: dict[str, object]) -> None:
@@ -342,8 +344,8 @@ def test_members_renew_through_the_core_and_one_left_unrenewed_is_dropped(mesh: 
     a, c = crypto.new_key(), crypto.new_key()
     na, nc, nf = crypto.node_id(a), crypto.node_id(c), crypto.node_id(key)  # type: ignore[arg-type]
     f_core = MeshCore(key=key, mesh_id=mid, chain=chain, incarnation=1, now=0.0, admit_s=100)  # type: ignore[arg-type]
-    a_core = MeshCore(key=a, mesh_id=mid, chain=tok.admit(key, chain, na, NOW, ttl_s=100), incarnation=1, now=0.0)  # type: ignore[arg-type]
-    c_core = MeshCore(key=c, mesh_id=mid, chain=tok.admit(key, chain, nc, NOW, ttl_s=100), incarnation=1, now=0.0)  # type: ignore[arg-type]
+    a_core = MeshCore(key=a, mesh_id=mid, chain=adm.admit(key, chain, na, NOW, ttl_s=100), incarnation=1, now=0.0)  # type: ignore[arg-type]
+    c_core = MeshCore(key=c, mesh_id=mid, chain=adm.admit(key, chain, nc, NOW, ttl_s=100), incarnation=1, now=0.0)  # type: ignore[arg-type]
     cores = {nf: f_core, na: a_core}
 
     def deliver(sender: bytes, out: list[tuple[bytes, object]], now: float) -> None:
@@ -358,7 +360,7 @@ def test_members_renew_through_the_core_and_one_left_unrenewed_is_dropped(mesh: 
     assert not [m for _, m in a_core.tick(1.0, NOW + 10)]  # not half over: nothing asked
     deliver(nf, f_core.tick(1.5, NOW + 54), 1.5)  # the founder renews by its own clock
     deliver(na, a_core.tick(2.0, NOW + 55), 2.0)
-    assert tok.chain_until(a_core.chain) == NOW + 154 and len(a_core.chain) == 2
+    assert adm.chain_until(a_core.chain) == NOW + 154 and len(a_core.chain) == 2
     assert any(e.kind == EventKind.RENEWED for e in a_core.events)
     assert f_core.table.entries[na].record.chain == tuple(a_core.chain)  # its new record reached the founder
     f_core.tick(3.0, NOW + 101)
@@ -378,9 +380,9 @@ def test_a_node_cut_off_with_the_member_that_admitted_it_knows_it_is_out(mesh: d
 
     key, chain, mid = mesh["key"], mesh["chain"], mesh["mesh_id"]
     b, c = crypto.new_key(), crypto.new_key()
-    cb = tok.admit(key, chain, crypto.node_id(b), NOW)  # type: ignore[arg-type]
-    cc = tok.admit(b, cb, crypto.node_id(c), NOW)
-    r = tok.revoke(key, mid, crypto.node_id(b), NOW)  # type: ignore[arg-type]
+    cb = adm.admit(key, chain, crypto.node_id(b), NOW)  # type: ignore[arg-type]
+    cc = adm.admit(b, cb, crypto.node_id(c), NOW)
+    r = sgn.revoke(key, mid, crypto.node_id(b), NOW)  # type: ignore[arg-type]
     hello = AuthHello(dialler=crypto.node_id(c), listener=crypto.node_id(key), mesh_id=mid)  # type: ignore[arg-type]
     v = check_proof(key=key, my_chain=chain, mesh_id=mid, secret=mesh["secret"], hello=hello, nonce=b"n" * 32,  # type: ignore[arg-type]
                     proof=make_proof(c, mesh["secret"], AuthChallenge(b"n" * 32), crypto.node_id(key), chain=cc),  # type: ignore[arg-type]
@@ -419,13 +421,13 @@ def test_the_founders_token_is_checked_by_a_member_that_never_saw_the_founder(me
     """A founder is a member for good (every chain starts with its link): its token admits through any member, even
     one that joined while it was away (before, "token issuer … is not a member of this mesh")."""
     lkey = crypto.new_key()
-    lchain = tok.admit(mesh["key"], mesh["chain"], crypto.node_id(lkey), NOW)  # type: ignore[arg-type]
+    lchain = adm.admit(mesh["key"], mesh["chain"], crypto.node_id(lkey), NOW)  # type: ignore[arg-type]
     ok, why = _handshake(mesh, crypto.new_key(), token=_token(mesh), members={}, listener_chain=lchain,
                          listener_key=lkey)  # fmt: skip
     assert ok, why
     # another member's token still needs its issuer known to the one checking it
     other = crypto.new_key()
-    ochain = tok.admit(mesh["key"], mesh["chain"], crypto.node_id(other), NOW)  # type: ignore[arg-type]
+    ochain = adm.admit(mesh["key"], mesh["chain"], crypto.node_id(other), NOW)  # type: ignore[arg-type]
     theirs = tok.mint(other, mesh["mesh_id"], mesh["secret"], ["127.0.0.1:1"], NOW, 60)  # type: ignore[arg-type]
     ok, why = _handshake(mesh, crypto.new_key(), token=theirs, members={}, listener_chain=lchain, listener_key=lkey)
     assert not ok and "is not a member" in why
@@ -440,7 +442,7 @@ def test_a_member_in_touch_with_no_other_member_admits_nobody_by_token(mesh: dic
     ok, why = _handshake(mesh, crypto.new_key(), token=_token(mesh), in_touch=False)
     assert not ok and "connected to no other member" in why
     assert _handshake(mesh, crypto.new_key(), token=_token(mesh), in_touch=True)[0]
-    ca = tok.admit(mesh["key"], mesh["chain"], crypto.node_id(a), NOW)  # type: ignore[arg-type]
+    ca = adm.admit(mesh["key"], mesh["chain"], crypto.node_id(a), NOW)  # type: ignore[arg-type]
     assert _handshake(mesh, a, chain=ca, in_touch=False)[0]
 
 
@@ -449,16 +451,16 @@ def test_a_members_minted_keys_count_as_that_member() -> None:
     node of its sender's lineage that is neither the founder nor an admin: keys a member mints are that member."""
     founder, m, admin, s1, s2, x = (crypto.new_key() for _ in range(6))
     fid, mid_, aid, s1id, s2id, xid = (crypto.node_id(k) for k in (founder, m, admin, s1, s2, x))
-    chain = tok.found(founder, NOW)
-    cm = tok.admit(founder, chain, mid_, NOW)
-    c1 = tok.admit(m, cm, s1id, NOW)  # minted by m
-    c2 = tok.admit(s1, c1, s2id, NOW)  # and by its sybil in turn
-    ca = tok.admit(founder, chain, aid, NOW)
-    cx = tok.admit(admin, ca, xid, NOW)  # an admin's invitee: itself
-    assert tok.accountable(chain) == fid and tok.accountable(cm) == mid_
-    assert tok.accountable(c1) == tok.accountable(c2) == mid_
-    assert tok.accountable(cx, {aid}) == xid and tok.accountable(ca, {aid}) == aid
-    assert tok.accountable(cx) == aid  # an admin no longer: its invitees are its own again
+    chain = adm.found(founder, NOW)
+    cm = adm.admit(founder, chain, mid_, NOW)
+    c1 = adm.admit(m, cm, s1id, NOW)  # minted by m
+    c2 = adm.admit(s1, c1, s2id, NOW)  # and by its sybil in turn
+    ca = adm.admit(founder, chain, aid, NOW)
+    cx = adm.admit(admin, ca, xid, NOW)  # an admin's invitee: itself
+    assert adm.accountable(chain) == fid and adm.accountable(cm) == mid_
+    assert adm.accountable(c1) == adm.accountable(c2) == mid_
+    assert adm.accountable(cx, {aid}) == xid and adm.accountable(ca, {aid}) == aid
+    assert adm.accountable(cx) == aid  # an admin no longer: its invitees are its own again
 
 
 def test_a_token_names_only_members_that_may_admit_its_scope() -> None:
@@ -467,11 +469,11 @@ def test_a_token_names_only_members_that_may_admit_its_scope() -> None:
     from meshllm.proto.meshcore import token_alternates
 
     founder = crypto.new_key()
-    chain = tok.found(founder, NOW)
+    chain = adm.found(founder, NOW)
 
     def rec(scope: tok.Scope, cap: int, role: Role = Role.WORKER) -> PeerRecord:
         k = crypto.new_key()
-        c = tuple(tok.admit(founder, chain, crypto.node_id(k), NOW, scope))
+        c = tuple(adm.admit(founder, chain, crypto.node_id(k), NOW, scope))
         return PeerRecord(crypto.node_id(k), 1, 1, role=role, capacity=cap, addrs=("10.0.0.1:1",), chain=c)
 
     host, worker, client = rec(tok.Scope.HOST, 5), rec(tok.Scope.WORKER, 9), rec(tok.Scope.CLIENT, 99)

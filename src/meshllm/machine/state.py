@@ -37,8 +37,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshllm.errors import UserError
 from meshllm.paths import tighten_dir, write_private
+from meshllm.proto import admission as adm
 from meshllm.proto import crypto
-from meshllm.proto import token as tok
+from meshllm.proto import signed as sgn
 
 
 def check_dir(state: Path) -> None:
@@ -119,7 +120,7 @@ def load_or_create_key(state: Path) -> Ed25519PrivateKey:
 class Membership:
     mesh_id: bytes
     secret: bytes
-    chain: list[tok.Link]
+    chain: list[adm.Link]
     incarnation: int = 0
     extra: dict[str, object] = field(default_factory=dict)
     epoch: int = 0  # how many times the founder rotated the secret
@@ -141,7 +142,7 @@ def load_membership(state: Path) -> Membership | None:
         if any(len(link) not in (7, 8) for link in d["chain"]):
             raise UserError(f"{path} is from an older mesh-llm (admission without scopes or ends): move it away, "
                             "then start a new mesh or join again with a new token")  # fmt: skip
-        chain: list[tok.Link] = [
+        chain: list[adm.Link] = [
             (bytes.fromhex(m), bytes.fromhex(n), bytes.fromhex(b), int(at), int(until), int(sc), bytes.fromhex(s),
              tuple(bytes.fromhex(v) for v in (via[0] if via else [])))
             for m, n, b, at, until, sc, s, *via in d["chain"]
@@ -276,7 +277,7 @@ def load_signed(state: Path, name: str) -> list[list[object]]:
         raise UserError(f"{path} is damaged ({e})") from None
 
 
-def save_signed(state: Path, name: str, words: Sequence[tok.SignedWord]) -> None:
+def save_signed(state: Path, name: str, words: Sequence[sgn.SignedWord]) -> None:
     rows = [[w.mesh_id.hex(), w.node.hex(), w.at, w.by.hex(), w.sig.hex()] for w in words]
     write_private(state / name, (json.dumps(rows, indent=1) + "\n").encode())
 
@@ -297,7 +298,7 @@ def load_directives(state: Path) -> list[list[object]]:
         raise UserError(f"{path} is damaged ({e})") from None
 
 
-def save_directives(state: Path, words: Sequence[tok.Directive]) -> None:
+def save_directives(state: Path, words: Sequence[sgn.Directive]) -> None:
     rows = [[d.mesh_id.hex(), d.model, d.serve, d.at, d.by.hex(), d.sig.hex()] for d in words]
     write_private(state / DIRECTIVES, (json.dumps(rows, indent=1) + "\n").encode())
 

@@ -29,15 +29,16 @@ from meshllm.machine.state import (
     save_signed,
 )
 from meshllm.proto import crypto
+from meshllm.proto import signed as sgn
 from meshllm.proto import token as tok
 from meshllm.proto.auth import make_rekey
 
-W = TypeVar("W", bound=tok.SignedWord)
+W = TypeVar("W", bound=sgn.SignedWord)
 
 
 def member_state(sd: Path) -> Membership:
     """The membership kept in the state dir ``sd``; one line when it holds none. Whether the node there may sign a
-    word is checked where its key signs (``tok.revoke``, ``make_rekey``)."""
+    word is checked where its key signs (``sgn.revoke``, ``make_rekey``)."""
     m = load_membership(sd) if has_node(sd) else None
     if m is None:
         raise UserError(f"no mesh member in {sd}: run this where the mesh's founder keeps its state (--state-dir)")
@@ -60,7 +61,7 @@ def node_arg(sd: Path, text: str) -> bytes:
 
 
 def _admins(sd: Path, m: Membership) -> set[bytes]:
-    return {tok.grant_from_wire(o, m.mesh_id).node for o in load_signed(sd, ADMINS)}
+    return {sgn.grant_from_wire(o, m.mesh_id).node for o in load_signed(sd, ADMINS)}
 
 
 def _add_signed(sd: Path, name: str, have: list[W], word: W, already: str, done: str) -> str:
@@ -77,10 +78,10 @@ def revoke(sd: Path, who: str) -> str:
     m = member_state(sd)
     key, node, admins = load_or_create_key(sd), node_arg(sd, who), _admins(sd, m)
     try:
-        r = tok.revoke(key, m.mesh_id, node, time.time(), admins)
+        r = sgn.revoke(key, m.mesh_id, node, time.time(), admins)
     except ValueError as e:
         raise UserError(str(e)) from None
-    have = [tok.revocation_from_wire(o, m.mesh_id, admins) for o in load_signed(sd, REVOKED)]
+    have = [sgn.revocation_from_wire(o, m.mesh_id, admins) for o in load_signed(sd, REVOKED)]
     return _add_signed(sd, REVOKED, have, r, f"{crypto.short(node)} was already revoked",
                        f"revoked {crypto.short(node)}: the running node gossips it within a second; every member "
                        "drops it and every node it admitted, and refuses them from now on")  # fmt: skip
@@ -91,10 +92,10 @@ def grant_admin(sd: Path, who: str) -> str:
     m = member_state(sd)
     node = node_arg(sd, who)
     try:
-        g = tok.grant_admin(load_or_create_key(sd), m.mesh_id, node, time.time())
+        g = sgn.grant_admin(load_or_create_key(sd), m.mesh_id, node, time.time())
     except ValueError as e:
         raise UserError(str(e)) from None
-    have = [tok.grant_from_wire(o, m.mesh_id) for o in load_signed(sd, ADMINS)]
+    have = [sgn.grant_from_wire(o, m.mesh_id) for o in load_signed(sd, ADMINS)]
     return _add_signed(sd, ADMINS, have, g, f"{crypto.short(node)} is an admin already",
                        f"{crypto.short(node)} is an admin: the running founder gossips it within a second; from then "
                        "on `mesh-llm revoke` works on that node's machine too")  # fmt: skip
@@ -107,10 +108,10 @@ def direct(sd: Path, name: str, serve: bool) -> str:
     have = []
     for o in load_directives(sd):  # what the running node keeps (a word by an admin revoked since is left out)
         with contextlib.suppress(RemoteProtocolError):
-            have.append(tok.directive_from_wire(o, m.mesh_id, admins))
+            have.append(sgn.directive_from_wire(o, m.mesh_id, admins))
     last = max((d.at for d in have if d.model == name), default=0)  # a word about it a second ago: later still
     try:
-        d = tok.direct(load_or_create_key(sd), m.mesh_id, name, serve, max(time.time(), last + 1), admins)
+        d = sgn.direct(load_or_create_key(sd), m.mesh_id, name, serve, max(time.time(), last + 1), admins)
     except ValueError as e:
         raise UserError(str(e)) from None
     save_directives(sd, [*(h for h in have if h.model != d.model), d])

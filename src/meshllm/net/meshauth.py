@@ -25,7 +25,9 @@ from meshllm.net.conn import STREAM_AUTH, STREAM_GOSSIP, STREAM_KNOCK, Addr, Con
 from meshllm.net.endpoint import Endpoint, parse_addr
 from meshllm.net.netevents import Connected, NetEvent
 from meshllm.net.traversal import Traversal
+from meshllm.proto import admission as adm
 from meshllm.proto import crypto, serving
+from meshllm.proto import signed as sgn
 from meshllm.proto import token as tok
 from meshllm.proto.auth import (
     AUTH_MAX_FRAME,
@@ -150,7 +152,7 @@ class Admitting:
                     task.result().close("another address answered first")
         raise DialError("; ".join(errors) or "no address")
 
-    async def _auth_as_dialler(self, conn: Conn, node: NodeId, token: tok.Token | None) -> list[tok.Link]:
+    async def _auth_as_dialler(self, conn: Conn, node: NodeId, token: tok.Token | None) -> list[adm.Link]:
         st = conn.open_stream(STREAM_AUTH)
         dec = FrameDecoder(AUTH_MAX_FRAME)
         assert token is not None or self.m is not None
@@ -173,8 +175,8 @@ class Admitting:
             raise Refused(f"refused by {crypto.short(node)}: {ans.reason}")
         if not isinstance(ans, AuthWelcome):
             raise RemoteProtocolError("expected welcome or refusal")
-        chain = tok.chain_from_wire(ans.chain)
-        why = tok.verify_chain(chain, self.me, mesh_id, self.wall())
+        chain = adm.chain_from_wire(ans.chain)
+        why = adm.verify_chain(chain, self.me, mesh_id, self.wall())
         if why is not None:
             raise RemoteProtocolError(f"welcome with an invalid admission chain: {why}")
         conn.pair_token = pair_token(ch.nonce, self.me, node)
@@ -187,7 +189,7 @@ class Admitting:
             return
         table = self.core.table
         try:
-            r = tok.revocation_from_wire(obj, self.core.mesh_id, set(table.admins) - set(table.revoked))
+            r = sgn.revocation_from_wire(obj, self.core.mesh_id, set(table.admins) - set(table.revoked))
         except RemoteProtocolError as e:
             log.warning("a refusal carried a revocation we do not take: %s", e)
             return
@@ -347,7 +349,7 @@ class Admitting:
             return
         assert v.chain is not None
         conn.pair_token = pair_token(nonce, hello.dialler, self.me)
-        st.write(encode(AuthWelcome(chain=tok.chain_to_wire(v.chain))))
+        st.write(encode(AuthWelcome(chain=adm.chain_to_wire(v.chain))))
         st.close()
         if v.joined:
             log.info("admitted %s from %s with a token", crypto.short(hello.dialler), host_port(*conn.addr))

@@ -39,7 +39,9 @@ from meshllm.net.endpoint import Endpoint
 from meshllm.net.meshauth import Admitting
 from meshllm.net.netevents import CHANGED, Changed, MeshEvent, NetEvent
 from meshllm.net.traversal import Traversal, local_ips
+from meshllm.proto import admission as adm
 from meshllm.proto import crypto
+from meshllm.proto import signed as sgn
 from meshllm.proto import token as tok
 from meshllm.proto.auth import (
     Rekey,
@@ -53,7 +55,7 @@ from meshllm.proto.reach import RELAY_RATE, Observed, PunchRequest, RelayMode
 from meshllm.proto.wire import FrameDecoder, encode
 from meshllm.sockets import host_port
 
-_W = TypeVar("_W", tok.Revocation, tok.Grant, tok.Directive)
+_W = TypeVar("_W", sgn.Revocation, sgn.Grant, sgn.Directive)
 log = logging.getLogger("meshllm.mesh")
 
 TICK_S = 0.5
@@ -97,7 +99,7 @@ class MeshNet(Admitting):
         self.m = membership
         self.state_dir = state_dir
         self._revoked_stamp: tuple[int, ...] = ()  # the admins and revoked files as last read (mtimes)
-        self._revoked_saved: tuple[int, frozenset[NodeId], frozenset[tok.Directive]] = (0, frozenset(), frozenset())
+        self._revoked_saved: tuple[int, frozenset[NodeId], frozenset[sgn.Directive]] = (0, frozenset(), frozenset())
         self._rekey_stamp = -1
         self.bind = bind
         self.advertise = advertise
@@ -244,11 +246,11 @@ class MeshNet(Admitting):
         assert self.core is not None
         table, mid = self.core.table, self.core.mesh_id
         if self._stamps() != self._revoked_stamp:
-            grants = self._load_signed(ADMINS, lambda o: tok.grant_from_wire(o, mid))
+            grants = self._load_signed(ADMINS, lambda o: sgn.grant_from_wire(o, mid))
             admins = {g.node for g in grants} | set(table.admins)
             standing = admins - set(table.revoked)
-            got = self._load_signed(REVOKED, lambda o: tok.revocation_from_wire(o, mid, standing))
-            words = self._load_signed(DIRECTIVES, lambda o: tok.directive_from_wire(o, mid, standing), load_directives)
+            got = self._load_signed(REVOKED, lambda o: sgn.revocation_from_wire(o, mid, standing))
+            words = self._load_signed(DIRECTIVES, lambda o: sgn.directive_from_wire(o, mid, standing), load_directives)
             self.send(self.core.revoke(got, self.now, grants, words))
         saved = (len(table.admins), frozenset(table.revoked), frozenset(table.directives.values()))
         if saved != self._revoked_saved:  # (a revocation may void others: the same count)
@@ -297,7 +299,7 @@ class MeshNet(Admitting):
         # until its connection closes), and a `rotate` right after a `revoke` must not hand it the new secret
         table = self.core.table if self.core else None
         ok = [p for p in self.gossip if p != source and table is not None and table.is_member(p)
-              and tok.cut_off(table.entries[p].record.chain, table.revoked) is None]  # fmt: skip
+              and adm.cut_off(table.entries[p].record.chain, table.revoked) is None]  # fmt: skip
         self.send([(p, r) for p in ok])
         self.emit(MeshEvent(EventKind.REKEYED, self.me, f"epoch {r.epoch}"))
 
@@ -388,14 +390,14 @@ class MeshNet(Admitting):
 
     def admitted(self) -> bool:
         """Whether our admission holds now (it ends unless renewed: token.py)."""
-        return self.m is not None and self.wall() < tok.chain_until(self.m.chain)
+        return self.m is not None and self.wall() < adm.chain_until(self.m.chain)
 
     def mint_token(self, ttl_s: float, scope: tok.Scope | None = None) -> tok.Token:
         """An invite token of ``scope`` (default: our own, the widest we may give), naming a few other members a
         joiner dials when we do not answer (the host first, then the biggest)."""
         assert self.m is not None
         recs = self.core.alive(self.now) if self.core is not None else []
-        also = token_alternates(recs, self.me, scope if scope is not None else tok.chain_scope(self.m.chain))
+        also = token_alternates(recs, self.me, scope if scope is not None else adm.chain_scope(self.m.chain))
         return mint_scoped(self.key, self.m, self.all_addrs, self.wall(), ttl_s, scope, also)
 
 
@@ -404,7 +406,7 @@ def mint_scoped(key: Ed25519PrivateKey, m: Membership, addrs: list[str], now: fl
                 node: NodeId | None = None) -> tok.Token:  # fmt: skip
     """A token no wider than our own scope and no longer-lived than the cap (``node``: for that node only), or a
     UserError that says why."""
-    mine = tok.chain_scope(m.chain)
+    mine = adm.chain_scope(m.chain)
     if scope is not None and scope > mine:
         raise UserError(f"this node is {mine}-scoped: it can invite {', '.join(str(s) for s in tok.Scope if s <= mine)}"
                         f" nodes, not {scope} ones")  # fmt: skip
@@ -416,5 +418,5 @@ def mint_scoped(key: Ed25519PrivateKey, m: Membership, addrs: list[str], now: fl
 
 def new_mesh(key: Ed25519PrivateKey, now: float) -> Membership:
     """Found a mesh: its id follows from our key, its secret is fresh."""
-    chain = tok.found(key, now)
+    chain = adm.found(key, now)
     return Membership(mesh_id=chain[0][0], secret=os.urandom(tok.SECRET_LEN), chain=chain)

@@ -25,6 +25,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from meshllm.proto import admission as adm
 from meshllm.proto import crypto
 from meshllm.proto import token as tok
 from meshllm.proto.crypto import NodeId
@@ -133,7 +134,7 @@ def make_proof(
     secret: bytes,
     challenge: AuthChallenge,
     listener: NodeId,
-    chain: list[tok.Link] | None = None,
+    chain: list[adm.Link] | None = None,
     token: tok.Token | None = None,
 ) -> AuthProof:
     """The dialler's answer to a challenge: as a member (chain) or as a joiner (token, its secret blanked)."""
@@ -142,7 +143,7 @@ def make_proof(
     return AuthProof(
         sig=crypto.sign(key, crypto.D_AUTH, bound),
         proof=crypto.mac(secret, crypto.D_PROOF, bound),
-        chain=tok.chain_to_wire(chain) if chain is not None else None,
+        chain=adm.chain_to_wire(chain) if chain is not None else None,
         token=replace(token, secret=bytes(tok.SECRET_LEN)).encode() if token is not None else None,
     )
 
@@ -151,7 +152,7 @@ def make_proof(
 class Verdict:
     ok: bool
     reason: str  # for the listener's log; also sent to the dialler
-    chain: list[tok.Link] | None = None  # the dialler's chain when ok
+    chain: list[adm.Link] | None = None  # the dialler's chain when ok
     joined: bool = False  # newly admitted with a token
     revoked: NodeId | None = None  # refused as revoked, or admitted through this revoked node
 
@@ -163,14 +164,14 @@ def _refuse(reason: str) -> Verdict:
 def check_proof(
     *,
     key: Ed25519PrivateKey,
-    my_chain: list[tok.Link],
+    my_chain: list[adm.Link],
     mesh_id: bytes,
     secret: bytes,
     hello: AuthHello,
     nonce: bytes,
     proof: AuthProof,
     scope_of: Callable[[NodeId], tok.Scope | None],  # a member's scope from the verified table; None: not one
-    chain_of: Callable[[NodeId], tuple[tok.Link, ...] | None] = lambda _: None,  # a member's verified chain
+    chain_of: Callable[[NodeId], tuple[adm.Link, ...] | None] = lambda _: None,  # a member's verified chain
     revoked: Container[NodeId] = frozenset(),  # nodes the founder revoked
     previous: Sequence[bytes] = (),  # secrets before the last rotations: a member may still prove with one
     now: float,
@@ -196,13 +197,13 @@ def check_proof(
         return Verdict(False, "revoked from this mesh (by its founder or an admin)", revoked=hello.dialler)
     if proof.chain is not None:
         try:
-            chain = tok.chain_from_wire(proof.chain)
+            chain = adm.chain_from_wire(proof.chain)
         except Exception:
             return _refuse("malformed admission chain")
-        why = tok.verify_chain(chain, hello.dialler, mesh_id, now)
+        why = adm.verify_chain(chain, hello.dialler, mesh_id, now)
         if why is not None:
             return _refuse(f"not a member: {why}")
-        gone = tok.cut_off(chain, revoked)
+        gone = adm.cut_off(chain, revoked)
         if gone is not None:
             return Verdict(False, f"admitted through {crypto.short(gone)}, whom the mesh revoked", revoked=gone)
         return Verdict(True, "member", chain)
@@ -225,28 +226,28 @@ def check_proof(
         return _refuse(f"token expired {int(now - t.expires)} s ago")
     if t.expires - now > tok.MAX_TTL_S:
         return _refuse(f"token lives past the {tok.MAX_TTL_S // 86400}-day limit")
-    mine = tok.chain_scope(my_chain)
+    mine = adm.chain_scope(my_chain)
     founder = my_chain[0][1] if my_chain else None  # every chain starts with the founder's own link
     issuer = mine if t.issuer == me else scope_of(t.issuer)
     if issuer is None and t.issuer == founder:  # the founder, never seen by this member: it stays one for good
-        issuer = tok.chain_scope(my_chain[:1])
+        issuer = adm.chain_scope(my_chain[:1])
     if issuer is None:
         return _refuse(f"token issuer {crypto.short(t.issuer)} is not a member of this mesh")
     if t.scope > issuer:
         return _refuse(f"token scope {t.scope} is wider than its issuer's ({issuer})")
     if t.scope > mine:
         return _refuse(f"this member is {mine}-scoped and cannot admit a {t.scope}: join through a {t.scope} member")
-    if now >= tok.chain_until(my_chain):
+    if now >= adm.chain_until(my_chain):
         return _refuse("this member's own admission has ended: join through another member")
     # the token's issuer, and whoever admitted it, stay on record in the new link (provenance): revoking any of them
     # cuts this joiner too, though it is our chain that admits it
     issuer_chain = None
     if t.issuer != me:
         issuer_chain = chain_of(t.issuer) or (tuple(my_chain[:1]) if t.issuer == founder else None)
-    via = tok.provenance(issuer_chain, my_chain, hello.dialler) if issuer_chain else () if t.issuer == me else (
+    via = adm.provenance(issuer_chain, my_chain, hello.dialler) if issuer_chain else () if t.issuer == me else (
         t.issuer,)  # fmt: skip
     try:
-        chain = tok.admit(key, my_chain, hello.dialler, now, t.scope, admit_s, via)
+        chain = adm.admit(key, my_chain, hello.dialler, now, t.scope, admit_s, via)
     except ValueError as e:
         return _refuse(str(e))
     return Verdict(True, f"joined with a {t.scope} token", chain, joined=True)

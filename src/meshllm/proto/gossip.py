@@ -23,7 +23,9 @@ from typing import Any, TypedDict, TypeVar
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshllm.errors import RemoteProtocolError
+from meshllm.proto import admission as adm
 from meshllm.proto import crypto
+from meshllm.proto import signed as sgn
 from meshllm.proto import token as tok
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.wire import Message, message, pack, unpack
@@ -134,7 +136,7 @@ class PeerRecord:
     reflexive: tuple[str, ...] = ()  # of addrs, those members see this node at behind a NAT (dial only after punching)
     host: NodeId | None = None  # who this node believes hosts its model
     planned: tuple[NodeId, ...] = ()  # a host: the nodes of the plan it runs (every node prefers them when planning)
-    chain: tuple[tok.Link, ...] = ()
+    chain: tuple[adm.Link, ...] = ()
     left: bool = False  # a clean leave: this record is the node's own tombstone
     at: int = 0  # wall time of signing (unix s; 0: unknown, then its age is not checked)
     served: tuple[int, int] = (0, 0)  # a host: tokens its llama-server generated and prompt tokens it processed
@@ -158,7 +160,7 @@ class PeerRecord:
     @property
     def scope(self) -> tok.Scope:
         """What its admission chain lets this node do (a record without one is a client: it may do nothing else)."""
-        return tok.chain_scope(self.chain)
+        return adm.chain_scope(self.chain)
 
     def to_wire(self, key: Ed25519PrivateKey) -> bytes:
         body = pack(
@@ -169,7 +171,7 @@ class PeerRecord:
                 "model": dataclasses.asdict(self.model) if self.model else None, "state": self.state,
                 "ver": self.version, "rtt": self.rtt_ms, "links": self.links, "relay": self.relay,
                 "nat": list(self.reflexive), "host": self.host, "planned": list(self.planned),
-                "chain": tok.chain_to_wire(list(self.chain)), "left": self.left, "at": self.at,
+                "chain": adm.chain_to_wire(list(self.chain)), "left": self.left, "at": self.at,
                 "srv": list(self.served), "prog": self.progress, "ttft": list(self.ttft),
                 "slots": list(self.slots),
                 "why": self.why, "lyr": [list(x) for x in self.layers], "rate": self.rate,
@@ -317,10 +319,10 @@ def record_from_wire(
     node = _field(d, "node", bytes)
     if not crypto.verify(node, crypto.D_RECORD, body, sig):
         raise RemoteProtocolError(f"record of {crypto.short(node)} has a bad signature")
-    chain = tok.chain_from_wire(d.get("chain"))
-    chain_key = pack([node, tok.chain_to_wire(chain)])
+    chain = adm.chain_from_wire(d.get("chain"))
+    chain_key = pack([node, adm.chain_to_wire(chain)])
     if chains_ok is None or chain_key not in chains_ok:
-        why = tok.verify_chain(chain, node, mesh_id)
+        why = adm.verify_chain(chain, node, mesh_id)
         if why is not None:
             raise RemoteProtocolError(f"record of {crypto.short(node)} from a non-member: {why}")
         if chains_ok is not None and len(chains_ok) < 4 * MAX_RECORDS:
@@ -416,7 +418,7 @@ class Pong(Message):
 @message
 @dataclass(frozen=True)
 class RenewAsk(Message):
-    """A member whose admission is half over asks a peer whose own holds longer to renew it (token.renew)."""
+    """A member whose admission is half over asks a peer whose own holds longer to renew it (adm.renew)."""
 
     TYPE = "admit.renew"
 
@@ -449,9 +451,9 @@ class MergeResult:
     new_raw: list[bytes] = field(default_factory=list)  # to forward
     new_tombstones: list[Tombstone] = field(default_factory=list)
     refuted: bool = False  # a tombstone named our own current life
-    new_revocations: list[tok.Revocation] = field(default_factory=list)  # to forward (and keep on disk)
-    new_grants: list[tok.Grant] = field(default_factory=list)  # admin grants, likewise
-    new_directives: list[tok.Directive] = field(default_factory=list)  # serve / drop words, likewise
+    new_revocations: list[sgn.Revocation] = field(default_factory=list)  # to forward (and keep on disk)
+    new_grants: list[sgn.Grant] = field(default_factory=list)  # admin grants, likewise
+    new_directives: list[sgn.Directive] = field(default_factory=list)  # serve / drop words, likewise
     cut: list[NodeId] = field(default_factory=list)  # members a revocation removed
     voided: list[NodeId] = field(default_factory=list)  # revocations that fell with the admin who signed them
     revoked_me: bool = False
@@ -470,14 +472,14 @@ class Table:
         self.leaves: dict[NodeId, bytes] = {}  # signed leave records (self-issued tombstones)
         self._chains_ok: set[bytes] = set()
         self.graveyard: dict[NodeId, PeerRecord] = {}  # last record of nodes declared dead, until forgotten
-        self.departed: OrderedDict[NodeId, tuple[tok.Link, ...]] = OrderedDict()  # chains of members gone away
+        self.departed: OrderedDict[NodeId, tuple[adm.Link, ...]] = OrderedDict()  # chains of members gone away
         self.my_incarnation = 0  # our own current life (MeshCore keeps it): only it can be buried
         self.my_links: frozenset[NodeId] = frozenset()  # our connected peers as our record says: who may bury us
-        self.revoked: dict[NodeId, tok.Revocation] = {}  # for good: never forgotten
-        self.admins: dict[NodeId, tok.Grant] = {}  # whom the founder made admin (they may revoke members)
-        self.directives: dict[str, tok.Directive] = {}  # per model name: the newest serve / drop word
+        self.revoked: dict[NodeId, sgn.Revocation] = {}  # for good: never forgotten
+        self.admins: dict[NodeId, sgn.Grant] = {}  # whom the founder made admin (they may revoke members)
+        self.directives: dict[str, sgn.Directive] = {}  # per model name: the newest serve / drop word
         self.wall: float | None = None  # wall time as of the last tick (admissions end at wall times); None: unchecked
-        self._through: dict[NodeId, int] = {}  # per member: entries admitted through it (tok.lineage), for MAX_THROUGH
+        self._through: dict[NodeId, int] = {}  # per member: entries admitted through it (adm.lineage), for MAX_THROUGH
 
     # -- merging
 
@@ -508,13 +510,13 @@ class Table:
             return res  # our own record comes from us
         if self._buried(rec.node, rec.incarnation):
             return res
-        gone = tok.cut_off(rec.chain, self.revoked)
+        gone = adm.cut_off(rec.chain, self.revoked)
         if gone is not None:
             res.dropped.append(f"record of {crypto.short(rec.node)}: its admission passes through revoked "
                                f"{crypto.short(gone)}")  # fmt: skip
             return res
-        if self.wall is not None and self.wall >= tok.chain_until(rec.chain):
-            res.dropped.append(f"record of {crypto.short(rec.node)}: {tok.admission_ended(rec.chain, self.wall)}")
+        if self.wall is not None and self.wall >= adm.chain_until(rec.chain):
+            res.dropped.append(f"record of {crypto.short(rec.node)}: {adm.admission_ended(rec.chain, self.wall)}")
             return res
         if self.wall is not None and rec.at and rec.at < self.wall - MAX_RECORD_AGE_S:
             res.dropped.append(f"record of {crypto.short(rec.node)} signed {int(self.wall - rec.at)} s ago: stale")
@@ -584,7 +586,7 @@ class Table:
             return "tombstone by a member the node was not connected to"
         return None
 
-    def add_revocation(self, r: tok.Revocation, res: MergeResult | None = None) -> MergeResult:
+    def add_revocation(self, r: sgn.Revocation, res: MergeResult | None = None) -> MergeResult:
         """Take a (verified) revocation: drop the records of every member whose chain passes through its node."""
         res = res or MergeResult()
         if r.node in self.revoked:
@@ -601,14 +603,14 @@ class Table:
                     del self.revoked[node]
                     res.voided.append(node)
         for node, e in list(self.entries.items()):
-            if tok.cut_off(e.record.chain, self.revoked) is not None:
+            if adm.cut_off(e.record.chain, self.revoked) is not None:
                 self._drop(node)
                 self.graveyard.pop(node, None)
                 res.changed.append(node)
                 res.cut.append(node)
         return res
 
-    def add_grant(self, g: tok.Grant, res: MergeResult | None = None) -> MergeResult:
+    def add_grant(self, g: sgn.Grant, res: MergeResult | None = None) -> MergeResult:
         """Take a (verified) admin grant."""
         res = res or MergeResult()
         if g.node not in self.admins:
@@ -616,7 +618,7 @@ class Table:
             res.new_grants.append(g)
         return res
 
-    def add_directive(self, d: tok.Directive, res: MergeResult | None = None) -> MergeResult:
+    def add_directive(self, d: sgn.Directive, res: MergeResult | None = None) -> MergeResult:
         """Take a (verified) serve / drop word, when it is the newest about its model."""
         res = res or MergeResult()
         if d.newer(self.directives.get(d.model)):
@@ -624,7 +626,7 @@ class Table:
             res.new_directives.append(d)
         return res
 
-    def directive(self, model: str) -> tok.Directive | None:
+    def directive(self, model: str) -> sgn.Directive | None:
         """The word that counts about ``model``: the newest, unless its signer is an admin revoked since."""
         d = self.directives.get(model)
         return d if d is not None and d.by not in self.revoked else None
@@ -637,17 +639,17 @@ class Table:
         res = MergeResult()
         for obj in push.admins[:MAX_RECORDS]:  # first: a revocation may be an admin's
             try:
-                self.add_grant(tok.grant_from_wire(obj, self.mesh_id), res)
+                self.add_grant(sgn.grant_from_wire(obj, self.mesh_id), res)
             except RemoteProtocolError as e:
                 res.dropped.append(str(e))
         for obj in push.directives[:MAX_RECORDS]:
             try:
-                self.add_directive(tok.directive_from_wire(obj, self.mesh_id, self._standing_admins()), res)
+                self.add_directive(sgn.directive_from_wire(obj, self.mesh_id, self._standing_admins()), res)
             except RemoteProtocolError as e:
                 res.dropped.append(str(e))
         for obj in push.revocations[:MAX_RECORDS]:
             try:
-                self.add_revocation(tok.revocation_from_wire(obj, self.mesh_id, self._standing_admins()), res)
+                self.add_revocation(sgn.revocation_from_wire(obj, self.mesh_id, self._standing_admins()), res)
             except RemoteProtocolError as e:
                 res.dropped.append(str(e))
         for obj in push.tombstones[:MAX_RECORDS]:
@@ -682,17 +684,17 @@ class Table:
         while len(self.departed) > MAX_DEPARTED:
             self.departed.popitem(last=False)
 
-    def _count(self, chain: tuple[tok.Link, ...], d: int) -> None:
-        for n in tok.lineage(chain)[:-1]:  # every member it was admitted through (not itself, not the founder)
+    def _count(self, chain: tuple[adm.Link, ...], d: int) -> None:
+        for n in adm.lineage(chain)[:-1]:  # every member it was admitted through (not itself, not the founder)
             self._through[n] = self._through.get(n, 0) + d
             if not self._through[n]:
                 del self._through[n]
 
-    def _crowded(self, chain: tuple[tok.Link, ...], had: tuple[tok.Link, ...] | None) -> NodeId | None:
+    def _crowded(self, chain: tuple[adm.Link, ...], had: tuple[adm.Link, ...] | None) -> NodeId | None:
         """A member through whom MAX_THROUGH entries are known already, that a record with ``chain`` (replacing one
         with ``had``) would pass; None when it fits."""
-        before = set(tok.lineage(had)[:-1]) if had is not None else set()
-        return next((n for n in tok.lineage(chain)[:-1] if n not in before
+        before = set(adm.lineage(had)[:-1]) if had is not None else set()
+        return next((n for n in adm.lineage(chain)[:-1] if n not in before
                      and self._through.get(n, 0) >= MAX_THROUGH), None)  # fmt: skip
 
     # -- liveness
@@ -717,12 +719,12 @@ class Table:
         if self.wall is None:
             return
         for node, e in list(self.entries.items()):
-            if self.wall >= tok.chain_until(e.record.chain):
+            if self.wall >= adm.chain_until(e.record.chain):
                 self._drop(node)
                 res.changed.append(node)
                 res.expired.append(node)
         for node, r in list(self.graveyard.items()):
-            if self.wall >= tok.chain_until(r.chain):
+            if self.wall >= adm.chain_until(r.chain):
                 del self.graveyard[node]
 
     def expire(self, key: Ed25519PrivateKey, now: float) -> MergeResult:
@@ -753,9 +755,9 @@ class Table:
     def scope_of(self, node: NodeId) -> tok.Scope | None:
         """A member's scope, from its verified admission chain (None: not a member we know)."""
         chain = self.chain_of(node)
-        return tok.chain_scope(chain) if chain is not None else None
+        return adm.chain_scope(chain) if chain is not None else None
 
-    def chain_of(self, node: NodeId) -> tuple[tok.Link, ...] | None:
+    def chain_of(self, node: NodeId) -> tuple[adm.Link, ...] | None:
         """A member's verified admission chain (None: not a member we know). A member that left or went silent is
         still one until its admission ends or it is revoked: the tokens it minted still admit (checked by whoever
         a joiner reaches), so a token outlives its issuer's absence."""
@@ -763,9 +765,9 @@ class Table:
         if e is not None:
             return e.record.chain
         chain = self.departed.get(node)
-        if chain is None or tok.cut_off(chain, self.revoked) is not None:
+        if chain is None or adm.cut_off(chain, self.revoked) is not None:
             return None
-        return chain if self.wall is None or self.wall < tok.chain_until(chain) else None
+        return chain if self.wall is None or self.wall < adm.chain_until(chain) else None
 
     def push_all(self) -> GossipPush:
         return GossipPush(

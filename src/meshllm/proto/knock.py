@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshllm.errors import RemoteProtocolError
 from meshllm.proto import crypto
-from meshllm.proto import token as tok
+from meshllm.proto import signed as sgn
 from meshllm.proto.crypto import NODE_ID_LEN, NodeId
 from meshllm.proto.wire import Message, message
 
@@ -83,7 +83,7 @@ def refusal_is_final(ans: KnockAnswer, mesh_id: bytes, by: NodeId) -> bool:
     if crypto.mesh_id_for(by) == mesh_id:
         return True
     try:
-        return ans.grant is not None and tok.grant_from_wire(ans.grant, mesh_id).node == by
+        return ans.grant is not None and sgn.grant_from_wire(ans.grant, mesh_id).node == by
     except RemoteProtocolError:
         return False
 

@@ -15,7 +15,9 @@ from typing import Unpack
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshllm.errors import RemoteProtocolError
+from meshllm.proto import admission as adm
 from meshllm.proto import crypto
+from meshllm.proto import signed as sgn
 from meshllm.proto import token as tok
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.election import DEBOUNCE_S, Candidate, Debouncer, elect
@@ -74,7 +76,7 @@ class Event:
 class MeshCore:
     key: Ed25519PrivateKey
     mesh_id: bytes
-    chain: list[tok.Link]
+    chain: list[adm.Link]
     incarnation: int
     now: float
     admit_s: float = tok.ADMIT_S  # how long the admissions we sign (renewals, token joins) hold
@@ -164,16 +166,16 @@ class MeshCore:
     # ---------------------------------------------------------------- admission renewal
 
     def _renew_for(self, peer: NodeId) -> Out:
-        """A peer asks us to renew its admission: granted only to a member in good standing (token.renew)."""
+        """A peer asks us to renew its admission: granted only to a member in good standing (adm.renew)."""
         e = self.table.entries.get(peer)
         if e is None or self.wall is None or self.record.left:
             return []
         try:
-            chain = tok.renew(self.key, self.chain, peer, e.record.chain, self.mesh_id, self.table.revoked, self.wall,
+            chain = adm.renew(self.key, self.chain, peer, e.record.chain, self.mesh_id, self.table.revoked, self.wall,
                               self.admit_s)  # fmt: skip
         except ValueError:
             return []  # it asks another peer, or its admission ends
-        return [(peer, Renewal(chain=tok.chain_to_wire(chain)))]
+        return [(peer, Renewal(chain=adm.chain_to_wire(chain)))]
 
     def _take_renewal(self, peer: NodeId, msg: Renewal, now: float) -> Out:
         """Our new admission chain, from the peer we asked: taken if it is ours, holds, keeps our scope and holds
@@ -181,16 +183,16 @@ class MeshCore:
         if self.wall is None:
             return []
         try:
-            chain = tok.chain_from_wire(msg.chain)
+            chain = adm.chain_from_wire(msg.chain)
         except RemoteProtocolError:
             return []
-        if (tok.verify_chain(chain, self.me, self.mesh_id, self.wall) is not None
-                or tok.chain_scope(chain) != tok.chain_scope(self.chain)
-                or tok.chain_until(chain) <= tok.chain_until(self.chain)):  # fmt: skip
+        if (adm.verify_chain(chain, self.me, self.mesh_id, self.wall) is not None
+                or adm.chain_scope(chain) != adm.chain_scope(self.chain)
+                or adm.chain_until(chain) <= adm.chain_until(self.chain)):  # fmt: skip
             return []
         self.chain = chain
         self._renew_asked = -1e18
-        self.events.append(Event(EventKind.RENEWED, peer, str(int(tok.chain_until(chain)))))
+        self.events.append(Event(EventKind.RENEWED, peer, str(int(adm.chain_until(chain)))))
         self.record = dataclasses.replace(self.record, seq=self.record.seq + 1, chain=tuple(chain))
         self._sign()
         self._last_beat = now
@@ -198,26 +200,26 @@ class MeshCore:
 
     def _renewal(self, now: float, wall: float) -> Out:
         """Ask the best connected peer to renew our admission once half of it is over; say when it has ended."""
-        if wall >= tok.chain_until(self.chain):
+        if wall >= adm.chain_until(self.chain):
             if not self._expired_told:
                 self._expired_told = True
-                self.events.append(Event(EventKind.EXPIRED, self.me, tok.admission_ended(self.chain, wall)))
+                self.events.append(Event(EventKind.EXPIRED, self.me, adm.admission_ended(self.chain, wall)))
             return []
-        if not tok.needs_renewal(self.chain, wall) or now - self._renew_asked < RENEW_RETRY_S:
+        if not adm.needs_renewal(self.chain, wall) or now - self._renew_asked < RENEW_RETRY_S:
             return []
-        mine = tok.chain_scope(self.chain)
+        mine = adm.chain_scope(self.chain)
         best = max(
             (e.record for p in self.peers if (e := self.table.entries.get(p)) is not None and e.record.scope >= mine
-             and tok.chain_until(e.record.chain) > tok.chain_until(self.chain)),
-            key=lambda r: (tok.better_renewer(r.chain), r.node), default=None,
+             and adm.chain_until(e.record.chain) > adm.chain_until(self.chain)),
+            key=lambda r: (adm.better_renewer(r.chain), r.node), default=None,
         )  # fmt: skip
         if best is None:
             return []
         self._renew_asked = now
         return [(best.node, RenewAsk())]
 
-    def revoke(self, revocations: list[tok.Revocation], now: float, grants: list[tok.Grant] | None = None,
-               directives: list[tok.Directive] | None = None) -> Out:  # fmt: skip
+    def revoke(self, revocations: list[sgn.Revocation], now: float, grants: list[sgn.Grant] | None = None,
+               directives: list[sgn.Directive] | None = None) -> Out:  # fmt: skip
         """Revocations, admin grants and serve / drop words made on this machine (``mesh-llm revoke``, ``admin``,
         ``serve``, ``drop``) or kept in its state dir: taken and gossiped like any."""
         before = set(self.table.entries)
@@ -236,7 +238,7 @@ class MeshCore:
             self.events.append(Event(EventKind.REVOKED, n))
         for n in res.expired:
             self.events.append(Event(EventKind.EXPIRED, n))
-        if res.revoked_me or (res.new_revocations and not self._out and tok.cut_off(self.chain, self.table.revoked)):
+        if res.revoked_me or (res.new_revocations and not self._out and adm.cut_off(self.chain, self.table.revoked)):
             self._out = True  # revoked, or admitted through a node that was: out for good (told once)
             self.events.append(Event(EventKind.REVOKED, self.me))
         after = set(self.table.entries)

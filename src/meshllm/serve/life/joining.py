@@ -26,6 +26,7 @@ from meshllm.machine.state import (
 )
 from meshllm.net.meshnet import MeshNet, mint_scoped
 from meshllm.paths import models_dir
+from meshllm.proto import admission as adm
 from meshllm.proto import crypto, fleet
 from meshllm.proto import token as tok
 from meshllm.proto.capacity import Offer
@@ -70,7 +71,7 @@ async def enter_mesh(net: MeshNet, tokens: list[tok.Token], state: Path, o: Node
         await rejoin(net, known, console)
         tasks.append(asyncio.ensure_future(keep_dialling(net, known)))
     assert net.m is not None and net.core is not None
-    scope = tok.chain_scope(net.m.chain)
+    scope = adm.chain_scope(net.m.chain)
     if scope < tok.Scope.HOST and not lite:
         what = {tok.Scope.WORKER: "serves layers for a host-scoped member and is never elected host",
                 tok.Scope.CLIENT: "may use the API only: it serves no layers"}  # fmt: skip
@@ -147,7 +148,7 @@ def mint_invite(state: Path, ttl_s: float, scope: tok.Scope | None) -> tuple[str
     also = list(load_members(state).items())
     t = mint_scoped(load_or_create_key(state), m, load_addrs(state), time.time(), ttl_s, scope, also)
     saved = ""
-    if scope is None or scope == tok.chain_scope(m.chain):
+    if scope is None or scope == adm.chain_scope(m.chain):
         saved = f"; it replaces the invite saved in {save_token(state, t.encode())}"
     return f"{t.scope} token, valid {duration(ttl_s)}{saved}:", t.encode()
 

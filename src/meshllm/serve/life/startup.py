@@ -24,6 +24,7 @@ from meshllm.machine.state import (
     take_lock,
 )
 from meshllm.net.meshnet import new_mesh
+from meshllm.proto import admission as adm
 from meshllm.proto import token as tok
 from meshllm.proto.planner import ModelShape
 from meshllm.serve.fetch.fetching import is_local
@@ -69,9 +70,9 @@ def start_checks(o: NodeOptions, state: Path, api_host: str, console: Console) -
             console.print(note)
     lock = lock if lock is not None else take_lock(state)  # the inputs are good: now the dir may be made
     key = load_or_create_key(state)
-    if m is not None and now >= tok.chain_until(m.chain) and not tokens:
+    if m is not None and now >= adm.chain_until(m.chain) and not tokens:
         raise UserError(f"this node's admission to mesh {m.mesh_id.hex()[:8]} ended "
-                        f"{int(now - tok.chain_until(m.chain))} s ago (it was away longer than its admission "
+                        f"{int(now - adm.chain_until(m.chain))} s ago (it was away longer than its admission "
                         "held): start it with --join and a new token from a member")  # fmt: skip
     if m is None and not joins:
         m = new_mesh(key, now)

@@ -34,8 +34,8 @@ from meshllm.net.conn import (
 from meshllm.net.meshnet import MeshNet
 from meshllm.net.netem import LinkShape
 from meshllm.net.tunnel import TunnelListener, TunnelStats, connect_and_bridge
+from meshllm.proto import admission as adm
 from meshllm.proto import crypto, serving
-from meshllm.proto import token as tok
 from meshllm.proto.capacity import first_device
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import MAX_WHY, ModelFacts, NodeState
@@ -415,14 +415,14 @@ class Hosting:
                 self.door_open[who] = n
 
     def _accountable(self, peer: NodeId) -> str:
-        """Whom a peer's requests at our door count as (``tok.accountable``): keys a member minted for itself are
+        """Whom a peer's requests at our door count as (``adm.accountable``): keys a member minted for itself are
         that member, for the fair share of slots and for the door's connections."""
         core_ = self.net.core
         chain = core_.table.chain_of(peer) if core_ is not None else None
         if chain is None:
             return f"node {crypto.short(peer)}"
         admins = {n for n in core_.table.admins if n not in core_.table.revoked} if core_ is not None else set()
-        return f"member {crypto.short(tok.accountable(chain, admins))}"
+        return f"member {crypto.short(adm.accountable(chain, admins))}"
 
     def _door_source(self, client_port: int) -> str:
         """Whose request came through the door on this connection (the fair share of slots is per peer)."""
