@@ -15,7 +15,7 @@ import pytest
 
 from meshllm.llama.build import Binaries
 from meshllm.llama.gguf import read_header
-from meshllm.proto.planner import experts_override
+from meshllm.proto.spill import experts_override
 from meshllm.serve.fetch.modelfiles import model_shape
 from tests.moe_model import tiny_moe_path
 
@@ -72,7 +72,7 @@ def test_a_node_short_of_accelerator_memory_keeps_experts_in_ram_and_serves(
     of its first layers in RAM (llama-server gets the tensor overrides, as ``--n-cpu-moe`` would), and answers as
     llama-server alone with the same overrides."""
     from meshllm.llama.processes import Child, free_port, llama_server_argv, wait_http_ready
-    from meshllm.proto.planner import experts_override
+    from meshllm.proto.spill import experts_override
 
     a = NodeProc(tmp_path, "a", tiny_moe, "--max-vram", "0.034856", "--max-ram", "0.5", "--ctx-size", "512",
                  "--parallel", "1")  # fmt: skip

@@ -15,7 +15,7 @@ from meshllm.machine.state import load_membership
 from meshllm.proto import crypto
 from meshllm.proto.admission import Link
 from meshllm.proto.auth import make_proof
-from meshllm.proto.planner import GB
+from meshllm.proto.layout import GB
 from tests.integration.meshlab import NodeProc, _free_port, split_pair, wait_for
 from tests.integration.test_mesh import _attempt, _handshake_as, _membership
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from meshllm.proto.capacity import MARGIN_MIN, Device, MiB, offer, parse_devices
-from meshllm.proto.planner import GB
+from meshllm.proto.layout import GB
 
 # the format of llama.cpp's common_print_available_devices (b11312)
 TWO_GPUS = """Available devices:

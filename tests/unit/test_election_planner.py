@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshllm.proto.election import MARGIN, Candidate, Debouncer, elect
-from meshllm.proto.planner import (
+from meshllm.proto.layout import (
     GB,
     Assignment,
     MiB,
@@ -19,11 +19,11 @@ from meshllm.proto.planner import (
     Slot,
     Waiting,
     device_of_unit,
-    experts_override,
     host_fixed_bytes,
-    plan,
     spread,
 )
+from meshllm.proto.planner import plan
+from meshllm.proto.spill import experts_override
 
 FP = "f" * 64
 A, B, C, D = (bytes([i]) * 32 for i in (1, 2, 3, 4))
@@ -313,7 +313,8 @@ def test_every_layer_lands_where_planned_and_the_output_on_the_host(counts: tupl
 
 def test_slots_for_takes_the_nodes_with_the_model_and_the_hosts_rtts() -> None:
     from meshllm.proto.gossip import ModelFacts, PeerRecord, Role
-    from meshllm.proto.planner import Slot, slots_for
+    from meshllm.proto.layout import Slot
+    from meshllm.proto.planner import slots_for
     from meshllm.proto.token import Scope
 
     def chain(scope: Scope) -> tuple[tuple[bytes, bytes, bytes, int, int, bytes], ...]:

@@ -3,7 +3,8 @@ what the mesh lacks. From a node's status (pure), without loading anything."""
 
 from __future__ import annotations
 
-from meshllm.proto.planner import GB, MiB, ModelShape, size
+from meshllm.proto.layout import GB, MiB, ModelShape
+from meshllm.proto.sizing import size
 from meshllm.serve.preview import describe, mesh_slots
 
 SHAPE = ModelShape(

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from meshllm.proto import serving as s
-from meshllm.proto.planner import Assignment, Plan, Waiting
+from meshllm.proto.layout import Assignment, Plan, Waiting
 
 ME, HOST, W1, W2, STRANGER = (bytes([i]) * 32 for i in (5, 9, 1, 2, 7))
 SOLO = Plan(ME, (Assignment(ME, 0, 18, 600),), ())

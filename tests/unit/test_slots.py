@@ -1,5 +1,5 @@
 """Slots: who runs next on the host's llama-server (proto/slots.py), and how many slots of what context a mesh runs
-(planner.size)."""
+(sizing.size)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshllm.proto import slots as sl
-from meshllm.proto.planner import GB, MAX_AUTO_SLOTS, MiB, ModelShape, Plan, Slot, Waiting, size, with_cache
+from meshllm.proto.layout import GB, MiB, ModelShape, Plan, Slot, Waiting
+from meshllm.proto.sizing import MAX_AUTO_SLOTS, size, with_cache
 
 # ------------------------------------------------------------------------------------------------ the scheduler
 

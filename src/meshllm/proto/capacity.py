@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from meshllm.proto.planner import GB, serves_cpu
+from meshllm.proto.layout import GB, serves_cpu
 
 MiB = 1024 * 1024
 RAM_SHARE = 0.75  # a CPU node keeps a quarter of its RAM for the system

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import PeerRecord, Role
-from meshllm.proto.planner import WAITING
+from meshllm.proto.layout import WAITING
 from meshllm.proto.token import Scope
 
 AVOID_S = 15.0  # a host whose request just failed gets none while another serves, for this long (or until it is back)

@@ -18,7 +18,8 @@ import msgpack
 
 from meshllm.proto import crypto
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.planner import Plan, Waiting, experts_override
+from meshllm.proto.layout import Plan, Waiting
+from meshllm.proto.spill import experts_override
 
 # ------------------------------------------------------------------------------------------------ routing
 

@@ -45,7 +45,7 @@ class NodeOptions:
     admission_s: float = tok.ADMIT_S  # --admission: how long the admissions this node signs hold unless renewed
     max_vram_gb: float | None = None
     max_ram_gb: float | None = None  # --max-ram: RAM offered for routed experts
-    ctx_size: int | None = None  # each slot's context (None: auto, planner.size)
+    ctx_size: int | None = None  # each slot's context (None: auto, sizing.size)
     parallel: int | None = None  # llama-server's slots (None: auto)
     queue: int | None = None  # --queue: how many requests may wait for a slot (None: proto.slots.default_queue)
     tuning: Tuning = field(default_factory=Tuning)  # llama-server's serving options (the host applies them)

@@ -4,7 +4,7 @@ would host, each node's layers and memory, the slots and context it would get; o
 "The mesh as it stands" is what the node running on the state dir last wrote (``status.json``): its members, their
 offered memory, scope and RTT as that node measured them; with no node running, this machine alone (what its
 llama.cpp build sees, else three quarters of its RAM). The host is picked as the election picks it (most memory
-among host-scoped members; ties to the highest node id) and the plan is the planner's own (``proto/planner.size``).
+among host-scoped members; ties to the highest node id) and the plan is the planner's own (``proto/sizing.size``).
 Memory is the planner's estimate (weights, KV cache, compute buffers); it is not measured here.
 """
 
@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from meshllm.errors import MeshError, UserError
-from meshllm.proto.planner import GB, ModelShape, Plan, Sizing, Slot, Waiting, size
+from meshllm.proto.layout import GB, ModelShape, Plan, Slot, Waiting
 from meshllm.proto.serving import as_ranges
+from meshllm.proto.sizing import Sizing, size
 
 
 def mesh_slots(status: dict[str, Any]) -> tuple[Slot, list[Slot], dict[bytes, str]] | None:

@@ -15,7 +15,7 @@ from meshllm.models import catalog
 from meshllm.models.download import installed, resolve
 from meshllm.paths import models_dir
 from meshllm.proto.gossip import ModelFacts
-from meshllm.proto.planner import ModelShape
+from meshllm.proto.layout import ModelShape
 
 
 @dataclass(frozen=True)

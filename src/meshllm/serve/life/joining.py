@@ -32,7 +32,7 @@ from meshllm.proto import token as tok
 from meshllm.proto.capacity import Offer
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import ModelFacts, Role
-from meshllm.proto.planner import GB, ModelShape
+from meshllm.proto.layout import GB, ModelShape
 from meshllm.serve.fetch.fetching import LayerKeeper, obtain_and_open, obtain_model
 from meshllm.serve.fetch.modelfiles import ModelFiles, find_by_fingerprint, model_shape
 from meshllm.serve.life import lan

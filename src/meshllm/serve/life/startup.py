@@ -26,7 +26,7 @@ from meshllm.machine.state import (
 from meshllm.net.meshnet import new_mesh
 from meshllm.proto import admission as adm
 from meshllm.proto import token as tok
-from meshllm.proto.planner import ModelShape
+from meshllm.proto.layout import ModelShape
 from meshllm.serve.fetch.fetching import is_local
 from meshllm.serve.fetch.modelfiles import ModelFiles, open_model
 from meshllm.serve.options import NodeOptions, parse_tokens

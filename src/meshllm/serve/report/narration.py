@@ -8,8 +8,8 @@ from rich.markup import escape
 from meshllm.proto import crypto
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import PeerRecord
+from meshllm.proto.layout import GB, Assignment, Plan, Waiting
 from meshllm.proto.meshcore import EventKind
-from meshllm.proto.planner import GB, Assignment, Plan, Waiting
 
 
 def name(node: NodeId, me: NodeId) -> str:

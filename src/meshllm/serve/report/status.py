@@ -16,7 +16,7 @@ from meshllm.net.meshnet import MeshNet
 from meshllm.proto import crypto, fleet, standing
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.gossip import ModelFacts, PeerRecord, Role
-from meshllm.proto.planner import Plan, Waiting
+from meshllm.proto.layout import Plan, Waiting
 from meshllm.proto.standing import Standing
 from meshllm.serve.http.api import Api
 from meshllm.serve.http.metrics import Exposition

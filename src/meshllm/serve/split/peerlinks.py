@@ -25,7 +25,7 @@ from meshllm.net.meshnet import MeshNet
 from meshllm.net.tunnel import TunnelListener, TunnelStats, connect_and_bridge
 from meshllm.proto import crypto, serving
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.planner import Plan, Waiting
+from meshllm.proto.layout import Plan, Waiting
 
 log = logging.getLogger("meshllm.peerlinks")
 

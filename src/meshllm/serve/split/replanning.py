@@ -1,4 +1,4 @@
-"""The plan this node follows: sized from the live records (``proto/planner.size``: layers, slots, context),
+"""The plan this node follows: sized from the live records (``proto/sizing.size``: layers, slots, context),
 adopted once it has held for ``PLAN_DEBOUNCE_S`` (joins come in bursts and a new plan costs a model load; at once
 when a planned node is gone). The host gossips the plan it runs, so every node keeps its nodes first and every node
 shows its layers. A node the elected host's plan leaves out, which holds the whole model alone, serves a replica of
@@ -12,7 +12,9 @@ from meshllm.proto import fleet, serving
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.debounce import Debouncer
 from meshllm.proto.gossip import MAX_WHY, ModelFacts, PeerRecord, Role
-from meshllm.proto.planner import ModelShape, Plan, Sizing, Slot, Waiting, adopt_at_once, size, slots_for
+from meshllm.proto.layout import ModelShape, Plan, Slot, Waiting
+from meshllm.proto.planner import adopt_at_once, slots_for
+from meshllm.proto.sizing import Sizing, size
 from meshllm.serve.options import NodeOptions
 from meshllm.serve.split.hosting import Hosting
 

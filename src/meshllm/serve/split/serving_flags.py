@@ -11,7 +11,7 @@ from pathlib import Path
 
 from meshllm.errors import UserError
 from meshllm.llama.processes import BUILTIN_TEMPLATES, Tuning
-from meshllm.proto.planner import CACHE_TYPES, MAX_AUTO_SLOTS
+from meshllm.proto.sizing import CACHE_TYPES, MAX_AUTO_SLOTS
 
 MAX_SLOTS = 256
 # sampling defaults: flag -> (lowest, highest) value a request that does not say gets
