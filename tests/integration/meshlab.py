@@ -138,7 +138,7 @@ def in_process_source(key: crypto.Ed25519PrivateKey, state: Path, token: object,
 
     from meshllm.net.conn import STREAM_FETCH
     from meshllm.net.meshnet import MeshNet
-    from meshllm.proto.gossip import NodeState, Role
+    from meshllm.proto.record import NodeState, Role
 
     stop, ready = threading.Event(), threading.Event()
 

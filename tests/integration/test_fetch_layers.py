@@ -137,7 +137,7 @@ def test_a_source_that_lies_about_the_sampled_bytes_is_dropped_and_the_copy_comp
 
     from meshllm.proto import crypto
     from meshllm.proto import token as tok
-    from meshllm.proto.gossip import ModelFacts
+    from meshllm.proto.record import ModelFacts
     from meshllm.serve.fetch.sharing import Sharing
 
     class Lying(Sharing):

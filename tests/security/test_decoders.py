@@ -25,8 +25,9 @@ from meshllm.proto import admission as adm
 from meshllm.proto import crypto, reach, wire
 from meshllm.proto import signed as sgn
 from meshllm.proto.auth import AuthHello, AuthProof, check_proof, rekey_refused
-from meshllm.proto.gossip import GossipPush, PeerRecord, Role, open_record, record_from_wire
+from meshllm.proto.gossip import GossipPush
 from meshllm.proto.meshcore import MeshCore
+from meshllm.proto.record import PeerRecord, Role, open_record, record_from_wire
 
 NOW = 1_800_000_000.0
 FOUNDER = crypto.new_key()

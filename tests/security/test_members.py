@@ -238,7 +238,8 @@ def test_a_member_that_claims_to_host_reaches_no_rpc_server_and_takes_no_seat(tm
     from meshllm.proto import admission as adm
     from meshllm.proto import token as tok
     from meshllm.proto.auth import AuthWelcome
-    from meshllm.proto.gossip import GossipPush, NodeState, PeerRecord, Role
+    from meshllm.proto.gossip import GossipPush
+    from meshllm.proto.record import NodeState, PeerRecord, Role
     from meshllm.proto.wire import encode
     from meshllm.serve.fetch.modelfiles import open_model
     from tests.integration.test_serve_split import complete, text_of
@@ -344,7 +345,8 @@ def test_a_member_that_claims_to_serve_gets_no_request_from_any_node(tmp_path: P
     from meshllm.proto import admission as adm
     from meshllm.proto import token as tok
     from meshllm.proto.auth import AuthWelcome
-    from meshllm.proto.gossip import GossipPush, NodeState, PeerRecord, Role, Tombstone
+    from meshllm.proto.gossip import GossipPush, Tombstone
+    from meshllm.proto.record import NodeState, PeerRecord, Role
     from meshllm.proto.wire import encode
     from meshllm.serve.fetch.modelfiles import open_model
     from tests.integration.test_serve_split import complete, text_of

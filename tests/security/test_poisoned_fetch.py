@@ -29,7 +29,7 @@ def _sha(path: Path) -> str:
 
 def test_a_client_scoped_member_cannot_make_a_fetched_model_its_own(tmp_path: Path, tiny_model: Path) -> None:
     from meshllm.proto import token as tok
-    from meshllm.proto.gossip import ModelFacts
+    from meshllm.proto.record import ModelFacts
     from meshllm.serve.fetch.sharing import Sharing, _manifest_of
 
     nodes: list[NodeProc] = []

@@ -14,8 +14,9 @@ from meshllm.proto import crypto
 from meshllm.proto import signed as sgn
 from meshllm.proto import token as tok
 from meshllm.proto.auth import AuthChallenge, AuthHello, Verdict, check_proof, make_proof
-from meshllm.proto.gossip import GossipPush, PeerRecord, Renewal, RenewAsk
+from meshllm.proto.gossip import GossipPush, Renewal, RenewAsk
 from meshllm.proto.meshcore import MeshCore
+from meshllm.proto.record import PeerRecord
 
 NOW = time.time()
 
@@ -91,7 +92,8 @@ def test_a_member_that_mints_identities_cannot_lock_an_honest_member_out() -> No
     of their own), buries an honest member's life, and the honest refutation used to be dropped as "a new node's
     record" (new joiners too). Now the members admitted through any one member are bounded (MAX_THROUGH) and a
     table takes back a node it knew: the honest member and a new joiner end up in the table."""
-    from meshllm.proto.gossip import MAX_PEERS, MAX_RECORDS, MAX_THROUGH, Tombstone
+    from meshllm.proto.gossip import MAX_PEERS, MAX_THROUGH, Tombstone
+    from meshllm.proto.record import MAX_RECORDS
 
     founder, honest, m = crypto.new_key(), crypto.new_key(), crypto.new_key()
     f = MeshCore(key=founder, mesh_id=crypto.mesh_id_for(crypto.node_id(founder)), chain=adm.found(founder, NOW - 60),

@@ -11,8 +11,9 @@ import pytest
 from meshllm.proto import admission as adm
 from meshllm.proto import crypto
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.gossip import DEAD_AFTER_S, ModelFacts
+from meshllm.proto.gossip import DEAD_AFTER_S
 from meshllm.proto.meshcore import MeshCore, Out
+from meshllm.proto.record import ModelFacts
 from meshllm.proto.wire import Message, decode_one, encode
 
 MODEL = ModelFacts(fingerprint="ab" * 32, size=1000, n_layer=10, source="sim.gguf")

@@ -225,8 +225,8 @@ def test_serving_host_is_a_connected_peer_announcing_the_model() -> None:
 
     from meshllm.proto import admission as adm
     from meshllm.proto import crypto
-    from meshllm.proto.gossip import ModelFacts, PeerRecord
     from meshllm.proto.meshcore import MeshCore
+    from meshllm.proto.record import ModelFacts, PeerRecord
 
     founder, other = crypto.new_key(), crypto.new_key()
     now = time.time()
@@ -251,8 +251,8 @@ def test_requests_go_to_the_elected_host_never_to_a_self_claim() -> None:
     from meshllm.proto import admission as adm
     from meshllm.proto import crypto
     from meshllm.proto import token as tok
-    from meshllm.proto.gossip import ModelFacts, PeerRecord
     from meshllm.proto.meshcore import MeshCore
+    from meshllm.proto.record import ModelFacts, PeerRecord
 
     founder, host, liar_c, liar_w = (crypto.new_key() for _ in range(4))
     now = time.time()
@@ -312,9 +312,9 @@ def test_every_layer_lands_where_planned_and_the_output_on_the_host(counts: tupl
 
 
 def test_slots_for_takes_the_nodes_with_the_model_and_the_hosts_rtts() -> None:
-    from meshllm.proto.gossip import ModelFacts, PeerRecord, Role
     from meshllm.proto.layout import Slot
     from meshllm.proto.planner import slots_for
+    from meshllm.proto.record import ModelFacts, PeerRecord, Role
     from meshllm.proto.token import Scope
 
     def chain(scope: Scope) -> tuple[tuple[bytes, bytes, bytes, int, int, bytes], ...]:

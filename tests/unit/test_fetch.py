@@ -77,7 +77,7 @@ def test_only_host_scoped_holders_decide_what_is_believed_and_no_vote_or_id_brea
 def test_vouchers_are_host_scoped_members_holding_the_whole_file() -> None:
     from meshllm.proto import admission as adm
     from meshllm.proto import token as tok
-    from meshllm.proto.gossip import ModelFacts, PeerRecord, Role
+    from meshllm.proto.record import ModelFacts, PeerRecord, Role
 
     founder = KEYS[0]
     chain = adm.found(founder, 0.0)
@@ -98,7 +98,7 @@ def test_vouchers_are_host_scoped_members_holding_the_whole_file() -> None:
 
 def test_a_fingerprint_names_a_file_only_as_64_hex_digits() -> None:
     """A fingerprint is used as a file name; a record or manifest with anything else is refused."""
-    from meshllm.proto.gossip import is_fingerprint
+    from meshllm.proto.record import is_fingerprint
 
     assert is_fingerprint(FP) and is_fingerprint("0123456789abcdef" * 4)
     for bad in ("../" * 21 + "x", "AB" * 32, "ab" * 31, "ab" * 33, "/tmp/" + "a" * 59, 7, None, "g" * 64):
@@ -244,7 +244,7 @@ def test_a_source_s_manifest_follows_the_gguf_layout_and_its_samples_are_the_fin
 
 
 def test_only_members_with_the_whole_file_are_sources() -> None:
-    from meshllm.proto.gossip import ModelFacts, PeerRecord
+    from meshllm.proto.record import ModelFacts, PeerRecord
 
     facts, other = ModelFacts(FP, 1, 1, "m"), ModelFacts("cd" * 32, 1, 1, "n")
     recs = [PeerRecord(A, 1, 1, model=facts), PeerRecord(B, 1, 1, model=facts, held=((0, 4),)),

@@ -14,8 +14,8 @@ from meshllm.proto import signed as sgn
 from meshllm.proto import token as tok
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.fleet import AVOID_S, Spread, model_groups, replica_wanted
-from meshllm.proto.gossip import ModelFacts, NodeState, PeerRecord, Role
 from meshllm.proto.meshcore import MeshCore
+from meshllm.proto.record import ModelFacts, NodeState, PeerRecord, Role
 
 X, Y = ModelFacts("aa" * 32, 1, 18, "x"), ModelFacts("bb" * 32, 1, 18, "y")
 N = [bytes([i]) * 32 for i in range(6)]

@@ -10,16 +10,8 @@ from meshllm.proto import admission as adm
 from meshllm.proto import crypto
 from meshllm.proto import signed as sgn
 from meshllm.proto import token as tok
-from meshllm.proto.gossip import (
-    DEAD_AFTER_S,
-    SUSPECT_AFTER_S,
-    GossipPush,
-    Liveness,
-    PeerRecord,
-    Role,
-    Table,
-    Tombstone,
-)
+from meshllm.proto.gossip import DEAD_AFTER_S, SUSPECT_AFTER_S, GossipPush, Liveness, Table, Tombstone
+from meshllm.proto.record import PeerRecord, Role
 from meshllm.proto.wire import pack, unpack
 
 T = 1_800_000_000.0
@@ -381,8 +373,8 @@ def test_a_partial_copy_says_which_layers_it_holds_and_is_never_elected_host() -
     """A worker that fetched only its layers names them in its record ("held"; absent: the whole file); a
     bad list drops the record; the election passes over a partial copy however much memory it offers (a host needs
     the whole file)."""
-    from meshllm.proto.gossip import ModelFacts, Role
     from meshllm.proto.meshcore import _elect
+    from meshllm.proto.record import ModelFacts, Role
 
     t = Table(crypto.node_id(FOUNDER), MESH)
     k, c = member()
@@ -414,7 +406,7 @@ def test_a_replica_says_so_in_its_record() -> None:
 
 def test_a_record_whose_model_fingerprint_is_not_64_hex_digits_is_dropped() -> None:
     """A member's record named its model ``../../x`` and a joining node wrote ``<any path>.part``."""
-    from meshllm.proto.gossip import ModelFacts
+    from meshllm.proto.record import ModelFacts
 
     t = Table(crypto.node_id(FOUNDER), MESH)
     k, c = member()

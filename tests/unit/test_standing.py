@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from meshllm.llama.supervisor import running_tokens
 from meshllm.proto import crypto
 from meshllm.proto import standing as s
-from meshllm.proto.gossip import ModelFacts, NodeState, PeerRecord, Role
+from meshllm.proto.record import ModelFacts, NodeState, PeerRecord, Role
 
 HOST, W1, W2, LITE = (bytes([i]) * 32 for i in (9, 1, 2, 7))
 FACTS = ModelFacts("tiny", "f" * 16, 18, 1000)

@@ -465,8 +465,8 @@ def test_a_members_minted_keys_count_as_that_member() -> None:
 
 def test_a_token_names_only_members_that_may_admit_its_scope() -> None:
     """A host token named a client-scoped member among its others to dial, and that member refused it."""
-    from meshllm.proto.gossip import PeerRecord, Role
     from meshllm.proto.meshcore import token_alternates
+    from meshllm.proto.record import PeerRecord, Role
 
     founder = crypto.new_key()
     chain = adm.found(founder, NOW)

@@ -128,7 +128,7 @@ def nonempty(text: str) -> str:
 
 
 def parse_name(text: str) -> str:
-    from meshllm.proto.gossip import MAX_NAME
+    from meshllm.proto.record import MAX_NAME
 
     if not text or len(text) > MAX_NAME or not text.isprintable():
         raise argparse.ArgumentTypeError(f"a node name is 1-{MAX_NAME} printable characters, got {text!r}")

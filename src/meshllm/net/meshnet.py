@@ -48,10 +48,10 @@ from meshllm.proto.auth import (
     rekey_refused,
 )
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.gossip import PeerRecord, RecordUpdate
 from meshllm.proto.knock import KnockAnswer, KnockAsk
 from meshllm.proto.meshcore import EventKind, MeshCore, Out, token_alternates
 from meshllm.proto.reach import RELAY_RATE, Observed, PunchRequest, RelayMode
+from meshllm.proto.record import PeerRecord, RecordUpdate
 from meshllm.proto.wire import FrameDecoder, encode
 from meshllm.sockets import host_port
 

@@ -21,7 +21,6 @@ from meshllm.net.netevents import AddrsLearned, Connected, NetEvent
 from meshllm.proto import crypto
 from meshllm.proto import token as tok
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.gossip import PeerRecord, RecordUpdate
 from meshllm.proto.meshcore import Out
 from meshllm.proto.reach import (
     PROBE_EVERY_S,
@@ -40,6 +39,7 @@ from meshllm.proto.reach import (
     relayed_addr,
     rendezvous,
 )
+from meshllm.proto.record import PeerRecord, RecordUpdate
 from meshllm.sockets import host_port
 
 

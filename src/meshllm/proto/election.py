@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.debounce import Debouncer
-from meshllm.proto.gossip import Role
+from meshllm.proto.record import Role
 from meshllm.proto.token import Scope
 
 __all__ = ["DEBOUNCE_S", "MARGIN", "Candidate", "Debouncer", "elect"]

@@ -34,7 +34,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshllm.proto import crypto
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.gossip import PeerRecord, Role, is_fingerprint
+from meshllm.proto.record import PeerRecord, Role, is_fingerprint
 from meshllm.proto.token import Scope
 
 D_MANIFEST = b"mesh-llm manifest v2\0"

@@ -9,8 +9,8 @@ from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.gossip import PeerRecord, Role
 from meshllm.proto.layout import WAITING
+from meshllm.proto.record import PeerRecord, Role
 from meshllm.proto.token import Scope
 
 AVOID_S = 15.0  # a host whose request just failed gets none while another serves, for this long (or until it is back)

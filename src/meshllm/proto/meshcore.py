@@ -26,17 +26,14 @@ from meshllm.proto.gossip import (
     GossipPush,
     Liveness,
     MergeResult,
-    NodeState,
-    PeerRecord,
     Ping,
     Pong,
-    RecordUpdate,
     Renewal,
     RenewAsk,
-    Role,
     Table,
     Tombstone,
 )
+from meshllm.proto.record import NodeState, PeerRecord, RecordUpdate, Role
 from meshllm.proto.serving import designated_dialler
 from meshllm.proto.token import Scope
 from meshllm.proto.wire import Message

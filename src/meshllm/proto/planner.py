@@ -16,7 +16,6 @@ from collections.abc import Set
 from dataclasses import replace
 
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.gossip import PeerRecord, Role
 from meshllm.proto.layout import (
     GB,
     Assignment,
@@ -26,6 +25,7 @@ from meshllm.proto.layout import (
     Waiting,
     host_fixed_bytes,
 )
+from meshllm.proto.record import PeerRecord, Role
 from meshllm.proto.spill import _by_held, _spilling_plan
 from meshllm.proto.token import Scope
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from meshllm.proto import crypto
-from meshllm.proto.gossip import SUSPECT_AFTER_S, NodeState, PeerRecord, Role
+from meshllm.proto.gossip import SUSPECT_AFTER_S
+from meshllm.proto.record import NodeState, PeerRecord, Role
 
 
 class State(StrEnum):

@@ -29,9 +29,9 @@ from meshllm.proto import crypto
 from meshllm.proto import token as tok
 from meshllm.proto.capacity import Offer
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.gossip import ModelFacts, NodeState, PeerRecord, Role
 from meshllm.proto.layout import GB, ModelShape, Plan, Waiting
 from meshllm.proto.meshcore import EventKind
+from meshllm.proto.record import ModelFacts, NodeState, PeerRecord, Role
 from meshllm.serve.fetch.fetching import LayerKeeper
 from meshllm.serve.fetch.modelfiles import ModelFiles
 from meshllm.serve.fetch.sharing import Sharing

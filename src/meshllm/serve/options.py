@@ -22,8 +22,8 @@ from meshllm.llama.hardware import gpu_visible
 from meshllm.llama.processes import Tuning, device_listing
 from meshllm.proto import token as tok
 from meshllm.proto.capacity import Offer, offer, parse_devices
-from meshllm.proto.gossip import MAX_NAME
 from meshllm.proto.reach import RELAY_RATE, RelayMode
+from meshllm.proto.record import MAX_NAME
 from meshllm.serve.split.serving_flags import tuning_from
 
 

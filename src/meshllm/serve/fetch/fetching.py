@@ -16,8 +16,8 @@ from meshllm.errors import UserError
 from meshllm.net.meshnet import MeshNet
 from meshllm.net.netevents import CHANGED
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.gossip import ModelFacts
 from meshllm.proto.layout import ModelShape, Plan, Waiting
+from meshllm.proto.record import ModelFacts
 from meshllm.proto.serving import covers
 from meshllm.proto.token import Scope
 from meshllm.serve.fetch.modelfiles import ModelFiles

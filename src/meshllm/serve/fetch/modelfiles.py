@@ -14,8 +14,8 @@ from meshllm.llama.gguf import read_header as read_gguf_header
 from meshllm.models import catalog
 from meshllm.models.download import installed, resolve
 from meshllm.paths import models_dir
-from meshllm.proto.gossip import ModelFacts
 from meshllm.proto.layout import ModelShape
+from meshllm.proto.record import ModelFacts
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from meshllm.net.meshnet import MeshNet
 from meshllm.proto import crypto
 from meshllm.proto import fetch as core
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.gossip import is_fingerprint
+from meshllm.proto.record import is_fingerprint
 from meshllm.proto.serving import as_ranges
 from meshllm.serve.fetch.direct import DirectLink
 from meshllm.serve.fetch.modelfiles import model_shape

@@ -16,8 +16,8 @@ from meshllm.net.meshnet import MeshNet
 from meshllm.net.netevents import CHANGED
 from meshllm.proto import fleet
 from meshllm.proto.capacity import Offer
-from meshllm.proto.gossip import ModelFacts, Role
 from meshllm.proto.layout import ModelShape
+from meshllm.proto.record import ModelFacts, Role
 from meshllm.serve.fetch.fetching import LayerKeeper
 from meshllm.serve.fetch.modelfiles import ModelFiles
 from meshllm.serve.life.joining import adopt_model, mesh_groups

@@ -31,8 +31,8 @@ from meshllm.proto import crypto, fleet
 from meshllm.proto import token as tok
 from meshllm.proto.capacity import Offer
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.gossip import ModelFacts, Role
 from meshllm.proto.layout import GB, ModelShape
+from meshllm.proto.record import ModelFacts, Role
 from meshllm.serve.fetch.fetching import LayerKeeper, obtain_and_open, obtain_model
 from meshllm.serve.fetch.modelfiles import ModelFiles, find_by_fingerprint, model_shape
 from meshllm.serve.life import lan

@@ -7,9 +7,9 @@ from rich.markup import escape
 
 from meshllm.proto import crypto
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.gossip import PeerRecord
 from meshllm.proto.layout import GB, Assignment, Plan, Waiting
 from meshllm.proto.meshcore import EventKind
+from meshllm.proto.record import PeerRecord
 
 
 def name(node: NodeId, me: NodeId) -> str:

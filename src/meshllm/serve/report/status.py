@@ -15,8 +15,8 @@ from meshllm.machine.state import save_status
 from meshllm.net.meshnet import MeshNet
 from meshllm.proto import crypto, fleet, standing
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.gossip import ModelFacts, PeerRecord, Role
 from meshllm.proto.layout import Plan, Waiting
+from meshllm.proto.record import ModelFacts, PeerRecord, Role
 from meshllm.proto.standing import Standing
 from meshllm.serve.http.api import Api
 from meshllm.serve.http.metrics import Exposition

@@ -38,8 +38,8 @@ from meshllm.proto import admission as adm
 from meshllm.proto import crypto, serving
 from meshllm.proto.capacity import first_device
 from meshllm.proto.crypto import NodeId
-from meshllm.proto.gossip import MAX_WHY, ModelFacts, NodeState
 from meshllm.proto.layout import Plan, Waiting
+from meshllm.proto.record import MAX_WHY, ModelFacts, NodeState
 from meshllm.proto.serving import LAYER_WAIT_S
 from meshllm.proto.sizing import BASE_CTX, Sizing
 from meshllm.serve.fetch.modelfiles import ModelFiles

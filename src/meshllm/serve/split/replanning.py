@@ -11,9 +11,9 @@ from meshllm.net.meshnet import MeshNet
 from meshllm.proto import fleet, serving
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.debounce import Debouncer
-from meshllm.proto.gossip import MAX_WHY, ModelFacts, PeerRecord, Role
 from meshllm.proto.layout import ModelShape, Plan, Slot, Waiting
 from meshllm.proto.planner import adopt_at_once, slots_for
+from meshllm.proto.record import MAX_WHY, ModelFacts, PeerRecord, Role
 from meshllm.proto.sizing import Sizing, size
 from meshllm.serve.options import NodeOptions
 from meshllm.serve.split.hosting import Hosting

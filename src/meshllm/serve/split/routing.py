@@ -13,8 +13,9 @@ from meshllm.net.meshnet import MeshNet
 from meshllm.proto import crypto, serving, standing
 from meshllm.proto.crypto import NodeId
 from meshllm.proto.fleet import Spread
-from meshllm.proto.gossip import SUSPECT_AFTER_S, ModelFacts, PeerRecord
+from meshllm.proto.gossip import SUSPECT_AFTER_S
 from meshllm.proto.layout import Plan, Waiting
+from meshllm.proto.record import ModelFacts, PeerRecord
 from meshllm.serve.http.api import Unavailable, Upstream
 from meshllm.serve.split.hosting import Hosting
 

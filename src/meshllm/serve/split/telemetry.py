@@ -14,7 +14,7 @@ import aiohttp
 
 from meshllm.llama.supervisor import ChildState
 from meshllm.net.meshnet import MeshNet
-from meshllm.proto.gossip import MAX_WHY
+from meshllm.proto.record import MAX_WHY
 from meshllm.proto.standing import FAILED_PREFIX, RateMeter
 from meshllm.serve.http.api import Api
 from meshllm.serve.split.hosting import Hosting
