@@ -19,7 +19,7 @@ from meshllm.errors import BuildError
 from meshllm.llama.build import Binaries, find_binaries
 from meshllm.llama.processes import Child
 from meshllm.models.tiny import tiny_model_path
-from meshllm.serve.http.api import Upstream
+from meshllm.serve.http.upstream import Upstream
 
 
 @pytest.fixture(scope="session")

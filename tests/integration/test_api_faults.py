@@ -13,8 +13,10 @@ import pytest
 
 from meshllm.llama.processes import free_port
 from meshllm.proto import resume
+from meshllm.serve.http import answers
 from meshllm.serve.http import api as api_mod
-from meshllm.serve.http.api import Api, Unavailable, Upstream
+from meshllm.serve.http.api import Api
+from meshllm.serve.http.upstream import Unavailable, Upstream
 
 BODY = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 48, "temperature": 0}
 
@@ -200,7 +202,7 @@ async def test_two_cuts_in_one_stream_each_get_their_own_wait_and_the_client_hea
     one wait (3 s here) — each cut waits anew — and the client hears an SSE comment at least every KEEPALIVE_S
     while nothing else comes (a client or proxy read timeout does not end an answer about to go on)."""
     monkeypatch.setattr(api_mod, "RETRY_WAIT_S", 3.0)
-    monkeypatch.setattr(api_mod, "KEEPALIVE_S", 0.5)
+    monkeypatch.setattr(answers, "KEEPALIVE_S", 0.5)
     body = {**BODY, "max_tokens": 120, "stream": True}
     a, url = await _api(Routes(llama))
     try:
@@ -227,8 +229,8 @@ async def test_two_cuts_in_one_stream_each_get_their_own_wait_and_the_client_hea
         events = _events(got)
         assert r.status == 200 and events[-1] == "[DONE]" and not any('"error"' in e for e in events), events[-3:]
         assert _text(events) == _text(_events(whole)) and len(_text(events)) > 60
-        assert routes.calls >= 11 and got.count(api_mod.KEEPALIVE) >= 4, (routes.calls, got[:600])
-        print(f"\ntwo cuts: longest client silence {max(gaps[1:]):.2f} s, {got.count(api_mod.KEEPALIVE)} keep-alives")
+        assert routes.calls >= 11 and got.count(answers.KEEPALIVE) >= 4, (routes.calls, got[:600])
+        print(f"\ntwo cuts: longest client silence {max(gaps[1:]):.2f} s, {got.count(answers.KEEPALIVE)} keep-alives")
         assert max(gaps[1:]) < 1.5, gaps
     finally:
         await a.stop()

@@ -13,7 +13,8 @@ import aiohttp
 import pytest
 
 from meshllm.llama.processes import free_port
-from meshllm.serve.http.api import Api, Upstream
+from meshllm.serve.http.api import Api
+from meshllm.serve.http.upstream import Upstream
 
 CAP = 12
 

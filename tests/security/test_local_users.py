@@ -138,7 +138,8 @@ def test_llama_servers_port_answers_nobody_without_its_key(patched_bins: Binarie
     `--max-tokens`. llama-server now takes a key of its own (from a 0600 file): `nobody` gets 401 for a completion,
     /slots and /props, and cannot read the key; the API (ours) gets through; /health stays open."""
     from meshllm.llama import supervisor
-    from meshllm.serve.http.api import Api, Upstream
+    from meshllm.serve.http.api import Api
+    from meshllm.serve.http.upstream import Upstream
 
     cfg = supervisor.ServerConfig(model=tiny_model, alias="tiny", ctx_size=512, threads=2)
     server = supervisor.LocalServer(patched_bins, cfg, tmp_path)

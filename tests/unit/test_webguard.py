@@ -31,7 +31,7 @@ def test_the_upstreams_cors_headers_never_pass() -> None:
 def test_max_tokens_capped_where_configured() -> None:
     """A request for 10**9 tokens was passed on; --max-tokens caps what any request asks (and one that does
     not say), under every name llama-server takes."""
-    from meshllm.serve.http.api import cap_tokens
+    from meshllm.serve.http.endpoints import cap_tokens
 
     assert cap_tokens({"prompt": "x", "max_tokens": 100}, 256) is None
     assert cap_tokens({"prompt": "x", "max_tokens": 10**9}, 256) == {"prompt": "x", "max_tokens": 256}
@@ -43,7 +43,7 @@ def test_max_tokens_capped_where_configured() -> None:
 def test_each_generating_endpoint_is_capped_by_the_field_it_honours() -> None:
     """/v1/messages reads max_tokens only (n_predict there is ignored: it generated 4096); /v1/responses
     reads max_output_tokens and passes every other field through (n_predict there went uncapped)."""
-    from meshllm.serve.http.api import ENDPOINTS, cap_tokens
+    from meshllm.serve.http.endpoints import ENDPOINTS, cap_tokens
 
     msgs, resp = ENDPOINTS["/v1/messages"], ENDPOINTS["/v1/responses"]
     assert cap_tokens({"messages": [], "n_predict": 5}, 16, msgs) == {"messages": [], "max_tokens": 5}
@@ -59,7 +59,7 @@ def test_each_generating_endpoint_is_capped_by_the_field_it_honours() -> None:
 
 
 def test_dot_segments_are_found_plain_and_encoded() -> None:
-    from meshllm.serve.http.api import dot_segments
+    from meshllm.serve.http.endpoints import dot_segments
 
     for bad in ("/v1/../completion", "/v1/%2e%2e/slots", "/v1/%2E./props", "/v1/.%2e/x", "/v1/./completions",
                 "/v1/%252e%252e/slots", "/v1/x%2f..%2fslots", "/v1/..\\slots", "/v1/..?a=b"):  # fmt: skip
@@ -131,7 +131,7 @@ def test_a_preflight_may_ask_for_well_formed_headers_only() -> None:
 
 def test_a_request_that_does_not_say_gets_the_default() -> None:
     """A chat without max_tokens ran 22 minutes (a base model never stops): it gets DEFAULT_TOKENS."""
-    from meshllm.serve.http.api import DEFAULT_TOKENS, ENDPOINTS, default_tokens
+    from meshllm.serve.http.endpoints import DEFAULT_TOKENS, ENDPOINTS, default_tokens
 
     chat, resp = ENDPOINTS["/v1/chat/completions"], ENDPOINTS["/v1/responses"]
     assert default_tokens({"messages": []}, chat) == {"messages": [], "max_tokens": DEFAULT_TOKENS}
@@ -144,7 +144,7 @@ def test_a_request_that_does_not_say_gets_the_default() -> None:
 def test_a_chat_to_a_base_model_stops_at_the_next_turn() -> None:
     """A base model's transcript turns are added to the stops a chat names itself, in each endpoint's
     field; completions and counts are left alone."""
-    from meshllm.serve.http.api import with_stops
+    from meshllm.serve.http.endpoints import with_stops
 
     turns = ("\nUser:", "\nAssistant:")
     assert with_stops("/v1/chat/completions", {"messages": []}, turns) == {"messages": [], "stop": list(turns)}

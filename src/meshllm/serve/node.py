@@ -35,7 +35,8 @@ from meshllm.proto.record import ModelFacts, NodeState, PeerRecord, Role
 from meshllm.serve.fetch.fetching import LayerKeeper
 from meshllm.serve.fetch.modelfiles import ModelFiles
 from meshllm.serve.fetch.sharing import Sharing
-from meshllm.serve.http.api import Api, Unavailable
+from meshllm.serve.http.api import Api
+from meshllm.serve.http.upstream import Unavailable
 from meshllm.serve.life.adoption import Adoption
 from meshllm.serve.life.joining import addresses_learned, adopt_model, enter_mesh, publish_token, remember_members
 from meshllm.serve.life.startup import start_checks

@@ -44,8 +44,9 @@ from meshllm.proto.serving import LAYER_WAIT_S
 from meshllm.proto.sizing import BASE_CTX, Sizing
 from meshllm.serve.fetch.modelfiles import ModelFiles
 from meshllm.serve.fetch.sharing import Sharing
-from meshllm.serve.http.api import Api, Unavailable, Upstream
+from meshllm.serve.http.api import Api
 from meshllm.serve.http.slotgate import SlotGate
+from meshllm.serve.http.upstream import Unavailable, Upstream
 from meshllm.serve.split.peerlinks import PeerLinks
 from meshllm.sockets import host_port
 

@@ -16,7 +16,7 @@ from meshllm.proto.fleet import Spread
 from meshllm.proto.gossip import SUSPECT_AFTER_S
 from meshllm.proto.layout import Plan, Waiting
 from meshllm.proto.record import ModelFacts, PeerRecord
-from meshllm.serve.http.api import Unavailable, Upstream
+from meshllm.serve.http.upstream import Unavailable, Upstream
 from meshllm.serve.split.hosting import Hosting
 
 
