@@ -474,7 +474,7 @@ def test_a_member_holds_no_more_than_its_share_of_the_hosts_door(tmp_path: Path,
     from meshllm.net.tunnel import TunnelListener, TunnelStats
     from meshllm.proto import token as tok
     from meshllm.proto.auth import AuthWelcome
-    from meshllm.serve.split.hosting import DOOR_PER_MEMBER
+    from meshllm.serve.split.door import DOOR_PER_MEMBER
 
     a = NodeProc(tmp_path, "a", tiny_model, "--ctx-size", "1024")
     try:

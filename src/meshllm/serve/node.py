@@ -143,8 +143,7 @@ class Node:
         self.net.update(
             role=Role.CLIENT if lite else Role.WORKER, capacity=0 if lite else self.capacity, device=device,
             shares=() if lite else self.offer.shares, model=self.facts, state=NodeState.READY, version=__version__,
-            name=self.o.name or default_name(), ram=0 if lite else self.offer.ram,
-        )  # fmt: skip
+            name=self.o.name or default_name(), ram=0 if lite else self.offer.ram)  # fmt: skip
         save_addrs(self.state, addrs)
         self.console.print(
             f"node [bold]{crypto.short(self.me)}[/] listening on UDP {escape(', '.join(addrs))}"  # [v6]: not markup
@@ -248,7 +247,7 @@ class Node:
         adopted = self.replanner.step(now, host, self.shape, self.facts) if self.replanner else None
         if (layers_for := self.replanner.layer_host(host, now) if self.replanner else host) != self.host:
             self.host = layers_for  # the host we serve layers for: the elected one, or a replica's (replanning.py)
-            hosting.serve_layers_for(layers_for)
+            hosting.gate.serve_layers_for(layers_for)
         if adopted is not None:
             self._say(narration.plan_line(adopted, self.me, host), "plan")
         if self.adoption is not None and (found := self.adoption.step(now, self.facts)):
@@ -261,8 +260,8 @@ class Node:
         hosts = self.router.serving_hosts() if self.router else []  # every model's host, ourselves left out
         self._api_said &= set(hosts)  # a host that stopped serving is named again once it serves
         for h in hosts:
-            hosting.open_http_listener(h)  # ready before the first request
-            if h not in self._api_said and h in hosting.http_listeners:
+            hosting.door.open_listener(h)  # ready before the first request
+            if h not in self._api_said and h in hosting.door.listeners:
                 self._api_said.add(h)  # workers and lite clients say their API is up too (once per host)
                 self._say(narration.api_line(self.api_host, self.o.port, self._record(h), self.me), "ready")
         if self.report is not None:

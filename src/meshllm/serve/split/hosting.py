@@ -8,16 +8,14 @@ API requests through, and the byte counts of all of them. It carries out decisio
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from meshllm.errors import UserError
 from meshllm.llama.build import Binaries
-from meshllm.llama.processes import ChildFailed, Tuning, speaks_tls
+from meshllm.llama.processes import ChildFailed, Tuning
 from meshllm.llama.rpcwire import Cmd, CommandParser, WireStats
 from meshllm.llama.supervisor import ChildState, LocalServer, RpcServer, ServerConfig, default_threads
 from meshllm.machine import state
@@ -28,13 +26,11 @@ from meshllm.net.conn import (
     STREAM_PEER_OPEN,
     STREAM_RPC,
     STREAM_RPC_KEY,
-    Conn,
     Stream,
 )
 from meshllm.net.meshnet import MeshNet
 from meshllm.net.netem import LinkShape
-from meshllm.net.tunnel import TunnelListener, TunnelStats, connect_and_bridge
-from meshllm.proto import admission as adm
+from meshllm.net.tunnel import TunnelListener, TunnelStats
 from meshllm.proto import crypto, serving
 from meshllm.proto.capacity import first_device
 from meshllm.proto.crypto import NodeId
@@ -44,15 +40,15 @@ from meshllm.proto.serving import LAYER_WAIT_S
 from meshllm.proto.sizing import BASE_CTX, Sizing
 from meshllm.serve.fetch.modelfiles import ModelFiles
 from meshllm.serve.fetch.sharing import Sharing
-from meshllm.serve.http.api import Api
 from meshllm.serve.http.slotgate import SlotGate
 from meshllm.serve.http.upstream import Unavailable, Upstream
+from meshllm.serve.split.direct import DirectPaths
+from meshllm.serve.split.door import Door
 from meshllm.serve.split.peerlinks import PeerLinks
-from meshllm.sockets import host_port
+from meshllm.serve.split.rpcgate import RpcGate
 
 log = logging.getLogger("meshllm.hosting")
 
-DOOR_PER_MEMBER = 64  # connections one member (with the keys it minted) may hold open through our door at once
 RESTART_GRACE_S = 1.0  # a llama-server the plan replaces gets this long after SIGTERM, then SIGKILL
 
 
@@ -76,8 +72,6 @@ class Hosting:
         self.tuning = tuning
         self.sizing = Sizing(1, BASE_CTX)  # the slots and context the plan gives llama-server (replanning.py)
         self.slots = SlotGate(1, queue)  # every completion for our llama-server waits here for a slot
-        self.door_sources: dict[int, str] = {}  # the door's client port -> the member whose request it bridges
-        self.door_open: dict[str, int] = {}  # the door's connections open per member (DOOR_PER_MEMBER at most)
         self.draft_max = draft_max
         self.on_listeners = on_listeners  # tunnel listeners a plan waited for are up: reconsider it
         self.elected = elected  # the host this node itself elected (None: none yet)
@@ -94,32 +88,25 @@ class Hosting:
         self.sharing: Sharing | None = None  # our model file, for members that fetch it (serve/fetch/fetching.py)
         self.rpc_stats: dict[NodeId, TunnelStats] = {}  # per peer
         self.rpc_wire: dict[NodeId, WireStats] = {}  # per worker: what our llama-server asked of it through tunnels
-        self.http_stats: dict[NodeId, TunnelStats] = {}
         self.at_load: dict[NodeId, tuple[int, int, int]] = {}  # per worker: weight bytes, round trips, allocated
         self.rpc_listeners: dict[NodeId, TunnelListener] = {}  # host side: one per worker
-        self.http_listeners: dict[NodeId, TunnelListener] = {}  # any node: one per remote host
-        self._rpc_tunnels: dict[NodeId, set[asyncio.Task[None]]] = {}  # worker side: per dialling host
-        self.door: Api | None = None  # where peers' requests for our model go (open_door)
-        self.door_port = 0
-        self._listener_tasks: dict[NodeId, asyncio.Future[TunnelListener]] = {}  # per host: its HTTP listener
+        # API requests between nodes: our door, and our listeners to other nodes' doors (door.py)
+        self.door = Door(net, self._opener, lambda: self.server is not None and self.server.state == ChildState.SERVING)
         self._rpc_listener_task: asyncio.Future[None] | None = None
         self._reconfig_task: asyncio.Future[None] | None = None
         # the direct RPC path (host side): worker -> "ip:port" of its TLS listener, when probed reachable
         self.rpc_path = rpc_path  # "auto" or "tunnel" (--rpc-path)
         self.rpc_port = rpc_port  # our rpc-server's TLS listener port (--rpc-port; None: any free one)
-        self.direct: dict[NodeId, str] = {}
-        self.peer_at: dict[NodeId, str] = {}  # worker -> "ip:port" of its rpc-server's predecessor listener (0011)
+        self.paths = DirectPaths(net, bins, rpc_path)  # the direct RPC path to each worker (host side: direct.py)
         self._facts_of: LocalServer | None = None  # the llama-server whose log ``_facts`` were read from
         self._facts = serving.LogFacts(frozenset(), None)
-        self.direct_failed: dict[NodeId, float] = {}  # worker -> monotonic time until which we do not retry
         self._direct_in_cfg: dict[NodeId, str] = {}  # the direct workers of the configuration being started
         self._closing: set[asyncio.Future[None]] = set()  # listeners of workers that are gone, closing
         self._layer_wait = serving.LayerWait()  # workers still fetching their layers, that a split waits for
         self._host_wait = serving.LayerWait(serving.HOST_WAIT_S)  # workers that have not elected us yet, the same
         self._probed_as: dict[NodeId, int] = {}  # worker -> its incarnation when we made its listener and probed
-        # worker side: who holds the key our rpc-server's TLS listener accepts now
-        self._key_holder: NodeId | None = None
-        self._key_seq = 0
+        # worker side: who may reach our rpc-server, through a tunnel or with a key for its TLS listener (rpcgate.py)
+        self.gate = RpcGate(net, state_dir, elected, lambda: self.rpc, self.rpc_stats)
         self.plan: Plan | Waiting | None = None  # this node's current plan (reconfigure)
         self._cfg_plan: Plan | Waiting | None = None  # the plan ``server_cfg`` was made for
         # worker to worker where the workers are reached through tunnels (serve/split/peerlinks.py)
@@ -161,156 +148,20 @@ class Hosting:
 
     def take_streams(self) -> None:
         """Peers' streams to our rpc-server, for its key, and API requests for our llama-server come here."""
-        self.net.stream_handlers.update({STREAM_RPC: self.on_rpc_stream, STREAM_RPC_KEY: self.on_rpc_key_stream,
-                                         STREAM_HTTP: self.on_http_stream, STREAM_PEER_OPEN: self.links.on_open,
+        self.net.stream_handlers.update({STREAM_RPC: self.gate.on_stream, STREAM_RPC_KEY: self.gate.on_key_stream,
+                                         STREAM_HTTP: self.door.on_stream, STREAM_PEER_OPEN: self.links.on_open,
                                          STREAM_PEER: self.links.on_peer})  # fmt: skip
         if self.sharing is not None:  # members fetching our model file
             self.net.stream_handlers[STREAM_FETCH] = self.sharing.on_stream
 
-    def rpc_up(self) -> bool:
-        return self.rpc is not None and self.rpc.alive()
-
-    async def on_rpc_stream(self, conn: Conn, st: Stream) -> None:
-        """Worker side: only the elected host may reach our rpc-server (anyone reaching it owns the machine)."""
-        peer = conn.peer
-        if peer is None or not serving.may_open_rpc(peer, self.elected(), self.rpc_up()):
-            log.info("refused an RPC tunnel from %s: not the elected host", crypto.short(peer) if peer else "?")
-            st.reset()
-            return
-        await self.bridge_rpc(peer, st)
-
-    async def on_rpc_key_stream(self, conn: Conn, st: Stream) -> None:
-        """Worker side: the key of our rpc-server's direct (TLS) listener, for the elected host alone."""
-        peer, host = conn.peer, self.elected()
-        if peer is None or not serving.may_open_rpc(peer, host, self.rpc_up()):
-            if peer is None or peer != host:
-                # ordinary while an election settles (the host asks before this node agrees): not a warning
-                log.info("refused an RPC key to %s: not the elected host", crypto.short(peer) if peer else "?")
-            st.reset()
-            return
-        ip = conn.addr[0] if conn.relay is None else None  # an IPv4 address reads dotted (sockets.py)
-        key = self.issue_rpc_key(peer, ip)
-        with contextlib.suppress(ConnectionError):  # no TLS listener here (--rpc-path tunnel, a build without TLS)
-            st.write(key.encode() if key else serving.NO_DIRECT_PATH, end=True)
-
-    async def bridge_rpc(self, peer: NodeId, st: Stream) -> None:
-        """Worker side, for an admitted peer: its stream to our rpc-server. rpc-server serves one client at a time,
-        so tunnels from any other (former) host are closed first."""
-        assert self.rpc is not None
-        for old, tasks in self._rpc_tunnels.items():
-            if old != peer:
-                for t in tasks:
-                    t.cancel()
-        task = asyncio.current_task()
-        mine = self._rpc_tunnels.setdefault(peer, set())
-        if task is not None:
-            mine.add(task)
-        try:
-            await connect_and_bridge(st, self.rpc.port, self.rpc_stats.setdefault(peer, TunnelStats()))
-        finally:
-            if task is not None:
-                mine.discard(task)
-
-    def serve_layers_for(self, host: NodeId | None) -> None:
-        """The host we serve layers for changed: our record says so (that host waits for it before it starts its
-        llama-server, which we would otherwise refuse); every RPC tunnel from another node closes at once, so the
-        new host's load never waits on a dead connection, and a former host's key for the direct path is withdrawn
-        (its open connection, if any, ends when its llama-server stops or, if it vanished, by TCP keepalive)."""
-        self.net.update(host=host)
-        for peer, tasks in self._rpc_tunnels.items():
-            if peer != host:
-                for t in list(tasks):
-                    t.cancel()
-        if self._key_holder is not None and self._key_holder != host:
-            self._key_holder = None
-            state.save_rpc_server_key(self.state_dir, "", None)
-
-    def issue_rpc_key(self, host: NodeId, ip: str | None = None) -> serving.RpcKey | None:
-        """Worker side, for the elected host (the caller checked): a fresh key for our rpc-server's TLS listener,
-        for use from ``ip`` only (the host's address on the mesh). It replaces every earlier one, so each
-        llama-server the host starts gets its own and nobody else's works. None when our rpc-server has no TLS
-        listener."""
-        if self.rpc is None or self.rpc.tls_port is None:
-            return None
-        self._key_seq += 1
-        key = serving.RpcKey(f"{crypto.short(host)}-{os.getpid()}-{self._key_seq}", os.urandom(32), self.rpc.tls_port,
-                             self.rpc.peer_port or 0)  # fmt: skip
-        state.save_rpc_server_key(self.state_dir, key.identity, key.key, ip)
-        self._key_holder = host
-        log.info("issued RPC key %s to the host %s", key.identity, crypto.short(host))
-        return key
-
-    # ---------------------------------------------------------------- the direct RPC path (host side)
-
-    async def _ask_key(self, worker: NodeId) -> serving.RpcKey | bool | None:
-        """The worker's answer: a key; False when it has no direct path to give (it said so: no use asking again);
-        None when it refused or did not answer (perhaps not yet: its view of the election may lag ours)."""
-        conn = self.net.peers.get(worker)
-        if conn is None or conn.closed.is_set():
-            return None
-        try:
-            st = conn.open_stream(STREAM_RPC_KEY)
-            st.write(b"", end=True)
-            raw = b""
-            async with asyncio.timeout(5.0):
-                while len(raw) < 4096:
-                    chunk = await st.read()
-                    if not chunk:
-                        break
-                    raw += chunk
-        except (TimeoutError, ConnectionError):
-            return None
-        if raw == serving.NO_DIRECT_PATH:
-            return False
-        return serving.RpcKey.decode(raw)
-
-    async def _probe_direct(self, worker: NodeId) -> None:
-        """Whether our llama-server can reach ``worker``'s rpc-server directly: a key (the worker answers only its
-        elected host, and only with TLS), then a TCP connection to the address the mesh knows it at."""
-        conn = self.net.peers.get(worker)
-        if conn is None or self.bins is None:
-            return
-        ip = conn.addr[0]
-        tls_here = speaks_tls(self.bins.rpc_server)
-        if not serving.try_direct(
-            self.rpc_path, tls_here, conn.relay is None, ip, self.direct_failed.get(worker), time.monotonic()
-        ):
-            return
-        key: serving.RpcKey | bool | None = None
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(10.0):  # a worker whose view of the election lags ours refuses for a moment
-                while (key := await self._ask_key(worker)) is None:
-                    await asyncio.sleep(0.5)
-        if not isinstance(key, serving.RpcKey):
-            why = "it offers none" if key is False else "no key"
-            log.info("no direct RPC path to %s (%s): tunnel", crypto.short(worker), why)
-            return
-        try:
-            async with asyncio.timeout(2.0):
-                _, w = await asyncio.open_connection(ip, key.port)
-            w.close()
-        except (OSError, TimeoutError):
-            log.info("no direct RPC path to %s (%s unreachable): tunnel", crypto.short(worker), host_port(ip, key.port))
-            return
-        self.direct[worker] = host_port(ip, key.port)
-        if key.peer:
-            self.peer_at[worker] = host_port(ip, key.peer)
-        log.info("direct RPC path to %s: %s (TLS)", crypto.short(worker), self.direct[worker])
-
-    def _direct_broke(self, worker: NodeId, why: str) -> None:
-        ep = self.direct.pop(worker, None)
-        self.direct_failed[worker] = time.monotonic() + serving.DIRECT_RETRY_S
-        log.warning("%s at %s: %s; through its tunnel while it stays a member (a worker that is gone leaves the plan "
-                    "instead)", crypto.short(worker), ep, why)  # fmt: skip
+    # ---------------------------------------------------------------- the paths to workers
 
     def forget_worker(self, node: NodeId) -> None:
         """``node`` died or left: its tunnel listener, its direct endpoint and any failure of that path go with it,
         so when it comes back (its rpc-server on a new port, perhaps) the path to it is probed afresh. Its death
         was no fault of the direct path: before, a worker that came back stayed on the tunnel."""
-        self.direct.pop(node, None)
-        self.peer_at.pop(node, None)
+        self.paths.forget(node)
         self.links.forget([node])
-        self.direct_failed.pop(node, None)
         self._probed_as.pop(node, None)
         lst = self.rpc_listeners.pop(node, None)
         if lst is not None:
@@ -331,9 +182,9 @@ class Hosting:
         if self.say is not None:
             log = self.server.log_path if self.server else "llama-server.log"
             self.say(f"[red]llama-server {how}[/]: restarting it (its log: {log})", "died")
-        broke = [w for w in serving.unreachable_workers(log_tail, self._direct_in_cfg) if w in self.direct]
+        broke = [w for w in serving.unreachable_workers(log_tail, self._direct_in_cfg) if w in self.paths.at]
         for worker in broke:
-            self._direct_broke(worker, "llama-server could not connect")  # a dead worker: forget_worker undoes it
+            self.paths.broke(worker, "llama-server could not connect")  # a dead worker: forget_worker undoes it
         if broke:
             asyncio.get_running_loop().call_soon(self.on_listeners)
 
@@ -368,14 +219,10 @@ class Hosting:
                 self._facts_of = srv  # read once more after it serves, never again
         return self._facts
 
-    # ---------------------------------------------------------------- API requests between nodes
+    # ---------------------------------------------------------------- API requests for our model
 
     async def open_door(self, models: Callable[[], list[str]], max_tokens: int | None) -> None:
-        """The door peers' requests come through (never llama-server's own port): an API of our own on loopback that
-        passes the API's endpoints only, capped as the API caps them, to our llama-server only."""
-        self.door = Api(self.local_upstream, models, lambda: {}, max_tokens=max_tokens, door=True,
-                        source_of=self._door_source, slot_ctx=self.slot_ctx)  # fmt: skip
-        self.door_port = await self.door.start("127.0.0.1", 0)
+        await self.door.open(self.local_upstream, models, max_tokens, self.slot_ctx)
 
     def slot_ctx(self) -> int | None:
         """The context of each slot of the llama-server we run (None: we run none)."""
@@ -399,37 +246,6 @@ class Hosting:
         return Upstream(name, srv.base_url, srv.key, self.slots, stops=self.chat_stops(),
                         embedding=self.model is not None and self.model.embedding)  # fmt: skip
 
-    async def on_http_stream(self, conn: Conn, st: Stream) -> None:
-        """Host side: a peer's API forwards a request for our model, through our door, to our llama-server."""
-        if self.server is None or self.server.state != ChildState.SERVING or conn.peer is None or not self.door_port:
-            st.reset()
-            return
-        who = self._accountable(conn.peer)
-        if self.door_open.get(who, 0) >= DOOR_PER_MEMBER:  # a member (its minted keys with it) holds its share
-            st.reset()
-            return
-        self.door_open[who] = self.door_open.get(who, 0) + 1
-        try:
-            await connect_and_bridge(st, self.door_port, self.http_stats.setdefault(conn.peer, TunnelStats()),
-                                     self.door_sources, who)  # fmt: skip
-        finally:
-            if (n := self.door_open.pop(who, 1) - 1) > 0:
-                self.door_open[who] = n
-
-    def _accountable(self, peer: NodeId) -> str:
-        """Whom a peer's requests at our door count as (``adm.accountable``): keys a member minted for itself are
-        that member, for the fair share of slots and for the door's connections."""
-        core_ = self.net.core
-        chain = core_.table.chain_of(peer) if core_ is not None else None
-        if chain is None:
-            return f"node {crypto.short(peer)}"
-        admins = {n for n in core_.table.admins if n not in core_.table.revoked} if core_ is not None else set()
-        return f"member {crypto.short(adm.accountable(chain, admins))}"
-
-    def _door_source(self, client_port: int) -> str:
-        """Whose request came through the door on this connection (the fair share of slots is per peer)."""
-        return self.door_sources.get(client_port, "node ?")
-
     def upstream(
         self, model: str | None, served: list[str], facts: ModelFacts | None, remote: tuple[NodeId, str] | None,
         plan: Plan | Waiting | None, host: NodeId | None, me: NodeId, host_says: str = "", here: bool = True,
@@ -443,7 +259,7 @@ class Hosting:
             p = srv.load_progress() if srv.state == ChildState.LOADING and not srv.reason else -1
             local = serving.LocalServing(facts.source, srv.state, srv.reason or (f"loading the model: {p}%" if p >= 0
                                                                                  else ""))  # fmt: skip
-        listeners = self.http_listeners
+        listeners = self.door.listeners
         ready = remote is not None and remote[0] in listeners
         r = serving.route(model, served, local, remote, ready, plan, host, me, host_says)
         if isinstance(r, serving.Local):
@@ -452,7 +268,7 @@ class Hosting:
         if isinstance(r, serving.Remote):
             return Upstream(r.model, f"http://127.0.0.1:{listeners[r.host].port}")
         if isinstance(r, serving.Connecting):
-            self.open_http_listener(r.host)
+            self.door.open_listener(r.host)
             return Unavailable("connecting to the host", retry_after_s=r.retry_after_s)
         if isinstance(r, serving.Busy):
             return Unavailable(r.reason, retry_after_s=r.retry_after_s)
@@ -469,20 +285,6 @@ class Hosting:
                 return None  # closing: the tunnel's client is closed at once, like a peer that is gone
 
         return open_stream
-
-    async def _http_listener(self, host: NodeId) -> TunnelListener:
-        lst = self.http_listeners.get(host)
-        if lst is None:
-            lst = TunnelListener(self._opener(host, STREAM_HTTP), self.http_stats.setdefault(host, TunnelStats()))
-            await lst.start()
-            self.http_listeners[host] = lst  # only once it has a port
-        return lst
-
-    def open_http_listener(self, host: NodeId) -> None:
-        """In the background: a local port whose connections tunnel to ``host``'s llama-server."""
-        task = self._listener_tasks.get(host)
-        if host not in self.http_listeners and (task is None or task.done()):
-            self._listener_tasks[host] = asyncio.ensure_future(self._http_listener(host))
 
     # ---------------------------------------------------------------- llama-server
 
@@ -515,9 +317,9 @@ class Hosting:
             if isinstance(w, serving.Split):
                 # workers first (the first layers), our own device last: the output layer stays here — through
                 # our rpc-server on a CPU host, in-process on a GPU host (llama.cpp lists RPC devices first)
-                rpc = tuple(self.direct.get(n) or f"127.0.0.1:{self.rpc_listeners[n].port}" for n in w.workers)
-                direct = {n: self.direct[n] for n in w.workers if n in self.direct}
-                peers = serving.peer_listeners(w.workers, direct, self.peer_at)
+                rpc = tuple(self.paths.at.get(n) or f"127.0.0.1:{self.rpc_listeners[n].port}" for n in w.workers)
+                direct = {n: self.paths.at[n] for n in w.workers if n in self.paths.at}
+                peers = serving.peer_listeners(w.workers, direct, self.paths.peer_at)
                 if not direct and len(w.workers) > 1:  # every worker through its tunnel: links through the mesh
                     ports = self.links.ports_for(w.workers)
                     if ports is None:
@@ -592,7 +394,7 @@ class Hosting:
                 await lst.start()
                 rec = self.net.record(n)
                 self._probed_as[n] = rec.incarnation if rec is not None else 0
-                await self._probe_direct(n)  # the tunnel stays ready as the fallback
+                await self.paths.probe(n)  # the tunnel stays ready as the fallback
                 self.rpc_listeners[n] = lst  # only once it has a port
         self.on_listeners()
 
@@ -619,9 +421,9 @@ class Hosting:
         if direct:  # fresh keys for this llama-server: each worker's earlier key stops working
             rows = []
             for worker, ep in direct.items():
-                key = await self._ask_key(worker)
+                key = await self.paths.ask_key(worker)
                 if not isinstance(key, serving.RpcKey):
-                    self._direct_broke(worker, "no key from the worker")
+                    self.paths.broke(worker, "no key from the worker")
                     self.server_cfg = None
                     self.on_listeners()  # reconfigures without it
                     return
@@ -658,7 +460,7 @@ class Hosting:
 
     def tunnel_counts(self, node: NodeId) -> dict[str, int]:
         rpc = self.rpc_stats.get(node, TunnelStats())
-        http = self.http_stats.get(node, TunnelStats())
+        http = self.door.stats.get(node, TunnelStats())
         # bytes_up: what we sent to that peer through tunnels; bytes_down: what came back from it
         out = {"rpc_sent": rpc.bytes_up, "rpc_received": rpc.bytes_down, "rpc_tunnels": rpc.tunnels,
                "http_sent": http.bytes_up, "http_received": http.bytes_down}  # fmt: skip
@@ -672,15 +474,14 @@ class Hosting:
         self.server_cfg = None  # a restart under way stops what it retires and starts nothing
         if self._reconfig_task is not None:
             await asyncio.gather(self._reconfig_task, return_exceptions=True)
-        if self.door:
-            await self.door.stop()
+        await self.door.stop()
         if self.sharing is not None and self.sharing.direct is not None:
             await self.sharing.direct.stop()
         if self.server:
             await self.server.stop()
         if self.rpc:
             await self.rpc.stop()
-        for lst in [*self.rpc_listeners.values(), *self.http_listeners.values()]:
+        for lst in self.rpc_listeners.values():
             await lst.close()
         await self.links.close()
 

@@ -54,10 +54,10 @@ class Router:
         core, now = self.net.core, time.monotonic()
         hosts = (core.hosts_for(model, now) if core else []) + self._here(model)
         # a host whose tunnel is still opening gets no request while another is ready (its 503 would be ours)
-        ready = [h for h in hosts if h.node == self.me or h.node in self.hosting.http_listeners]
+        ready = [h for h in hosts if h.node == self.me or h.node in self.hosting.door.listeners]
         for h in hosts:
             if h.node != self.me:
-                self.hosting.open_http_listener(h.node)
+                self.hosting.door.open_listener(h.node)
         chosen = self.spread.pick(ready or hosts, now)
         remote = chosen if chosen is not None and chosen.node != self.me else None
         served = (remote.node, remote.model.source if remote.model else "?") if remote else None
