@@ -144,3 +144,11 @@ def test_benchmarks_import_only_the_shared_helpers() -> None:
                 top = name.split(".")[0]
                 assert top not in scripts - SHARED or top == p.stem, f"benchmarks/{p.name} imports {name}"
                 assert p.stem not in SHARED or top not in SHARED - {p.stem}, f"benchmarks/{p.name} imports {name}"
+
+
+def test_no_module_is_over_500_lines_and_the_node_is_wired_in_300() -> None:
+    """A module past 500 lines holds more than one capability (split it by capability, not by size); the one place
+    that wires a node stays short enough to read at once."""
+    long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, long
+    assert len((SRC / "serve" / "node.py").read_text().splitlines()) <= 300
