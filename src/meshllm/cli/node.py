@@ -22,13 +22,29 @@ def run(args: argparse.Namespace) -> int:
     from meshllm.serve.options import node_options
     from meshllm.serve.report.terminal import terminal_for_node
 
-    opts = node_options(args, console)
+    opts = node_options(args)
+    state = node_state_dir(args.state_dir)
+    if opts.listen_all and not opts.api_key:
+        opts = dataclasses.replace(opts, api_key=_new_api_key(state))
     if not opts.client:
         opts = dataclasses.replace(opts, bins=ensure_binaries(args.bin_dir))
-    state = node_state_dir(args.state_dir)
     model = str(args.model or ("lite client" if args.client else ""))
     with registered(state, f"http://127.0.0.1:{args.port}/v1", model):  # `mesh-llm ps`, `stop`, `logs`
         return run_node(opts, terminal_for_node(getattr(args, "verbose", False), LogFile(state)))
+
+
+def _new_api_key(state: Path) -> str:
+    """A --listen-all node with no key gets one, saved in its state dir (0600); printed only to a terminal."""
+    import secrets
+    import sys
+
+    from meshllm.machine.state import save_api_key
+
+    key = secrets.token_urlsafe(24)
+    path = save_api_key(state, key)
+    where = f"API key (also in {path}): {key}" if sys.stderr.isatty() else f"API key written to {path}"
+    console.print(f"--listen-all: requests need 'Authorization: Bearer <key>'. {where}")
+    return key
 
 
 def add_node_args(p: argparse.ArgumentParser) -> None:

@@ -9,12 +9,10 @@ import logging
 import os
 import re
 import socket
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-from rich.console import Console
 
 from meshllm.errors import UserError
 from meshllm.llama.build import Binaries
@@ -121,11 +119,10 @@ def _member(state: Path | None) -> bool:
         return False
 
 
-def node_options(args: argparse.Namespace, console: Console) -> NodeOptions:
-    """The node's options from its command line, checked against each other (one line for a contradiction); the
-    API key made and saved when --listen-all has none. The binaries are the caller's to find (or build): options
-    are computed without starting anything."""
-
+def node_options(args: argparse.Namespace) -> NodeOptions:
+    """The node's options from its command line, checked against each other (one line for a contradiction).
+    Computed without side effects: the binaries (found or built) and a --listen-all node's generated API key are the
+    caller's to add (``cli/node.py``)."""
     tokens = gather_tokens(args)
     tuning = tuning_from(args)
     lan = args.join_lan is not None  # a token comes with the approval: --join-lan stands for --join below
@@ -143,16 +140,6 @@ def node_options(args: argparse.Namespace, console: Console) -> NodeOptions:
         raise UserError("give --model PATH (or --join TOKEN to serve the mesh's model, or --client)")
     auto = not args.client and args.model is None
     api_key = args.api_key or os.environ.get("MESH_LLM_API_KEY") or None
-    if args.listen_all and not api_key:
-        import secrets
-
-        from meshllm.machine.state import save_api_key
-        from meshllm.paths import state_dir
-
-        api_key = secrets.token_urlsafe(24)
-        path = save_api_key(state_dir(args.state_dir), api_key)
-        where = f"API key (also in {path}): {api_key}" if sys.stderr.isatty() else f"API key written to {path}"
-        console.print(f"--listen-all: requests need 'Authorization: Bearer <key>'. {where}")
 
     opts = NodeOptions(
         model=args.model, client=args.client, join=tokens, state_dir=args.state_dir, bind_host=args.bind_host,
