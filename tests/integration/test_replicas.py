@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,6 +25,20 @@ def _models(port: int) -> dict[str, dict[str, object]]:
         return {m["id"]: m.get("meshllm", {}) for m in _get(port, "/v1/models")["data"]}  # type: ignore[attr-defined]
     except OSError:
         return {}
+
+
+def _settled(servers: tuple[NodeProc, ...], quiet_s: float = 2.0) -> list[int]:
+    """Each server's count of timing lines once none has come for ``quiet_s`` (bounded): the line of a request just
+    answered may come a moment after its answer, and counted later it would look like one of the next requests."""
+    counts, since, t0 = None, time.monotonic(), time.monotonic()
+    while time.monotonic() - t0 < 30:
+        now = [n.text_of("llama-server.log").count(DONE) for n in servers]
+        if now != counts:
+            counts, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return now
+        time.sleep(0.1)
+    raise AssertionError(f"llama-servers' timing lines still coming after 30 s: {counts}")
 
 
 def _timing_lines_after(request: Callable[[], object], servers: tuple[NodeProc, ...]) -> list[int]:
@@ -73,7 +88,7 @@ def test_a_whole_copy_beside_the_host_serves_a_replica(tmp_path: Path, tiny_mode
         # requests through the lite client go to both (by load: 8 at once never all to one)
         wait_for(lambda: _complete(c.port, name)[0] == 200, 30, "c to answer")
         wait_for(lambda: f"served by replica {rep.short()}" in c.text(), 30, "c's tunnel to the replica")
-        before = [n.text_of("llama-server.log").count(DONE) for n in (a, b)]
+        before = _settled((a, b))  # the probe's line above may still be on its way
         with ThreadPoolExecutor(8) as pool:
             codes = list(pool.map(lambda _: _complete(c.port, name)[0], range(8)))
         assert codes == [200] * 8
@@ -152,7 +167,7 @@ def test_nodes_that_hold_the_model_only_together_serve_a_replica_that_is_a_split
         assert states[worker.short()] == "serving", states  # not "standby": it serves in the replica's split
         wait_for(lambda: _complete(e.port, name)[0] == 200, 60, "e to answer")
         wait_for(lambda: f"served by replica {rep.short()}" in e.text(), 30, "e's tunnel to the replica")
-        before = [n.text_of("llama-server.log").count(DONE) for n in (host, rep)]
+        before = _settled((host, rep))
         with ThreadPoolExecutor(8) as pool:
             codes = list(pool.map(lambda _: _complete(e.port, name)[0], range(8)))
         assert codes == [200] * 8
