@@ -199,6 +199,17 @@ def test_two_models_each_answer_under_their_own_name_from_every_node(tmp_path: P
         assert f"serve {y}:" in _cli(a, "serve", y)
         wait_for(lambda: all(listed(n) == sorted([x, y]) for n in (a, b, c)), 60, f"{y} served again")
         wait_for(lambda: _complete(c.port, y)[0] == 200, 60, f"c to answer {y} again")
+        # y's only node leaves: a request naming y is a 503 that names it, never x's answer under y's name
+        b.stop()
+        nodes.remove(b)
+        wait_for(lambda: all(listed(n) == [x] for n in (a, c)), 30, f"{y} gone with its node")
+        for n in (a, c):
+            code, out = _complete(n.port, y)
+            assert code == 503 and f"model {y!r} is not served now" in out["error"]["message"], out  # type: ignore[index]
+            assert out["error"]["code"] == "model_unavailable", out  # type: ignore[index]
+            assert _complete(n.port, "nosuch")[0] == 404  # two models known: no stand-in for an unknown name
+            code, out = _complete(n.port, x)
+            assert code == 200 and out["model"] == x, out
     finally:
         for n in nodes:
             n.stop()

@@ -349,3 +349,27 @@ def test_a_request_naming_no_model_is_for_the_nodes_own_else_the_meshs_only_one(
     assert default_model(["a"], None) == "a"
     assert default_model(["a", "b"], None) is None
     assert default_model([], None) is None
+
+
+def test_a_name_answers_as_itself_or_not_at_all() -> None:
+    """A model that left is never answered by another: its name gets a 503 naming it; any name reaches the one
+    model only in a mesh that has only ever served that one; an unknown name among several is a 404."""
+    assert s.answer_as("x", ["x", "y"], ["x", "y"]) == "x"
+    gone = s.answer_as("y", ["x"], ["x", "y"])
+    assert isinstance(gone, s.Gone) and "'y' is not served now" in gone.reason and "served now: x" in gone.reason
+    assert gone.retry_after_s > 0
+    assert s.answer_as("gpt-4o", ["x"], ["x"]) == "x"  # one model ever: any name reaches it
+    assert s.answer_as("gpt-4o", ["x"], []) == "x"
+    assert s.answer_as("gpt-4o", ["x"], ["x", "y"]) is None  # two known: no stand-in for either
+    assert s.answer_as("gpt-4o", ["x", "y"], ["x", "y"]) is None
+    assert isinstance(s.answer_as("x", [], ["x"]), s.Gone)
+
+
+def test_the_names_a_node_saw_served_are_bounded_oldest_first() -> None:
+    known: dict[str, None] = {}
+    s.remember(known, ["a", "b"])
+    s.remember(known, [f"m{i}" for i in range(s.MAX_KNOWN_MODELS - 1)])
+    assert "a" not in known and "b" in known and len(known) == s.MAX_KNOWN_MODELS
+    s.remember(known, ["b"])  # seen again: the newest
+    s.remember(known, ["new"])
+    assert "b" in known and "m0" not in known

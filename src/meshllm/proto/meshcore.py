@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshllm.errors import RemoteProtocolError
 from meshllm.proto import admission as adm
-from meshllm.proto import crypto
+from meshllm.proto import crypto, serving
 from meshllm.proto import signed as sgn
 from meshllm.proto import token as tok
 from meshllm.proto.crypto import NodeId
@@ -94,6 +94,7 @@ class MeshCore:
     _renew_asked: float = -1e18
     _expired_told: bool = False
     _out: bool = False  # we were revoked (or cut off with the node that admitted us)
+    known_models: dict[str, None] = field(default_factory=dict)  # every name seen served (``serving.answer_as``)
 
     def __post_init__(self) -> None:
         self.me = crypto.node_id(self.key)
@@ -363,7 +364,9 @@ class MeshCore:
     def served_models(self, now: float) -> list[str]:
         """The names the mesh serves models under: those of nodes that may host them (a client- or worker-scoped
         member's record adds no name)."""
-        return sorted({r.model.source for r in self.alive(now) if r.model is not None and self._servable(r)})
+        names = sorted({r.model.source for r in self.alive(now) if r.model is not None and self._servable(r)})
+        serving.remember(self.known_models, names)
+        return names
 
     def _elect(self, recs: list[PeerRecord], fp: str) -> NodeId | None:
         """``_elect`` among the records whose model is not dropped: a copy of the same file served under another

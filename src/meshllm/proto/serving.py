@@ -76,6 +76,44 @@ def default_model(served: list[str], own: str | None) -> str | None:
     return served[0] if len(served) == 1 else None
 
 
+MAX_KNOWN_MODELS = 64  # names a node remembers the mesh serving (the oldest forgotten first)
+GONE_RETRY_S = 10  # a model served before may be back soon (its node restarting): clients are told to ask again
+
+
+@dataclass(frozen=True)
+class Gone:
+    """A request for a model the mesh served before and serves no more: 503, naming it."""
+
+    reason: str
+    retry_after_s: int = GONE_RETRY_S
+
+
+def answer_as(asked: str, served: Sequence[str], known: Iterable[str]) -> str | Gone | None:
+    """Which model answers a request that names ``asked``: the model itself where the mesh serves it; a 503 naming it
+    where the mesh served it before (``known``: every name this node has seen it serve) and serves it no more; the
+    one model served, under any name, only where the mesh has only ever served that one (clients configured for
+    another name work, as with llama-server) — never another model in place of one that left; None (a 404 listing
+    what is served) otherwise."""
+    if asked in served:
+        return asked
+    if asked in known:
+        now = ", ".join(served) or "none"
+        return Gone(f"model {asked!r} is not served now: the nodes that served it left the mesh (served now: {now}); "
+                    "it is answered again once one of them is back")  # fmt: skip
+    if len(served) == 1 and set(known) <= set(served):
+        return served[0]
+    return None
+
+
+def remember(known: dict[str, None], served: Iterable[str]) -> None:
+    """``served`` into ``known`` (an ordered set, MAX_KNOWN_MODELS names at most, the oldest forgotten first)."""
+    for name in served:
+        known.pop(name, None)
+        known[name] = None
+    while len(known) > MAX_KNOWN_MODELS:
+        del known[next(iter(known))]
+
+
 def route(
     requested: str | None,
     served: list[str],

@@ -12,12 +12,12 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import aiohttp
 from aiohttp import web
 
-from meshllm.proto import resume
+from meshllm.proto import resume, serving
 from meshllm.serve.http import endpoints, gate, webguard
 from meshllm.serve.http.answers import (
     Beat,
@@ -73,6 +73,7 @@ class Api:
         self.models = models
         self.model_info: Callable[[str], dict[str, object] | None] | None = None  # a model's host and nodes
         self.dropped: Callable[[str], bool] = lambda name: False  # whether `mesh-llm drop` dropped a model
+        self.known: Callable[[], Iterable[str]] = lambda: ()  # every name this node has seen the mesh serve
         self.status = status
         self.api_key = api_key
         self.requests: dict[int, int] = {}
@@ -237,10 +238,12 @@ class Api:
         if model is None and (model := self.default_model()) is None and len(served) > 1:
             return error_response(400, f"this mesh serves several models ({', '.join(served)}): name one in 'model'",
                           "invalid_request_error", code="model_required", param="model")  # fmt: skip
-        if model is not None and model not in served and len(served) == 1:
-            # one model served: any name reaches it (clients configured for another name work, as with
-            # llama-server); the answer names the real one, and the body says it to every node on the way
-            model = parsed["model"] = served[0]
+        answer = serving.answer_as(model, served, self.known()) if model is not None else None
+        if isinstance(answer, serving.Gone):
+            return error_response(503, answer.reason, "unavailable", headers={"Retry-After": str(answer.retry_after_s)},
+                                  code="model_unavailable", param="model")  # fmt: skip
+        if answer is not None and answer != model:  # the one model, asked for under another name: the answer and
+            model = parsed["model"] = answer  # the body on the way to every node name the real one
             body = json.dumps(parsed).encode()
         up = self.router(model)
         if up is None:

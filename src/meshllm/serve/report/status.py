@@ -61,6 +61,7 @@ class Report:
         if api is not None:  # /v1/models names each model's host and nodes; a request names a dropped model
             api.model_info = self.model_info
             api.dropped = lambda name: net.core is not None and net.core.table.dropped(name)
+            api.known = lambda: net.core.known_models if net.core is not None else ()
 
     def models(self, now: float) -> list[dict[str, object]]:
         """Each model the mesh serves: its name, fingerprint, host (our election's) and the nodes that hold it."""
