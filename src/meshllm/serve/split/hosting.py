@@ -94,8 +94,6 @@ class Hosting:
         self.door = Door(net, self._opener, lambda: self.server is not None and self.server.state == ChildState.SERVING)
         self._rpc_listener_task: asyncio.Future[None] | None = None
         self._reconfig_task: asyncio.Future[None] | None = None
-        # the direct RPC path (host side): worker -> "ip:port" of its TLS listener, when probed reachable
-        self.rpc_path = rpc_path  # "auto" or "tunnel" (--rpc-path)
         self.rpc_port = rpc_port  # our rpc-server's TLS listener port (--rpc-port; None: any free one)
         self.paths = DirectPaths(net, bins, rpc_path)  # the direct RPC path to each worker (host side: direct.py)
         self._facts_of: LocalServer | None = None  # the llama-server whose log ``_facts`` were read from
@@ -123,7 +121,7 @@ class Hosting:
         self.model = model
         self.device = device
         state.save_rpc_server_key(self.state_dir, "", None)  # no key from an earlier run survives
-        keys = state.rpc_server_keys(self.state_dir) if self.rpc_path == "auto" else None
+        keys = state.rpc_server_keys(self.state_dir) if self.paths.mode == "auto" else None
         shape = LinkShape.from_env()  # benchmarks: the RPC listeners pay its round trip too
         netem = (shape.rtt_ms, shape.rate_mb_s) if shape is not None and shape.rtt_ms > 0 else None
         self.rpc = RpcServer(self.bins, model.path, self.state_dir, device, keys_file=keys, tls_port=self.rpc_port,
