@@ -11,6 +11,7 @@ one that names them; everything is written atomically (a temporary file, then re
     token              the latest invite token this node minted                 0600
     api-key            the generated API key of a --listen-all node             0600
     node.json          the addresses this node listens on / members see it at   0600
+    members.json       every member seen (proto/ledger.py): what a restart dials 0600
     status.json        the node's view of the mesh (as /mesh/status)            0600
     rpc-server.keys    worker: the TLS identity + key its rpc-server accepts     0600, rewritten per host/plan
     rpc-client.keys    host: endpoint, identity, key per directly reached worker  0600, rewritten per start
@@ -29,6 +30,7 @@ import base64
 import fcntl
 import json
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +40,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from meshllm.errors import UserError
 from meshllm.paths import tighten_dir, write_private
 from meshllm.proto import admission as adm
-from meshllm.proto import crypto
+from meshllm.proto import crypto, ledger
 from meshllm.proto import signed as sgn
 
 
@@ -205,20 +207,24 @@ def load_addrs(state: Path) -> list[str]:
     return addrs
 
 
-def save_members(state: Path, members: dict[bytes, list[str]]) -> None:
-    """The members this node last knew and where (node id -> addresses): what a restart dials first."""
-    data = {n.hex(): a for n, a in members.items()}
-    write_private(state / "members.json", json.dumps(data, sort_keys=True).encode())
+def save_members(state: Path, led: ledger.Ledger) -> None:
+    """The members this node has seen (proto/ledger.py): what a restart dials."""
+    write_private(state / "members.json", json.dumps(ledger.to_wire(led), sort_keys=True).encode())
 
 
-def load_members(state: Path) -> dict[bytes, list[str]]:
+def load_ledger(state: Path, me: bytes, wall: float) -> ledger.Ledger:
     """The members saved by :func:`save_members` (none when the file is missing or damaged: a restart then waits to
     be dialled)."""
     try:
         data = json.loads((state / "members.json").read_text())
-        return {bytes.fromhex(n): [str(x) for x in a][:16] for n, a in data.items() if len(n) == 64}
-    except (OSError, ValueError, AttributeError, TypeError):
-        return {}
+    except (OSError, ValueError):
+        data = None
+    return ledger.from_wire(me, data, wall)
+
+
+def load_members(state: Path) -> list[tuple[bytes, list[str]]]:
+    """The members this node has seen and where, the most recently seen first (for the others a token names)."""
+    return load_ledger(state, b"", time.time()).ordered()
 
 
 def saved_port(state: Path) -> int:

@@ -249,6 +249,12 @@ class Admitting:
             await asyncio.sleep(0.05)
         return next((n for n in members if n in self.peers), None)
 
+    def dial_members(self, members: dict[NodeId, list[str]]) -> None:
+        """Dial each member we are neither connected to nor dialling already, in the background."""
+        for n, a in members.items():
+            if n != self.me and n not in self.peers and n not in self._dialling:
+                self._spawn(self._dial_member(n, a))
+
     async def _dial_member(self, node: NodeId, addrs: list[str]) -> None:
         self._dialling.add(node)
         try:

@@ -38,7 +38,7 @@ from meshllm.serve.fetch.sharing import Sharing
 from meshllm.serve.http.api import Api
 from meshllm.serve.http.upstream import Unavailable
 from meshllm.serve.life.adoption import Adoption
-from meshllm.serve.life.joining import addresses_learned, adopt_model, enter_mesh, publish_token, remember_members
+from meshllm.serve.life.joining import Members, addresses_learned, adopt_model, enter_mesh, publish_token
 from meshllm.serve.life.startup import start_checks
 from meshllm.serve.options import NodeOptions, default_name, measure_offer
 from meshllm.serve.report import narration
@@ -82,7 +82,6 @@ class Node:
         self._api_said: set[NodeId] = set()  # the hosts our "API up" lines named
         self._routed: NodeId | None = None  # the host this node last routed to (elections counts changes)
         self._stop = asyncio.Event()
-        self._members: dict[NodeId, list[str]] = {}  # the members last saved for a restart
         self._tasks: list[asyncio.Future[None]] = []  # the node's own loops, cancelled at shutdown
         self._lock: int | None = None  # the state dir's lock (state.take_lock), held for the node's life
         self.exit_code = 0  # 1: stopped because this node is out of the mesh (revoked, or its admission ended)
@@ -113,6 +112,7 @@ class Node:
                                        o.bind_host)  # fmt: skip
         self.router = Router(net, self.hosting, self.me, lambda: self.host, lambda: self.plan, lambda: self.facts)
         self.replanner = Replanner(net, self.hosting, o, self.me)
+        self.members = Members(net, self.state)  # every member seen: dialled at a restart, and while apart
         return s.tokens
 
     # ---------------------------------------------------------------- run
@@ -149,7 +149,7 @@ class Node:
             f"node [bold]{crypto.short(self.me)}[/] listening on UDP {escape(', '.join(addrs))}"  # [v6]: not markup
             + (f" — capacity {self.capacity / GB:.1f} GB ({device})" if not self.o.client else " — lite client")
         )
-        self._tasks += await enter_mesh(self.net, tokens, self.state, self.o, lite, self.console)
+        self._tasks += await enter_mesh(self.net, tokens, self.state, self.o, lite, self.members, self.console)
         if self.o.console_port is not None:
             from meshllm.serve.report.console import start_console
 
@@ -266,7 +266,7 @@ class Node:
                 self._say(narration.api_line(self.api_host, self.o.port, self._record(h), self.me), "ready")
         if self.report is not None:
             self.report.save(self._view(), now, self.state)
-        self._members = remember_members(net, self.state, now, self._members, self.o.token_ttl_s)
+        self.members.note(now, self.o.token_ttl_s)
 
     def _say_ready(self) -> None:
         model = self.facts.source if self.facts else "?"

@@ -16,6 +16,7 @@ from meshllm.llama.gguf import is_embedding_model, read_header
 from meshllm.machine.state import (
     has_node,
     load_addrs,
+    load_ledger,
     load_members,
     load_membership,
     load_or_create_key,
@@ -27,7 +28,7 @@ from meshllm.machine.state import (
 from meshllm.net.meshnet import MeshNet, mint_scoped
 from meshllm.paths import models_dir
 from meshllm.proto import admission as adm
-from meshllm.proto import crypto, fleet
+from meshllm.proto import crypto, fleet, ledger
 from meshllm.proto import token as tok
 from meshllm.proto.capacity import Offer
 from meshllm.proto.crypto import NodeId
@@ -57,19 +58,21 @@ async def join_first(net: MeshNet, tokens: list[tok.Token], console: Console) ->
 
 
 async def enter_mesh(net: MeshNet, tokens: list[tok.Token], state: Path, o: NodeOptions, lite: bool,
-                     console: Console) -> list[asyncio.Future[None]]:  # fmt: skip
-    """Join through a token (``--join-lan``: the one an approval brings), or (a restart) rejoin the members this node
-    knew before it plans alone; then say what its scope lets it do and publish its invite token; the founder or an
-    admin announces the mesh on the LAN. The tasks that keep dialling the known members and announcing, if any."""
-    tasks: list[asyncio.Future[None]] = []
+                     members: Members, console: Console) -> list[asyncio.Future[None]]:  # fmt: skip
+    """Join through a token (``--join-lan``: the one an approval brings), or (a restart, or a member's --join with a
+    token of its own mesh) rejoin the members this node knew and the token names before it plans alone; then say
+    what its scope lets it do and publish its invite token; the founder or an admin announces the mesh on the LAN.
+    The tasks that keep dialling the remembered members and announcing."""
     if not tokens and net.m is None and o.join_lan is not None:
         tokens = [await lan.join_lan(net, o.join_lan, o.name or default_name(), console)]
-    if tokens:
+    ours = net.m is not None and all(t.mesh_id == net.m.mesh_id for t in tokens)
+    if tokens and not ours:
         await join_first(net, tokens, console)
-    else:
-        known = load_members(state)
-        await rejoin(net, known, console)
-        tasks.append(asyncio.ensure_future(keep_dialling(net, known)))
+    for t in tokens:  # the token's issuer and the members it names: remembered, and dialled below when ours
+        members.remember(t.members())
+    if ours:
+        await rejoin(net, members.ledger.ordered(), console)
+    tasks: list[asyncio.Future[None]] = [asyncio.ensure_future(members.keep_dialling())]
     assert net.m is not None and net.core is not None
     scope = adm.chain_scope(net.m.chain)
     if scope < tok.Scope.HOST and not lite:
@@ -82,45 +85,65 @@ async def enter_mesh(net: MeshNet, tokens: list[tok.Token], state: Path, o: Node
     return tasks
 
 
-REDIAL_S = 5.0  # a restarted node with no peer dials the members it knew this often
-
-
-async def rejoin(net: MeshNet, members: dict[NodeId, list[str]], console: Console) -> None:
-    """A restart with no --join: dial the members this node last knew. One line either way; with none answering,
-    what it does and what to do (it keeps dialling them: the mesh heals when one comes back)."""
-    if not members:
+async def rejoin(net: MeshNet, known: list[tuple[NodeId, list[str]]], console: Console) -> None:
+    """A restart (or a member's --join with a token of its own mesh): dial every member this node knew. One line
+    either way; with none answering, what it does and what to do (it keeps dialling them: the mesh heals when one
+    comes back)."""
+    if not known:
         return
-    got = await net.redial(members, REDIAL_S)
+    got = await net.redial(dict(known), ledger.REDIAL_S)
     if got is not None:
         console.print(f"rejoined the mesh via {crypto.short(got)} (a member this node knew)")
         return
-    where = ", ".join(sorted({a for addrs in members.values() for a in addrs[:1]})[:4])
-    console.print(f"[yellow]none of the {len(members)} members this node knew answered ({where}); it serves alone "
-                  f"and dials them every {REDIAL_S:.0f} s — to join another mesh, start it with --join TOKEN[/]")
+    where = ", ".join(list(dict.fromkeys(a[0] for _, a in known))[:4])
+    console.print(f"[yellow]none of the {len(known)} members this node knew answered ({where}); it serves alone "
+                  f"and dials them every {ledger.REDIAL_S:.0f} s — to join another mesh, start it with --join TOKEN[/]")
 
 
-async def keep_dialling(net: MeshNet, members: dict[NodeId, list[str]]) -> None:
-    """While this node has no peer, the members it knew are dialled again every REDIAL_S (they may come back)."""
-    while members:
-        await asyncio.sleep(REDIAL_S)
-        if not net.peers:
-            await net.redial(members, REDIAL_S)
+class Members:
+    """The members this node remembers (``proto/ledger.py``), kept in its state dir: a restart dials them all, and a
+    running node keeps dialling the ones it has no word of, so two parts of one mesh that came up apart merge."""
 
+    def __init__(self, net: MeshNet, state: Path) -> None:
+        self.net, self.state = net, state
+        self.ledger = load_ledger(state, net.me, time.time())
+        self._live: frozenset[NodeId] = frozenset()
 
-def remember_members(net: MeshNet, state: Path, now: float, saved: dict[NodeId, list[str]],
-                     ttl_s: float) -> dict[NodeId, list[str]]:  # fmt: skip
-    """The live members and their addresses into the state dir, when they changed: what a restart dials first
-    (clients are left out: nobody dials a client); the saved invite token re-minted to name them too (a joiner
-    dials them when this node is away). What is saved now."""
-    assert net.core is not None
-    members = {r.node: list(r.addrs) for r in net.core.alive(now) if r.node != net.me and r.addrs
-               and r.role != Role.CLIENT}  # fmt: skip
-    if members and members != saved:
-        save_members(state, members)
-        if net.m is not None and load_token(state) is not None:
-            save_token(state, net.mint_token(ttl_s).encode())
-        return members
-    return saved
+    def remember(self, members: list[tuple[NodeId, list[str]]]) -> None:
+        """Members named to us (by a token): into the ledger, saved now."""
+        if any([self.ledger.see(n, addrs, self.net.wall()) for n, addrs in members]):
+            save_members(self.state, self.ledger)
+
+    def note(self, now: float, ttl_s: float) -> None:
+        """The live members (clients aside: nobody dials a client) into the ledger, saved when it changed; the
+        saved invite token re-minted when the live members changed (it names some: a joiner dials them when this
+        node is away)."""
+        core = self.net.core
+        if core is None:
+            return
+        wall, stale = self.net.wall(), False
+        live = [r for r in core.alive(now) if r.node != self.net.me and r.addrs and r.role != Role.CLIENT]
+        for r in live:
+            stale |= self.ledger.see(r.node, r.addrs, wall)
+        if stale:
+            save_members(self.state, self.ledger)
+        ids = frozenset(r.node for r in live)
+        if ids != self._live and ids:
+            self._live = ids
+            if self.net.m is not None and load_token(self.state) is not None:
+                save_token(self.state, self.net.mint_token(ttl_s).encode())
+
+    async def keep_dialling(self) -> None:
+        """Every REDIAL_S: dial the remembered members we have no word of (not connected, not in the gossip
+        table, whose own dialling covers those), each on the ledger's schedule."""
+        while True:
+            await asyncio.sleep(ledger.REDIAL_S)
+            core = self.net.core
+            now = self.net.now
+            present = set(self.net.peers)
+            if core is not None:
+                present |= {r.node for r in core.alive(now)} | set(core.table.graveyard)
+            self.net.dial_members(self.ledger.to_dial(present, now))
 
 
 def publish_token(net: MeshNet, state: Path, ttl_s: float, console: Console) -> None:
@@ -145,7 +168,7 @@ def mint_invite(state: Path, ttl_s: float, scope: tok.Scope | None) -> tuple[str
     m = load_membership(state)
     if m is None:
         raise UserError(f"the node in {state} is not in a mesh yet")
-    also = list(load_members(state).items())
+    also = load_members(state)
     t = mint_scoped(load_or_create_key(state), m, load_addrs(state), time.time(), ttl_s, scope, also)
     saved = ""
     if scope is None or scope == adm.chain_scope(m.chain):

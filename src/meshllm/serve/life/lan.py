@@ -303,7 +303,7 @@ def approve(state: Path, node: str | None, scope: tok.Scope, ttl_s: float = APPR
     row = _waiting(state, node)
     who = bytes.fromhex(str(row["node"]))
     t = mint_scoped(load_or_create_key(state), m, load_addrs(state), time.time(), ttl_s, scope,
-                    list(load_members(state).items()), node=who)  # fmt: skip
+                    load_members(state), node=who)  # fmt: skip
     approvals = load_approvals(state)
     approvals[who] = t.encode()
     save_approvals(state, approvals)
