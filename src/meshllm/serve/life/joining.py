@@ -142,7 +142,7 @@ class Members:
             now = self.net.now
             present = set(self.net.peers)
             if core is not None:
-                present |= {r.node for r in core.alive(now)} | set(core.table.graveyard)
+                present |= {r.node for r in core.alive(now)} | set(core.table.graveyard) | set(core.table.revoked)
             self.net.dial_members(self.ledger.to_dial(present, now))
 
 

@@ -55,6 +55,11 @@ class Replanner:
                 self.net.update(role=Role.WORKER, replica=False, planned=(), layers=(), why="")
             self.plan = None
             return None
+        if elected is None and me.replica and self.hosts():
+            # the host died and our election settles (DEBOUNCE_S): a replica keeps serving as it is — demoted for
+            # that moment, it stopped its llama-server, cut the answers it had just taken over, and the others saw
+            # a worker where a replica stood (roles change, processes don't)
+            return None
         host_rec = core.record if elected == self.me else self.net.record(elected) if elected else None
 
         def sized_for(host: Slot, others: list[Slot], prefer: set[NodeId], busy: frozenset[NodeId] = frozenset()
