@@ -55,12 +55,12 @@ class Replanner:
                 self.net.update(role=Role.WORKER, replica=False, planned=(), layers=(), why="")
             self.plan = None
             return None
-        if elected is None and me.replica and self.hosts():
-            # the host died and our election settles (DEBOUNCE_S): a replica keeps serving as it is — demoted for
-            # that moment, it stopped its llama-server, cut the answers it had just taken over, and the others saw
-            # a worker where a replica stood (roles change, processes don't)
-            return None
         host_rec = core.record if elected == self.me else self.net.record(elected) if elected else None
+        if host_rec is None and me.replica and self.hosts():
+            # the host died and our election settles (DEBOUNCE_S: it still names the dead host, or none): a replica
+            # keeps serving as it is — demoted for that moment, it stopped its llama-server, cut the answers it had
+            # just taken over, and the others saw a worker where a replica stood (roles change, processes don't)
+            return None
 
         def sized_for(host: Slot, others: list[Slot], prefer: set[NodeId], busy: frozenset[NodeId] = frozenset()
                       ) -> tuple[Plan | Waiting, Sizing]:  # fmt: skip
